@@ -1,0 +1,139 @@
+"""Backends behind one small protocol, in an explicit registry imported lazily.
+
+A backend's module must import without its library (torch, tensorrt, tensorrt_llm): the library is
+imported inside `toolchain()`, `build()` and `load()`. A backend whose library is missing is listed
+as unavailable with the reason and the install step, and fails only when a recipe chooses it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from trtbuild.errors import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from trtbuild.models.source import ResolvedModel
+    from trtbuild.recipe import Recipe
+    from trtbuild.tactics import TacticCache
+
+
+@dataclass
+class BuildJob:
+    """Everything a backend needs to build: it writes only inside `workdir`."""
+
+    recipe: "Recipe"
+    model: "ResolvedModel"
+    workdir: Path
+    tactics: "TacticCache"
+    device: dict[str, Any]
+    progress: Callable[[str], None] = lambda message: None
+
+
+@dataclass
+class BuildOutput:
+    """What a backend reports back; `phases` are seconds per build phase, `tactics` a summary."""
+
+    phases: dict[str, float]
+    tactics: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # recorded in the manifest as "backend_info"
+
+
+@dataclass
+class Generation:
+    """One greedy generation, timed by the backend on its device (synchronized or event-timed)."""
+
+    output_ids: list[list[int]]
+    prefill_s: float  # time to first token
+    decode_step_s: list[float]  # one entry per generated token after the first
+    bytes_per_decode_step: float | None = None  # weights + filled KV cache read per token
+    prefill_flops: float | None = None
+
+
+class Engine(Protocol):
+    """A loaded engine. Cheap to construct; device work happens in `__enter__` (Polygraphy's runners)."""
+
+    device: str
+    max_batch_size: int
+
+    def __enter__(self) -> "Engine": ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def warmup(self, batch_size: int, input_len: int, output_len: int) -> None: ...
+
+    def generate(self, input_ids: list[list[int]], max_new_tokens: int) -> Generation: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def check(self, recipe: "Recipe") -> list[str]:
+        """Problems with the recipe's backend-specific fields, as `field.path: message`; no imports."""
+        ...
+
+    def toolchain(self) -> dict[str, str]:
+        """Exact versions of every library that shapes the engine; raises BackendUnavailableError."""
+        ...
+
+    def build(self, job: BuildJob) -> BuildOutput: ...
+
+    def load(self, entry: Path, manifest: dict[str, Any]) -> Engine: ...
+
+
+@dataclass(frozen=True)
+class _Registration:
+    module: str
+    cls: str
+    install: str  # the install step shown when the backend is unavailable
+
+
+REGISTRY: dict[str, _Registration] = {
+    "torch": _Registration("trtbuild.backends.torch_aoti", "TorchAOTIBackend",
+                           "pip install torch (a CUDA build for GPUs)"),
+    "tensorrt-llm": _Registration("trtbuild.backends.tensorrt_llm", "TensorRTLLMBackend",
+                                  "install tensorrt_llm from NVIDIA's Python package index, as NVIDIA's "
+                                  "TensorRT-LLM installation guide describes (pip's default index has only a placeholder)"),
+    "tensorrt": _Registration("trtbuild.backends.tensorrt", "TensorRTBackend",
+                              "install tensorrt from NVIDIA's Python package index, as NVIDIA's TensorRT "
+                              "installation guide describes (pip's default index has only a placeholder)"),
+}
+
+
+def get(name: str) -> Backend:
+    """The backend object for `name`; its module is imported now, its library later."""
+    reg = REGISTRY[name]
+    try:
+        module = importlib.import_module(reg.module)
+    except ModuleNotFoundError as exc:
+        if exc.name != reg.module:
+            raise
+        raise BackendUnavailableError(f"backend '{name}' is not part of this trtbuild yet",
+                                      hint="choose backend: torch") from None
+    return getattr(module, reg.cls)()
+
+
+def availability(name: str) -> tuple[bool, str]:
+    """(available, reason): whether the backend's library imports here, for `trtbuild doctor`."""
+    try:
+        get(name).toolchain()
+    except BackendUnavailableError as exc:
+        return False, str(exc)
+    return True, "ok"
+
+
+def check_recipe(recipe: "Recipe") -> list[str]:
+    """The backend's own checks of a recipe that passed the common schema."""
+    try:
+        backend = get(recipe.backend)
+    except BackendUnavailableError as exc:
+        return [f"backend: {exc}"]
+    return backend.check(recipe)
+
+
+def unavailable(name: str, reason: str) -> BackendUnavailableError:
+    """The one-line error for a backend whose library cannot be imported."""
+    return BackendUnavailableError(f"backend '{name}' is unavailable: {reason}", hint=REGISTRY[name].install)

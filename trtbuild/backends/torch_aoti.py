@@ -1,0 +1,204 @@
+"""The PyTorch AOTInductor backend: torch.export + AOTInductor packages, run on CPU or CUDA.
+
+An entry holds one prefill package (dynamic batch and prompt length, attention through SDPA's fused
+causal kernels), one decode package per batch bucket (static shapes, so Inductor can turn batch-1
+matmuls into GEMV reductions), and the weights as one safetensors file in the engine's own fused
+layout and dtype. The packages are compiled without their weights inside
+(`package_constants_in_so=False`): at load the weights and a KV cache that trtbuild allocates are
+handed to every package as user-managed constants, so prefill and decode share one cache and the
+weights exist once on disk and once in device memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from trtbuild.backends import BuildJob, BuildOutput, Generation
+from trtbuild.errors import TrtbuildError
+
+DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+WEIGHTS = "weights.safetensors"
+ENGINE_JSON = "engine.json"
+
+
+class TorchAOTIBackend:
+    name = "torch"
+
+    def check(self, recipe: Any) -> list[str]:
+        problems = [f"options.{k}: unknown option for backend torch" for k in recipe.options]
+        if recipe.model.kind == "onnx":
+            problems.append("model.source: the torch backend takes a Hugging Face model, not ONNX")
+        return problems
+
+    def toolchain(self) -> dict[str, str]:
+        import torch
+
+        tools = {"torch": torch.__version__}
+        if torch.cuda.is_available():
+            import triton
+
+            tools["cuda"] = str(torch.version.cuda)
+            tools["triton"] = triton.__version__
+        return tools
+
+    # -- build -----------------------------------------------------------------------------------
+    def build(self, job: BuildJob) -> BuildOutput:
+        import torch
+
+        from trtbuild.models.checkpoint import load_weights, read_config
+        from trtbuild.models.llama import Transformer, convert_hf_state_dict
+
+        recipe, shapes = job.recipe, job.recipe.shapes
+        dtype = getattr(torch, DTYPE_NAMES[recipe.precision])
+        device = "cuda" if job.device.get("kind") == "cuda" else "cpu"
+        phases: dict[str, float] = {}
+
+        t = time.perf_counter()
+        folder = job.model.materialize()
+        raw, cfg = read_config(folder)
+        state = convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg)
+        phases["load_weights_s"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        from safetensors.torch import save_file
+
+        stored = {k: v.contiguous() for k, v in state.items() if not (cfg.tie_word_embeddings and k == "output.weight")}
+        save_file(stored, str(job.workdir / WEIGHTS))
+        phases["write_weights_s"] = time.perf_counter() - t
+
+        with torch.device(device):
+            model = Transformer(cfg, shapes.max_batch_size, shapes.max_seq_len, dtype)
+        model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
+        model.eval().requires_grad_(False)
+        del state
+
+        graphs = _export_graphs(model, shapes, device, job.progress)
+        phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
+
+        configs = inductor_configs(recipe.tactics_level, device)
+        tuned: list[dict[str, Any]] = []
+        t = time.perf_counter()
+        with _inductor_caches(job.tactics.path), _record_autotuning(tuned):
+            for name, graph in graphs.items():
+                job.progress(f"compiling {name} with AOTInductor (tactics: {recipe.tactics_level})")
+                g0 = time.perf_counter()
+                extra = {"coordinate_descent_tuning": True} if graph["gemv"] and configs.get("_cd_decode") else {}
+                cfg_for_graph = {k: v for k, v in configs.items() if not k.startswith("_")} | extra
+                torch._inductor.aoti_compile_and_package(graph["program"], package_path=str(job.workdir / graph["file"]),
+                                                         inductor_configs=cfg_for_graph)
+                graph["compile_s"] = time.perf_counter() - g0
+                del graph["program"]
+        phases["compile_s"] = time.perf_counter() - t
+
+        engine = {
+            "hf_config": raw,
+            "dtype": recipe.precision,
+            "device": device,
+            "max_batch_size": shapes.max_batch_size,
+            "max_input_len": shapes.max_input_len,
+            "max_seq_len": shapes.max_seq_len,
+            "buckets": list(shapes.batch_buckets),
+            "tied_output": cfg.tie_word_embeddings,
+            "graphs": {name: {k: v for k, v in g.items()} for name, g in graphs.items()},
+        }
+        (job.workdir / ENGINE_JSON).write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
+        tactics = {"level": recipe.tactics_level, "inductor_configs": {k: v for k, v in configs.items() if not k.startswith("_")},
+                   "selections": tuned, "benchmarked": sum(s["num_candidates"] for s in tuned),
+                   "cache": str(job.tactics.path)}
+        if recipe.tactics_level == "max" and not tuned:
+            tactics["note"] = "no GEMM benchmarking ran: every choice came from the tactic cache"
+        return BuildOutput(phases=phases, tactics=tactics, extra={"graphs": list(graphs)})
+
+    def load(self, entry: Path, manifest: dict[str, Any]) -> Any:
+        from trtbuild.backends.torch_runtime import TorchEngine
+
+        return TorchEngine(entry)
+
+
+def inductor_configs(level: str, device: str) -> dict[str, Any]:
+    """Inductor options per tactics level. Keys starting with '_' are trtbuild's own switches.
+
+    none: no kernel benchmarking at all (fastest build). default: Inductor's defaults, plus
+    coordinate-descent tuning of the static batch-1 decode graph on CUDA, which is what turns its
+    matmuls into GEMV reductions. max: max-autotune (GEMM templates benchmarked against ATen) and
+    coordinate descent everywhere.
+    """
+    base: dict[str, Any] = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
+    if level == "none":
+        return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
+    if level == "default":
+        return base | {"_cd_decode": device == "cuda"}
+    return base | {"max_autotune": True, "coordinate_descent_tuning": True}
+
+
+def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[str, dict[str, Any]]:
+    import torch
+    from torch.export import Dim
+
+    from trtbuild.models.llama import Step
+
+    graphs: dict[str, dict[str, Any]] = {}
+    long = dict(dtype=torch.long, device=device)
+    # Example sizes of 2 avoid export's 0/1 specialization; a dimension with max 1 stays static.
+    batch = Dim("batch", min=1, max=shapes.max_batch_size) if shapes.max_batch_size > 1 else None
+    seq = Dim("seq", min=1, max=shapes.max_input_len) if shapes.max_input_len > 1 else None
+    ex_b, ex_t = min(2, shapes.max_batch_size), min(2, shapes.max_input_len)
+    progress("exporting prefill")
+    t = time.perf_counter()
+    with torch.no_grad():
+        ep = torch.export.export(Step(model, from_start=True),
+                                 (torch.zeros(ex_b, ex_t, **long), torch.arange(ex_t, device=device)),
+                                 dynamic_shapes=({0: batch, 1: seq}, {0: seq}))
+    graphs["prefill"] = {"file": "prefill.pt2", "batch": "dynamic", "program": ep, "gemv": False,
+                         "export_s": time.perf_counter() - t}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for b in shapes.batch_buckets:
+        progress(f"exporting decode for batch {b}")
+        t = time.perf_counter()
+        # MATH attention for decode: Inductor then generates the attention kernel itself (gpt-fast).
+        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+            ep = torch.export.export(Step(model, from_start=False), (torch.zeros(b, 1, **long), torch.ones(1, **long)))
+        graphs[f"decode_b{b}"] = {"file": f"decode_b{b}.pt2", "batch": b, "program": ep, "gemv": b == 1,
+                                  "export_s": time.perf_counter() - t}
+    return graphs
+
+
+@contextlib.contextmanager
+def _inductor_caches(path: Path) -> Iterator[None]:
+    """Point Inductor's and Triton's caches (compiled kernels, autotune choices) at the tactic cache."""
+    wanted = {"TORCHINDUCTOR_CACHE_DIR": str(path / "inductor"), "TRITON_CACHE_DIR": str(path / "triton")}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _record_autotuning(out: list[dict[str, Any]]) -> Iterator[None]:
+    """Collect every GEMM selection Inductor benchmarks: the candidates, their times, the winner."""
+    from torch._inductor import select_algorithm as sa
+
+    def saver(timings: dict[Any, float], name: str, *rest: Any) -> None:
+        ranked = sorted(((getattr(c, "name", str(c)), float(t)) for c, t in timings.items()), key=lambda x: x[1])
+        if ranked:
+            out.append({"op": name, "candidates": [{"choice": n, "ms": t} for n, t in ranked[:8]],
+                        "num_candidates": len(ranked), "winner": ranked[0][0], "winner_ms": ranked[0][1]})
+
+    sa.add_feedback_saver(saver)
+    try:
+        yield
+    finally:
+        sa.clear_feedback_savers()

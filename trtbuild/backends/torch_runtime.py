@@ -1,0 +1,185 @@
+"""Running an AOTInductor entry: weights and KV cache handed to the packages, decode in a CUDA graph.
+
+On CUDA each decode bucket is captured once as a CUDA graph whose replay does the whole step on
+the device (forward, argmax, write the token, advance the position), so a token costs one replay and
+no host work. The packages are loaded with `run_single_threaded=True`; without it capture fails and
+poisons the process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trtbuild.backends import Generation
+from trtbuild.errors import InputError, TrtbuildError
+from trtbuild.timing import StepClock, sync
+
+
+class TorchEngine:
+    def __init__(self, entry: Path) -> None:
+        self.entry = entry
+        self.spec: dict[str, Any] = json.loads((entry / "engine.json").read_text())
+        self.device = "cuda:0" if self.spec["device"] == "cuda" else "cpu"
+        self.max_batch_size: int = self.spec["max_batch_size"]
+        self.buckets: list[int] = sorted(self.spec["buckets"])
+        self._packages: dict[str, Any] = {}
+        self._decoders: dict[int, _Decoder] = {}
+        self.weight_bytes = 0
+
+    def __enter__(self) -> "TorchEngine":
+        import torch
+        from safetensors.torch import load_file
+
+        from trtbuild.models.llama import LlamaConfig, rope_table
+
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise TrtbuildError(f"{self.entry} was built for CUDA and this process sees no GPU")
+        self.cfg = LlamaConfig.from_hf(self.spec["hf_config"])
+        weights = load_file(str(self.entry / "weights.safetensors"), device=self.device)
+        if self.spec["tied_output"]:
+            weights["output.weight"] = weights["tok_embeddings.weight"]
+        # Bytes a decode step must read: every weight but the embedding table (a decode step
+        # gathers a few rows of it), unless the table doubles as the LM head.
+        self.weight_bytes = sum(t.numel() * t.element_size() for k, t in weights.items()
+                                if k != "tok_embeddings.weight" or self.spec["tied_output"])
+        dtype = weights["tok_embeddings.weight"].dtype
+        c, shapes = self.cfg, self.spec
+        cache_shape = (shapes["max_batch_size"], c.num_kv_heads, shapes["max_seq_len"], c.head_dim)
+        consts: dict[str, Any] = {f"model.{k}": v for k, v in weights.items()}
+        consts["model.rope"] = rope_table(c, shapes["max_seq_len"]).to(self.device)
+        for i in range(c.num_layers):
+            consts[f"model.k_cache_{i}"] = torch.zeros(cache_shape, dtype=dtype, device=self.device)
+            consts[f"model.v_cache_{i}"] = torch.zeros(cache_shape, dtype=dtype, device=self.device)
+        self._consts = consts
+        for name, graph in self.spec["graphs"].items():
+            package = torch._inductor.aoti_load_package(str(self.entry / graph["file"]), run_single_threaded=True)
+            fqns = package.get_constant_fqns()
+            missing = [n for n in fqns if n not in consts]
+            if missing:
+                raise TrtbuildError(f"{self.entry / graph['file']}: package expects constants trtbuild does not have: "
+                                    f"{', '.join(missing[:3])}", hint="rebuild the engine (`trtbuild cache rm`)")
+            # user_managed: the packages use these very tensors, so all of them share one KV cache.
+            package.load_constants({n: consts[n] for n in fqns}, check_full_update=True, user_managed=True)
+            self._packages[name] = package
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._decoders.clear()
+        self._packages.clear()
+        self._consts = {}
+
+    def bucket_for(self, batch: int) -> int:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise InputError(f"batch size {batch} exceeds the engine's max_batch_size {self.max_batch_size}")
+
+    def warmup(self, batch_size: int, input_len: int, output_len: int) -> None:
+        """Run a short generation of the same shape: first-call costs and graph capture happen here."""
+        self.generate([[0] * input_len] * batch_size, max(2, min(output_len, 4)))
+
+    def generate(self, input_ids: list[list[int]], max_new_tokens: int) -> Generation:
+        import torch
+
+        n, t = len(input_ids), len(input_ids[0]) if input_ids else 0
+        if n == 0 or t == 0 or any(len(row) != t for row in input_ids):
+            raise InputError("input_ids: expected a non-empty batch of prompts of equal, non-zero length")
+        s = self.spec
+        if t > s["max_input_len"] or t + max_new_tokens > s["max_seq_len"] or max_new_tokens < 1:
+            raise InputError(f"a prompt of {t} tokens with {max_new_tokens} new tokens does not fit the engine "
+                             f"(max_input_len {s['max_input_len']}, max_seq_len {s['max_seq_len']})")
+        vocab = self.cfg.vocab_size
+        if any(not 0 <= tok < vocab for row in input_ids for tok in row):
+            raise InputError(f"input_ids: token ids must be in [0, {vocab})")
+        bucket = self.bucket_for(n)
+        rows = input_ids + [input_ids[0]] * (bucket - n)  # padding rows compute and are dropped
+        tokens = torch.tensor(rows, dtype=torch.long, device=self.device).contiguous()
+        positions = torch.arange(t, device=self.device)
+        decoder = self._decoder(bucket)
+        clock = StepClock(self.device)
+        with torch.no_grad():
+            clock.mark()
+            first = self._packages["prefill"](tokens, positions).argmax(-1)
+            decoder.start(first, t)
+            clock.mark()
+            for _ in range(max_new_tokens - 1):
+                decoder.step()
+                clock.mark()
+        times = clock.intervals()
+        out = decoder.out[:n, t - 1 : t - 1 + max_new_tokens].tolist()
+        return Generation(output_ids=out, prefill_s=times[0], decode_step_s=times[1:],
+                          bytes_per_decode_step=self._decode_bytes(bucket, t + max_new_tokens / 2),
+                          prefill_flops=self._prefill_flops(bucket, t))
+
+    def _decoder(self, bucket: int) -> "_Decoder":
+        if bucket not in self._decoders:
+            self._decoders[bucket] = _Decoder(self._packages[f"decode_b{bucket}"], bucket, self.spec["max_seq_len"],
+                                              self.device)
+        return self._decoders[bucket]
+
+    def _decode_bytes(self, batch: int, mean_len: float) -> float:
+        c = self.cfg
+        elem = next(iter(self._consts.values())).element_size()
+        kv = 2 * c.num_layers * batch * c.num_kv_heads * c.head_dim * mean_len * elem
+        return self.weight_bytes + kv
+
+    def _prefill_flops(self, batch: int, t: int) -> float:
+        c = self.cfg
+        per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        per_layer += c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+        dense = 2 * per_layer * c.num_layers * batch * t
+        attention = 2 * 2 * c.num_layers * batch * c.num_heads * c.head_dim * t * (t + 1) / 2  # causal QK^T and PV
+        head = 2 * c.hidden_size * c.vocab_size * batch  # last position only
+        return dense + attention + head
+
+
+class _Decoder:
+    """One decode bucket: static buffers, and on CUDA a captured graph of the whole step."""
+
+    def __init__(self, package: Any, batch: int, max_seq_len: int, device: str) -> None:
+        import torch
+
+        self.package, self.device = package, device
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.out = torch.zeros(batch, max_seq_len, dtype=torch.long, device=device)
+        self.graph: Any = None
+        if device.startswith("cuda"):
+            self._capture()
+
+    def _step(self) -> None:
+        nxt = self.package(self.tok, self.pos).argmax(-1, keepdim=True)
+        self.out.index_copy_(1, self.pos, nxt)
+        self.tok.copy_(nxt)
+        self.pos.add_(1)
+
+    def _capture(self) -> None:
+        import torch
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):  # the package's first calls allocate; keep that out of the graph
+                self.pos.zero_()
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        self.pos.zero_()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self._step()
+        sync(self.device)
+
+    def start(self, first: Any, prompt_len: int) -> None:
+        """Seed the loop with prefill's token for position prompt_len - 1."""
+        self.tok.copy_(first[:, None])
+        self.pos.fill_(prompt_len - 1)
+        self.out.index_copy_(1, self.pos, self.tok)
+        self.pos.fill_(prompt_len)
+
+    def step(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()

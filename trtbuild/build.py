@@ -1,0 +1,134 @@
+"""The one place recipe, store and backend meet: key → hit, or lock → build → publish.
+
+    key material = recipe build fields + weights identity + backend toolchain + device + schema
+    lookup(key) ─ hit ─▶ Entry
+        │ miss
+    lock(key) ▶ lookup again (another process may have built it) ▶ backend.build(workdir) ▶ publish
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trtbuild import __version__, backends, fingerprint
+from trtbuild.backends import BuildJob
+from trtbuild.errors import EngineMissingError
+from trtbuild.models.source import ResolvedModel, resolve
+from trtbuild.recipe import Recipe
+from trtbuild.store import SCHEMA, Entry, Store, key_of
+from trtbuild.tactics import TacticCache
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class BuildOutcome:
+    entry: Entry
+    cache_hit: bool
+    lookup_s: float
+    build_s: float
+    model: ResolvedModel
+    waited_for: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return self.entry.key
+
+
+def no_build_from_env() -> bool:
+    return os.environ.get("TRTBUILD_NO_BUILD", "").lower() in ("1", "true", "yes", "on")
+
+
+def engine_code_digest(backend: backends.Backend) -> str:
+    """A digest of the source that shapes what a backend builds (its build module and the model
+    code): upgrading trtbuild to code that builds a different engine must not reuse the old one.
+    Runtime-only code is kept in other modules so that changing it does not invalidate engines."""
+    root = Path(__file__).parent
+    files = sorted((root / "models").glob("*.py")) + [Path(sys.modules[type(backend).__module__].__file__ or "")]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def key_material(recipe: Recipe, model: ResolvedModel, backend: backends.Backend,
+                 toolchain: dict[str, str]) -> dict[str, Any]:
+    """Everything that changes the engine. Built from the whole recipe minus a short exclusion list."""
+    build_doc = recipe.build_document()
+    build_doc["model"]["identity"] = model.identity
+    return {
+        "schema": SCHEMA,
+        "recipe": build_doc,
+        "backend": {"name": recipe.backend, "toolchain": toolchain},
+        "device": fingerprint.device(),
+        "trtbuild": {"engine_code": engine_code_digest(backend)},
+    }
+
+
+def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allow_build: bool = True,
+          progress: Progress = lambda message: None) -> BuildOutcome:
+    """The engine for `recipe`: a cache hit, or a build published atomically. Raises
+    EngineMissingError on a miss when building is not allowed."""
+    t0 = time.perf_counter()
+    store = Store(engines)
+    backend = backends.get(recipe.backend)
+    toolchain = backend.toolchain()  # raises BackendUnavailableError naming the install step
+    model = resolve(recipe.model, store.root)
+    material = key_material(recipe, model, backend, toolchain)
+    key = key_of(material)
+    entry = store.lookup(key)
+    lookup_s = time.perf_counter() - t0
+    if entry is not None:
+        return BuildOutcome(entry, True, lookup_s, 0.0, model)
+    if not allow_build:
+        raise EngineMissingError(f"no engine for recipe '{recipe.name}' (key {key[:16]}) in {store.entries_dir}",
+                                 hint="building is off (--no-build / TRTBUILD_NO_BUILD); build it first with "
+                                 f"`trtbuild build {recipe.path or recipe.name}`")
+    waited: list[str] = []
+
+    def on_wait(message: str) -> None:
+        waited.append(message)
+        progress(message)
+
+    with store.lock(key, on_wait=on_wait):
+        entry = store.lookup(key)  # the holder we waited for may have published it
+        if entry is not None:
+            return BuildOutcome(entry, True, lookup_s, 0.0, model, waited_for=waited[0] if waited else None)
+        t_build = time.perf_counter()
+        workdir = store.new_workdir(recipe.name, key)
+        try:
+            tactics = TacticCache.for_build(store.tactics_dir, recipe.backend, material["device"], toolchain)
+            job = BuildJob(recipe=recipe, model=model, workdir=workdir, tactics=tactics,
+                           device=material["device"], progress=progress)
+            output = backend.build(job)
+            build_s = time.perf_counter() - t_build
+            now = time.time()
+            manifest = {
+                "key": key,
+                "key_material": material,
+                "name": recipe.name,
+                "backend": recipe.backend,
+                "precision": recipe.precision,
+                "recipe_file": str(recipe.path) if recipe.path else None,
+                "model_source": recipe.model.source,
+                "build": {"total_s": build_s, "phases": output.phases, "host": fingerprint.host()},
+                "tactics": output.tactics,
+                "backend_info": output.extra,
+                "created": now,
+                "last_used": now,
+                "trtbuild_version": __version__,
+            }
+            entry = store.publish(workdir, recipe.name, key, manifest)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+    return BuildOutcome(entry, False, lookup_s, build_s, model, phases=dict(output.phases))

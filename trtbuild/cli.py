@@ -1,0 +1,287 @@
+"""The `trtbuild` command: parse, call the library, render. The one place errors become `Error: ...`."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+from trtbuild.errors import InputError, TrtbuildError
+
+engines_option = click.option("--engines", type=click.Path(file_okay=False), default=None,
+                              help="Engine store folder (default: $TRTBUILD_ENGINES, else ./engines).")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+recipe_arg = click.argument("recipe", type=click.Path(dir_okay=False))
+
+
+class _Main(click.Group):
+    """Turns TrtbuildError into `Error: message (hint)` and its exit status; other exceptions are
+    bugs and keep their traceback. TRTBUILD_DEBUG=1 shows the traceback of user errors too."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TrtbuildError as exc:
+            if os.environ.get("TRTBUILD_DEBUG") == "1":
+                raise
+            click.echo(f"Error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+
+@click.group(cls=_Main)
+@click.version_option(package_name="trtbuild")
+def main() -> None:
+    """Build LLM inference engines from YAML recipes, cache them by key, run them with per-phase timings."""
+
+
+@contextlib.contextmanager
+def _progress(quiet: bool) -> Iterator[Callable[[str], None]]:
+    """Progress lines on stderr, as a live status line on a terminal; nothing under --json."""
+    if quiet:
+        yield lambda message: None
+        return
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if console.is_terminal:
+        with console.status("starting") as status:
+            yield lambda message: status.update(message)
+    else:
+        yield lambda message: click.echo(f"trtbuild: {message}", err=True)
+
+
+def _load(path: str) -> Any:
+    from trtbuild.recipe import load_recipe
+
+    return load_recipe(path)
+
+
+@main.command()
+@click.argument("recipes", nargs=-1, required=True, type=click.Path(dir_okay=False))
+def validate(recipes: tuple[str, ...]) -> None:
+    """Check recipes without building anything; every problem is reported."""
+    failed: list[TrtbuildError] = []
+    for path in recipes:
+        try:
+            recipe = _load(path)
+        except TrtbuildError as exc:
+            failed.append(exc)
+            click.echo(f"Error: {exc}", err=True)
+        else:
+            click.echo(f"{path}: ok ({recipe.name}, backend {recipe.backend}, {recipe.precision})")
+    if failed:
+        sys.exit(max(e.exit_code for e in failed))
+
+
+@main.command("build")
+@recipe_arg
+@engines_option
+@json_option
+def build_cmd(recipe: str, engines: str | None, as_json: bool) -> None:
+    """Build the recipe's engine, or find it in the store."""
+    from trtbuild.build import build
+
+    r = _load(recipe)
+    with _progress(as_json) as progress:
+        outcome = build(r, engines, progress=progress)
+    result = {"recipe": r.name, "backend": r.backend,
+              "engine": {"key": outcome.key, "path": str(outcome.entry.path), "cache_hit": outcome.cache_hit},
+              "lookup_s": outcome.lookup_s, "build_s": outcome.build_s, "phases": outcome.phases}
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    state = "cache hit" if outcome.cache_hit else f"built in {outcome.build_s:.1f} s"
+    click.echo(f"{r.name}: {state}\n  key  {outcome.key}\n  path {outcome.entry.path}")
+    for name, seconds in outcome.phases.items():
+        click.echo(f"  {name:<16} {seconds:8.2f} s")
+
+
+def _parse_ids(text: str | None) -> list[list[int]] | None:
+    if text is None:
+        return None
+    try:
+        rows = [[int(tok) for tok in row.split(",") if tok.strip()] for row in text.split(";")]
+    except ValueError:
+        raise InputError(f"--prompt-ids: expected comma-separated integers (rows separated by ';'), got {text!r}") from None
+    if not rows or not all(rows) or len({len(r) for r in rows}) != 1:
+        raise InputError("--prompt-ids: every row needs the same, non-zero number of tokens")
+    return rows
+
+
+@main.command("run")
+@recipe_arg
+@engines_option
+@click.option("--no-build", is_flag=True, help="Never build; a missing engine is an error (also TRTBUILD_NO_BUILD=1).")
+@click.option("--batch-size", type=int, default=None)
+@click.option("--input-len", type=int, default=None)
+@click.option("--output-len", type=int, default=None)
+@click.option("--prompt-ids", default=None, help="Token ids, e.g. 1,2,3 (rows separated by ';').")
+@click.option("--prompt", "prompt_text", default=None, help="Text prompt (needs the model's tokenizer.json).")
+@click.option("--iterations", type=int, default=3, show_default=True)
+@json_option
+def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | None, input_len: int | None,
+            output_len: int | None, prompt_ids: str | None, prompt_text: str | None, iterations: int,
+            as_json: bool) -> None:
+    """Find (or build) the engine, run it, and report every phase."""
+    from trtbuild.runner import open_session, run_report
+
+    r = _load(recipe)
+    ids = _parse_ids(prompt_ids)
+    if ids is not None and prompt_text is not None:
+        raise InputError("--prompt and --prompt-ids: give one of them")
+    with _progress(as_json) as progress:
+        session = open_session(r, engines, build=not no_build, progress=progress)
+    with session:
+        report = run_report(session, batch_size=batch_size or r.run.batch_size, input_len=input_len or r.run.input_len,
+                            output_len=output_len or r.run.output_len, iterations=iterations, prompt_ids=ids,
+                            prompt_text=prompt_text)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        _print_report(report)
+
+
+def _print_report(rep: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    e, p, s = rep["engine"], rep["phases"], rep["shape"]
+    table = Table(title=f"{rep['recipe']} · {rep['backend']} on {rep['device']} · batch {s['batch_size']}, "
+                        f"{s['input_len']} in, {s['output_len']} out", title_justify="left")
+    table.add_column("phase")
+    table.add_column("time", justify="right")
+    table.add_column("note")
+    table.add_row("lookup", f"{p['lookup_s'] * 1e3:.1f} ms", f"key {e['key'][:16]}")
+    table.add_row("build", "cached" if e["cache_hit"] else f"{p['build_s']:.1f} s",
+                  "cache hit: no export, no compile" if e["cache_hit"] else "built and published")
+    table.add_row("load", f"{p['load_s'] * 1e3:.1f} ms", "")
+    table.add_row("warm-up", f"{p['warmup_s'] * 1e3:.1f} ms", "excluded from the figures below")
+    roof = rep.get("roofline", {})
+    note = ""
+    if "prefill_flops_per_s" in roof:
+        note = f"{roof['prefill_flops_per_s'] / 1e12:.3f} TFLOP/s"
+        if "prefill_fraction_of_peak_flops" in roof:
+            note += f" ({roof['prefill_fraction_of_peak_flops']:.1%} of peak)"
+    table.add_row("prefill (TTFT)", f"{rep['ttft_ms']:.2f} ms", note)
+    t = rep["tpot_ms"]
+    note = f"p90 {t['p90']:.3f} · p99 {t['p99']:.3f} ms · {rep['tokens_per_s']:.1f} tok/s"
+    if "decode_bandwidth_Bps" in roof:
+        note += f" · {roof['decode_bandwidth_Bps'] / 1e9:.1f} GB/s"
+        if "decode_fraction_of_peak_bandwidth" in roof:
+            note += f" ({roof['decode_fraction_of_peak_bandwidth']:.1%} of peak)"
+    table.add_row("decode (TPOT p50)", f"{t['p50']:.3f} ms", note)
+    table.add_row("end to end", f"{p['end_to_end_s'] * 1e3:.1f} ms", "per iteration, after warm-up")
+    console = Console()
+    console.print(table)
+    console.print(f"engine: {e['path']}")
+    for i, row in enumerate(rep["output_ids"]):
+        console.print(f"output[{i}]: {row}", highlight=False)
+    for i, text in enumerate(rep.get("output_text", [])):
+        console.print(f"text[{i}]: {text!r}", highlight=False)
+
+
+@main.group()
+def cache() -> None:
+    """Inspect and manage the engine store."""
+
+
+def _when(ts: float | None) -> str:
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M") if ts else "-"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+@cache.command("ls")
+@engines_option
+@json_option
+def cache_ls(engines: str | None, as_json: bool) -> None:
+    """List engines: name, backend, precision, size, created, last used, key prefix."""
+    from trtbuild.store import Store
+
+    entries = Store(engines).entries()
+    rows = [{"name": e.name, "backend": e.manifest.get("backend"), "precision": e.manifest.get("precision"),
+             "size": e.size(), "created": e.manifest.get("created"), "last_used": e.manifest.get("last_used"),
+             "key": e.key, "path": str(e.path)} for e in entries]
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    if not rows:
+        click.echo("no engines")
+        return
+    click.echo(f"{'NAME':<24} {'BACKEND':<13} {'PREC':<6} {'SIZE':>9}  {'CREATED':<16}  {'LAST USED':<16}  KEY")
+    for r in rows:
+        click.echo(f"{r['name']:<24} {r['backend']:<13} {r['precision']:<6} {_size(r['size']):>9}  "
+                   f"{_when(r['created']):<16}  {_when(r['last_used']):<16}  {r['key'][:16]}")
+
+
+@cache.command("show")
+@click.argument("ref")
+@engines_option
+def cache_show(ref: str, engines: str | None) -> None:
+    """Show an entry's manifest: key material, files, build timings, tactic summary."""
+    from trtbuild.store import Store
+
+    click.echo(json.dumps(Store(engines).find(ref).manifest, indent=2, sort_keys=True))
+
+
+@cache.command("rm")
+@click.argument("refs", nargs=-1, required=True)
+@engines_option
+def cache_rm(refs: tuple[str, ...], engines: str | None) -> None:
+    """Remove entries (their tactic caches stay)."""
+    from trtbuild.store import Store
+
+    store = Store(engines)
+    for ref in refs:
+        entry = store.find(ref)
+        store.remove(entry)
+        click.echo(f"removed {entry.path.name}")
+
+
+@cache.command("verify")
+@click.argument("refs", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="Verify every entry.")
+@engines_option
+def cache_verify(refs: tuple[str, ...], all_: bool, engines: str | None) -> None:
+    """Check every file's size and sha256 against the manifest; corrupt entries are quarantined."""
+    from trtbuild.store import Store, verify
+
+    store = Store(engines)
+    if not refs and not all_:
+        raise InputError("cache verify: name entries or pass --all")
+    entries = store.entries() if all_ else [store.find(r) for r in refs]
+    bad = 0
+    for entry in entries:
+        problems = verify(entry, full=True)
+        if problems:
+            bad += 1
+            dest = store.quarantine(entry.path, "; ".join(problems))
+            click.echo(f"CORRUPT {entry.path.name}: {'; '.join(problems)} (moved to {dest})")
+        else:
+            click.echo(f"ok      {entry.path.name}")
+    if bad:
+        sys.exit(1)
+
+
+@main.command()
+def doctor() -> None:
+    """Which backends work here, why not, and this machine's device and toolchain."""
+    from trtbuild import backends, fingerprint
+
+    for name in backends.REGISTRY:
+        ok, reason = backends.availability(name)
+        click.echo(f"{name:<13} {'available' if ok else 'unavailable'}: {reason}")
+    click.echo(f"device: {json.dumps(fingerprint.device())}")
+    click.echo(f"host:   {json.dumps(fingerprint.host())}")

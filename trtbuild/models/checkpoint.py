@@ -1,0 +1,121 @@
+"""Hugging Face-format model folders: read config.json and safetensors, write seeded synthetic ones.
+
+Every problem names the file and the field or tensor: a folder that does not load is the user's to
+fix, so it is an `InputError`, never a traceback from deep inside safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trtbuild.errors import InputError
+from trtbuild.models.llama import LlamaConfig, hf_parameter_shapes
+
+WEIGHT_INDEX = "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def read_config(folder: Path) -> tuple[dict[str, Any], LlamaConfig]:
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path}: not found; a model folder needs config.json") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not valid JSON (truncated?) at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{path}: expected a JSON object")
+    model_type = raw.get("model_type")
+    if model_type not in ("llama", "mistral", "qwen2"):
+        raise InputError(f"{path}: model_type: {model_type!r} is not supported (llama, mistral, qwen2 are)")
+    try:
+        cfg = LlamaConfig.from_hf(raw)
+    except KeyError as exc:
+        raise InputError(f"{path}: {exc.args[0]}: required field missing") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InputError(f"{path}: a field has the wrong type: {exc}") from None
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise InputError(f"{path}: num_key_value_heads: {cfg.num_kv_heads} does not divide num_attention_heads {cfg.num_heads}")
+    return raw, cfg
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, through its index when it is sharded."""
+    index = folder / WEIGHT_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise InputError(f"{index}: weight_map: cannot read the shard index: {exc}") from None
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise InputError(f"{index}: weight_map names shard(s) that are not in the folder: {', '.join(missing)}",
+                             hint="an interrupted download? fetch the model again")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"{folder}: no *.safetensors weight files", hint="trtbuild reads safetensors checkpoints only")
+    return files
+
+
+def load_weights(folder: Path, cfg: LlamaConfig, dtype: torch.dtype, device: str = "cpu") -> dict[str, Tensor]:
+    """Every tensor the config needs, checked for presence and shape, cast to `dtype`."""
+    from safetensors import SafetensorError, safe_open
+
+    expected = hf_parameter_shapes(cfg)
+    found: dict[str, Tensor] = {}
+    where: dict[str, Path] = {}
+    for file in weight_files(folder):
+        try:
+            with safe_open(str(file), framework="pt", device=device) as f:
+                for name in f.keys():
+                    if name in expected:
+                        found[name] = f.get_tensor(name)
+                        where[name] = file
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise InputError(f"{file}: not a readable safetensors file (truncated or corrupt?): {exc}") from None
+    missing = [n for n in expected if n not in found]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise InputError(f"{folder}: tensor(s) missing from the checkpoint: {shown}")
+    for name, shape in expected.items():
+        if tuple(found[name].shape) != shape:
+            raise InputError(f"{where[name]}: tensor {name} has shape {tuple(found[name].shape)}, "
+                             f"config.json implies {shape}")
+    return {name: t.to(dtype) for name, t in found.items()}
+
+
+def write_synthetic(folder: Path, config: dict[str, Any], seed: int) -> None:
+    """Write config.json + model.safetensors with seeded random weights, as a real checkpoint would be.
+
+    Weights are drawn in fp32 on the CPU with one generator in a fixed tensor order, so the same
+    (config, seed) gives the same bytes on every machine; norms start at one.
+    """
+    from safetensors.torch import save_file
+
+    raw = {"architectures": ["LlamaForCausalLM"], "torch_dtype": "float32", **config}
+    cfg = LlamaConfig.from_hf(raw)
+    dtype = DTYPES.get(raw["torch_dtype"])
+    if dtype is None:
+        raise InputError(f"model.config.torch_dtype: expected one of {', '.join(DTYPES)}, got {raw['torch_dtype']!r}")
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, Tensor] = {}
+    for name, shape in hf_parameter_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=dtype)
+        elif name.endswith(".bias"):
+            tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
+        else:
+            std = 0.02 if "embed" in name else 1.0 / (shape[-1] ** 0.5)
+            tensors[name] = (torch.randn(shape, generator=gen) * std).to(dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,275 @@
+"""A Llama-family decoder with a static KV cache (Llama 2/3, Mistral, Qwen2; GQA and MQA).
+
+Written to be exported: no data-dependent control flow, the KV cache is a set of registered buffers
+updated in place, and the attention mask is computed from positions rather than stored. Q/K/V and
+gate/up projections are fused into one matmul each (fewer, larger kernels); `convert_hf_state_dict`
+maps a Hugging Face checkpoint onto this layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
+        """Read a Hugging Face config.json; raises KeyError/TypeError for the loader to report."""
+        heads = int(cfg["num_attention_heads"])
+        model_type = cfg.get("model_type", "llama")
+        attention_bias = bool(cfg.get("attention_bias", False))
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", (scaling or {}).get("rope_theta", 10000.0))),
+            rope_scaling=dict(scaling) if scaling else None,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 puts biases on q/k/v only; Llama's attention_bias covers q/k/v and o.
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
+
+    def num_parameters(self) -> int:
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        qkv = d * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        per_layer = qkv + self.num_heads * self.head_dim * d + 3 * d * f + 2 * d
+        return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+
+
+def rope_frequencies(cfg: LlamaConfig) -> Tensor:
+    """Inverse frequencies of rotary embeddings, with Llama-3 scaling when the config asks."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv.float()
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return (inv / float(s["factor"])).float()
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear and llama3 are)")
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
+
+
+def rope_table(cfg: LlamaConfig, max_seq_len: int) -> Tensor:
+    """(max_seq_len, head_dim // 2, 2) cos/sin table, kept in fp32 for accuracy."""
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_frequencies(cfg))
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: Tensor, table: Tensor) -> Tensor:
+    """Rotate (B, T, H, D) by a (T, D/2, 2) table, in the half-split layout Hugging Face uses."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+                from_start: bool) -> Tensor:
+        c = self.cfg
+        b, t, _ = x.shape
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(b, t, c.num_heads, c.head_dim), table).transpose(1, 2)
+        k = apply_rope(k.view(b, t, c.num_kv_heads, c.head_dim), table).transpose(1, 2)
+        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        # In-place writes into the static cache (rows [:b] of it): export keeps these as buffer
+        # mutations, so the prefill and decode graphs share one cache.
+        k_cache[:b].index_copy_(2, pos, k)
+        v_cache[:b].index_copy_(2, pos, v)
+        # A prompt that starts at position 0 only attends to itself: a causal fused kernel over t
+        # tokens, not a masked pass over the whole cache.
+        keys, values = (k, v) if from_start else (k_cache[:b], v_cache[:b])
+        if c.num_kv_heads != c.num_heads:
+            rep = c.num_heads // c.num_kv_heads
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        if from_start:
+            y = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        else:
+            # Causal mask over the static cache, from positions: slot j is visible to pos p iff j <= p.
+            mask = torch.arange(k_cache.shape[2], device=x.device)[None, :] <= pos[:, None]
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None])
+        return self.wo(y.transpose(1, 2).reshape(b, t, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+                from_start: bool) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), table, pos, k_cache, v_cache, from_start)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """forward(tokens (B, T) int64, input_pos (T,) int64) -> logits (B, V) of the last position.
+
+    Only the last position goes through the LM head: generation needs nothing else, and for long
+    prompts the head is a large share of prefill's FLOPs. `all_logits=True` is for tests.
+    `from_start=True` promises input_pos == arange(T) (a prompt), which allows causal attention over
+    the prompt alone; the KV cache is filled either way.
+    """
+
+    def __init__(self, cfg: LlamaConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("rope", rope_table(cfg, max_seq_len), persistent=False)
+        shape = (max_batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+        for i in range(cfg.num_layers):
+            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
+            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, all_logits: bool = False, from_start: bool = False) -> Tensor:
+        table = self.rope[input_pos]
+        x = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, table, input_pos, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), from_start)
+        x = self.norm(x if all_logits else x[:, -1])
+        return self.output(x)
+
+
+class Step(nn.Module):
+    """One exported entry point over a shared Transformer: a prompt (`from_start`) or a decode step.
+
+    Both wrap the same module, so their constants carry the same names ("model.<param>") and one set
+    of weight and cache tensors serves every package.
+    """
+
+    def __init__(self, model: Transformer, from_start: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.from_start = from_start
+
+    def forward(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
+        return self.model(tokens, input_pos, from_start=self.from_start)
+
+
+def convert_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
+    """Hugging Face parameter names → this module's fused layout. Raises KeyError naming a missing tensor."""
+    out: dict[str, Tensor] = {"tok_embeddings.weight": hf["model.embed_tokens.weight"],
+                              "norm.weight": hf["model.norm.weight"]}
+    out["output.weight"] = hf["model.embed_tokens.weight"] if cfg.tie_word_embeddings else hf["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        o = f"layers.{i}."
+        out[o + "attention.wqkv.weight"] = torch.cat([hf[a + f"{n}_proj.weight"] for n in "qkv"])
+        if cfg.qkv_bias:
+            out[o + "attention.wqkv.bias"] = torch.cat([hf[a + f"{n}_proj.bias"] for n in "qkv"])
+        out[o + "attention.wo.weight"] = hf[a + "o_proj.weight"]
+        if cfg.o_bias:
+            out[o + "attention.wo.bias"] = hf[a + "o_proj.bias"]
+        out[o + "feed_forward.w13.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
+        out[o + "feed_forward.w2.weight"] = hf[m + "down_proj.weight"]
+        if cfg.mlp_bias:
+            out[o + "feed_forward.w13.bias"] = torch.cat([hf[m + "gate_proj.bias"], hf[m + "up_proj.bias"]])
+            out[o + "feed_forward.w2.bias"] = hf[m + "down_proj.bias"]
+        out[o + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
+        out[o + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    return out
+
+
+def hf_parameter_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors a Hugging Face checkpoint of this config must hold, with their shapes."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.num_layers):
+        a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
+        shapes[a + "q_proj.weight"] = (cfg.num_heads * hd, d)
+        shapes[a + "k_proj.weight"] = (cfg.num_kv_heads * hd, d)
+        shapes[a + "v_proj.weight"] = (cfg.num_kv_heads * hd, d)
+        shapes[a + "o_proj.weight"] = (d, cfg.num_heads * hd)
+        if cfg.qkv_bias:
+            shapes[a + "q_proj.bias"] = (cfg.num_heads * hd,)
+            shapes[a + "k_proj.bias"] = (cfg.num_kv_heads * hd,)
+            shapes[a + "v_proj.bias"] = (cfg.num_kv_heads * hd,)
+        if cfg.o_bias:
+            shapes[a + "o_proj.bias"] = (d,)
+        shapes[m + "gate_proj.weight"] = (f, d)
+        shapes[m + "up_proj.weight"] = (f, d)
+        shapes[m + "down_proj.weight"] = (d, f)
+        if cfg.mlp_bias:
+            shapes[m + "gate_proj.bias"] = (f,)
+            shapes[m + "up_proj.bias"] = (f,)
+            shapes[m + "down_proj.bias"] = (d,)
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+    return shapes

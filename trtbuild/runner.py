@@ -1,0 +1,184 @@
+"""Sessions over a built engine, and the per-phase report `trtbuild run` prints.
+
+Phases: lookup, build (0 on a hit), load, warm-up, prefill (time to first token), decode (time per
+output token). Device work is timed by the engine with CUDA events or after a synchronize; warm-up
+is excluded from prefill and decode; every figure is a median or percentile over many samples.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from trtbuild import backends
+from trtbuild.backends import Engine, Generation
+from trtbuild.build import BuildOutcome, Progress, build, no_build_from_env
+from trtbuild.errors import InputError
+from trtbuild.recipe import Recipe, run_shape_problems
+from trtbuild.timing import percentiles
+
+# Datasheet peaks (dense bf16 FLOP/s, HBM bytes/s): leads, not measurements. The benchmark measures
+# the real ceilings; these only give the run report a scale.
+DATASHEET_PEAKS: dict[str, tuple[float, float]] = {
+    "H200": (989e12, 4.8e12),
+    "H100": (989e12, 3.35e12),
+    "A100": (312e12, 2.0e12),
+    "L40S": (362e12, 0.864e12),
+}
+
+
+class Session:
+    """An open engine. `with open_session(recipe) as s: s.generate(ids, 16)`; no device work before entry."""
+
+    def __init__(self, recipe: Recipe, outcome: BuildOutcome) -> None:
+        self.recipe = recipe
+        self.outcome = outcome
+        self.phases: dict[str, float] = {"lookup_s": outcome.lookup_s, "build_s": outcome.build_s}
+        self.last: Generation | None = None
+        self._engine: Engine | None = None
+        self._tokenizer: Any = None
+
+    def __enter__(self) -> "Session":
+        entry = self.outcome.entry
+        engine = backends.get(self.recipe.backend).load(entry.path, entry.manifest)
+        t = time.perf_counter()
+        self._engine = engine.__enter__()
+        self.phases["load_s"] = time.perf_counter() - t  # __enter__ synchronizes what it loads
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._engine is not None:
+            self._engine.__exit__(*exc)
+            self._engine = None
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("the session is not open; use it in a `with` block")
+        return self._engine
+
+    def warmup(self, batch_size: int, input_len: int, output_len: int) -> None:
+        t = time.perf_counter()
+        self.engine.warmup(batch_size, input_len, output_len)
+        self.phases["warmup_s"] = self.phases.get("warmup_s", 0.0) + time.perf_counter() - t
+
+    def generate(self, input_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy generation; returns the new tokens of each row (the prompt not repeated)."""
+        self.last = self.engine.generate(input_ids, max_new_tokens)
+        return self.last.output_ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer().encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer().decode(ids)
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            path = self.outcome.model.tokenizer
+            if path is None:
+                raise InputError(f"{self.recipe.path}: model.source has no tokenizer.json, so text prompts cannot be "
+                                 "encoded", hint="pass token ids (--prompt-ids) instead")
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(path))
+        return self._tokenizer
+
+
+def open_session(recipe: Recipe, engines: str | os.PathLike[str] | None = None, build: bool = True,
+                 progress: Progress = lambda message: None) -> Session:
+    """Find (or build) the engine and return a Session; enter it to load the engine."""
+    outcome = build_or_find(recipe, engines, build, progress)
+    return Session(recipe, outcome)
+
+
+def build_or_find(recipe: Recipe, engines: str | os.PathLike[str] | None, allow_build: bool,
+                  progress: Progress) -> BuildOutcome:
+    return build(recipe, engines, allow_build=allow_build and not no_build_from_env(), progress=progress)
+
+
+def default_prompt(batch_size: int, input_len: int, vocab_size: int) -> list[list[int]]:
+    """Deterministic token ids, different per row, so runs are comparable across processes."""
+    rng = random.Random(0)
+    return [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(batch_size)]
+
+
+def vocab_size(recipe: Recipe, session: Session) -> int:
+    cfg = getattr(session.engine, "cfg", None)
+    return int(getattr(cfg, "vocab_size", 32000))
+
+
+def run_report(session: Session, *, batch_size: int, input_len: int, output_len: int, iterations: int,
+               prompt_ids: list[list[int]] | None = None, prompt_text: str | None = None) -> dict[str, Any]:
+    """Warm up, then generate `iterations` times; the report the CLI prints (or emits as JSON)."""
+    recipe = session.recipe
+    if prompt_text is not None:
+        prompt_ids = [session.encode(prompt_text)] * batch_size
+    if prompt_ids is not None:
+        batch_size, input_len = len(prompt_ids), len(prompt_ids[0])
+    problems = run_shape_problems(recipe.shapes, batch_size, input_len, output_len)
+    if problems:
+        raise InputError("; ".join(f"--{field.replace('_', '-')}: {msg}" for field, msg in problems))
+    if iterations < 1:
+        raise InputError("--iterations: must be >= 1")
+    prompts = prompt_ids or default_prompt(batch_size, input_len, vocab_size(recipe, session))
+    t_start = time.perf_counter()
+    session.warmup(batch_size, input_len, output_len)
+    gens = [session.engine.generate(prompts, output_len) for _ in range(iterations)]
+    end_to_end = (time.perf_counter() - t_start - session.phases["warmup_s"]) / iterations
+    session.last = gens[-1]
+    steps = [s for g in gens for s in g.decode_step_s]
+    ttft = percentiles([g.prefill_s for g in gens])
+    tpot = percentiles(steps)
+    decode_s = sum(sum(g.decode_step_s) for g in gens) / iterations
+    outcome = session.outcome
+    report: dict[str, Any] = {
+        "recipe": recipe.name,
+        "backend": recipe.backend,
+        "device": session.engine.device,
+        "engine": {"key": outcome.key, "path": str(outcome.entry.path), "cache_hit": outcome.cache_hit},
+        "shape": {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "iterations": iterations},
+        "phases": {**{k: session.phases.get(k, 0.0) for k in ("lookup_s", "build_s", "load_s", "warmup_s")},
+                   "prefill_s": ttft["p50"], "decode_s": decode_s, "end_to_end_s": end_to_end},
+        "ttft_ms": ttft["p50"] * 1e3,
+        "tpot_ms": {k: v * 1e3 for k, v in tpot.items()},
+        "tokens_per_s": batch_size / tpot["p50"] if tpot["p50"] > 0 else 0.0,
+        "output_ids": gens[-1].output_ids,
+    }
+    report["roofline"] = roofline(gens[-1], ttft["p50"], tpot["p50"], session.engine.device)
+    if outcome.model.tokenizer is not None:
+        report["output_text"] = [session.decode(row) for row in gens[-1].output_ids]
+    return report
+
+
+def roofline(gen: Generation, ttft_s: float, tpot_s: float, device: str) -> dict[str, Any]:
+    """Achieved decode bandwidth and prefill FLOP/s, and their fraction of the device's datasheet peak."""
+    out: dict[str, Any] = {}
+    if gen.bytes_per_decode_step and tpot_s > 0:
+        out["decode_bytes_per_token"] = gen.bytes_per_decode_step
+        out["decode_bandwidth_Bps"] = gen.bytes_per_decode_step / tpot_s
+    if gen.prefill_flops and ttft_s > 0:
+        out["prefill_flops"] = gen.prefill_flops
+        out["prefill_flops_per_s"] = gen.prefill_flops / ttft_s
+    if device.startswith("cuda"):
+        import torch
+
+        name = torch.cuda.get_device_name(0)
+        for model, (flops, bw) in DATASHEET_PEAKS.items():
+            if model in name:
+                out["peak_source"] = f"{model} datasheet (dense bf16, HBM)"
+                if "decode_bandwidth_Bps" in out:
+                    out["decode_fraction_of_peak_bandwidth"] = out["decode_bandwidth_Bps"] / bw
+                if "prefill_flops_per_s" in out:
+                    out["prefill_fraction_of_peak_flops"] = out["prefill_flops_per_s"] / flops
+                break
+    return out
+
+
+def default_engines() -> Path:
+    from trtbuild.store import default_root
+
+    return default_root()

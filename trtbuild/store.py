@@ -1,0 +1,281 @@
+"""The engine store: hash-keyed entries, atomic publish, per-key locks, integrity checks.
+
+Layout under the root (`--engines`, `TRTBUILD_ENGINES`, or ./engines):
+
+    CACHEDIR.TAG
+    v1/<name>-<key[:16]>/        one engine: the backend's files + manifest.json
+    v1/.tmp/                     builds in progress (same filesystem, so publish is one rename)
+    v1/.locks/<key>.lock         per-key build locks (OS locks: they die with their process)
+    quarantine/                  entries that failed an integrity check, kept for inspection
+    tactics/<backend>/<id>/      tactic caches (see tactics.py)
+    models/                      synthetic checkpoints written on first build
+
+Correctness never rests on the lock: an entry is visible only once its folder, manifest included,
+has been renamed into place, so a lookup sees a whole engine or none. The lock only avoids two
+processes building the same key at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from trtbuild.errors import InputError, TrtbuildError
+from trtbuild.tactics import write_atomic
+
+SCHEMA = "v1"  # the key schema and layout version; part of every key
+MANIFEST = "manifest.json"
+CACHEDIR_TAG = b"Signature: 8a477f597d28d172789f06886806bc55\n# trtbuild engine store; see https://bford.info/cachedir/\n"
+
+
+def canonical_json(obj: Any) -> str:
+    """Sorted keys, no whitespace: one byte string per meaning, so equal inputs hash equally."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def key_of(material: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(material).encode()).hexdigest()
+
+
+def default_root(engines: str | os.PathLike[str] | None = None) -> Path:
+    return Path(engines or os.environ.get("TRTBUILD_ENGINES") or "engines")
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        return self.manifest["key"]
+
+    @property
+    def name(self) -> str:
+        return self.manifest["name"]
+
+    def size(self) -> int:
+        return sum(f["size"] for f in self.manifest["files"].values())
+
+
+class Store:
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = default_root(root).absolute()
+        self.entries_dir = self.root / SCHEMA
+        self.tmp_dir = self.entries_dir / ".tmp"
+        self.locks_dir = self.entries_dir / ".locks"
+        self.quarantine_dir = self.root / "quarantine"
+        self.tactics_dir = self.root / "tactics"
+
+    # -- setup ---------------------------------------------------------------------------------
+    def ensure(self) -> None:
+        """Create the layout; an unwritable root is the user's to fix, so it is an InputError."""
+        try:
+            for d in (self.entries_dir, self.tmp_dir, self.locks_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            tag = self.root / "CACHEDIR.TAG"
+            if not tag.exists():
+                write_atomic(tag, CACHEDIR_TAG)
+            probe = self.tmp_dir / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise InputError(f"engine store {self.root}: not writable: {exc.strerror or exc}",
+                             hint="pass --engines DIR or set TRTBUILD_ENGINES to a writable folder") from None
+
+    # -- lookup ----------------------------------------------------------------------------------
+    def entry_path(self, name: str, key: str) -> Path:
+        return self.entries_dir / f"{name}-{key[:16]}"
+
+    def lookup(self, key: str, *, full_verify: bool = False) -> Entry | None:
+        """The published entry for `key`, or None. Any entry whose files fail the size check (or
+        the hash check, with `full_verify`) is moved to quarantine and treated as a miss."""
+        if not self.entries_dir.is_dir():
+            return None
+        for path in sorted(self.entries_dir.glob(f"*-{key[:16]}")):
+            manifest = read_manifest(path)
+            if manifest is None or manifest.get("key") != key:
+                if manifest is None and path.is_dir():
+                    self.quarantine(path, "manifest missing or unreadable")
+                continue
+            entry = Entry(path, manifest)
+            problems = verify(entry, full=full_verify or not manifest.get("verified", False))
+            if problems:
+                self.quarantine(path, "; ".join(problems))
+                continue
+            if not manifest.get("verified", False):
+                manifest["verified"] = True  # first use after publish checked every hash
+            self.touch(entry)
+            return entry
+        return None
+
+    def touch(self, entry: Entry) -> None:
+        entry.manifest["last_used"] = time.time()
+        with contextlib.suppress(OSError):  # a read-only store still serves engines
+            write_atomic(entry.path / MANIFEST, json.dumps(entry.manifest, indent=2, sort_keys=True).encode())
+
+    def entries(self) -> list[Entry]:
+        out = []
+        if self.entries_dir.is_dir():
+            for path in sorted(self.entries_dir.iterdir()):
+                if path.name.startswith("."):
+                    continue
+                manifest = read_manifest(path)
+                if manifest is not None:
+                    out.append(Entry(path, manifest))
+        return out
+
+    def find(self, ref: str) -> Entry:
+        """An entry by folder name, recipe name or key prefix; ambiguous or absent refs are errors."""
+        matches = [e for e in self.entries() if ref in (e.path.name, e.name) or (len(ref) >= 6 and e.key.startswith(ref))]
+        if not matches:
+            raise InputError(f"no engine matches {ref!r} in {self.entries_dir}", hint="see `trtbuild cache ls`")
+        if len(matches) > 1:
+            names = ", ".join(e.path.name for e in matches)
+            raise InputError(f"{ref!r} matches several engines: {names}", hint="give the key prefix")
+        return matches[0]
+
+    # -- build side ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self, key: str, on_wait: Callable[[str], None] = lambda message: None) -> Iterator[None]:
+        """Hold the per-key build lock. An OS lock (flock): a killed holder releases it."""
+        self.ensure()
+        lock_path = self.locks_dir / f"{key}.lock"
+        owner_path = self.locks_dir / f"{key}.owner"
+        lock = FileLock(str(lock_path))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            with contextlib.suppress(OSError):
+                on_wait(f"waiting for the build of this engine by {owner_path.read_text().strip()}")
+            lock.acquire()
+        try:
+            with contextlib.suppress(OSError):
+                owner_path.write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                owner_path.unlink()
+            lock.release()
+
+    def new_workdir(self, name: str, key: str) -> Path:
+        """A fresh folder for one build, on the store's filesystem, named so stale ones can be found."""
+        self.clean_stale_workdirs()
+        path = self.tmp_dir / f"{name}-{key[:16]}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        path.mkdir(parents=True)
+        return path
+
+    def clean_stale_workdirs(self) -> list[Path]:
+        """Remove build folders whose builder process on this host no longer exists."""
+        removed = []
+        if not self.tmp_dir.is_dir():
+            return removed
+        host = socket.gethostname()
+        for path in self.tmp_dir.iterdir():
+            parts = path.name.rsplit(".", 3)
+            if len(parts) != 4 or parts[1] != host or not parts[2].isdigit():
+                continue
+            if not _pid_alive(int(parts[2])):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        return removed
+
+    def publish(self, workdir: Path, name: str, key: str, manifest: dict[str, Any]) -> Entry:
+        """Hash every file, write the manifest last, fsync, and rename the folder into place."""
+        files = {}
+        for f in sorted(p for p in workdir.rglob("*") if p.is_file()):
+            rel = f.relative_to(workdir).as_posix()
+            files[rel] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
+            _fsync(f)
+        manifest = {**manifest, "files": files, "verified": True}
+        write_atomic(workdir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+        final = self.entry_path(name, key)
+        if final.exists():  # left by a crash between rename and nothing else; quarantine, never merge
+            self.quarantine(final, "replaced by a new build of the same key")
+        os.rename(workdir, final)
+        _fsync_dir(self.entries_dir)
+        return Entry(final, manifest)
+
+    def quarantine(self, path: Path, reason: str) -> Path:
+        self.quarantine_dir.mkdir(parents=True, exist_ok=True)
+        dest = self.quarantine_dir / f"{path.name}.{int(time.time())}.{uuid.uuid4().hex[:6]}"
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path, dest)
+            (dest / "QUARANTINED").write_text(reason + "\n")
+        return dest
+
+    def remove(self, entry: Entry) -> None:
+        """Take an entry out of view with one rename, then delete it."""
+        trash = self.tmp_dir / f".rm-{entry.path.name}.{uuid.uuid4().hex[:6]}"
+        os.rename(entry.path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "key" in data and "files" in data else None
+
+
+def verify(entry: Entry, *, full: bool) -> list[str]:
+    """Sizes always; sha256 of every file when `full`. Returns the problems found."""
+    problems = []
+    for rel, info in entry.manifest["files"].items():
+        f = entry.path / rel
+        try:
+            size = f.stat().st_size
+        except OSError:
+            problems.append(f"{rel}: missing")
+            continue
+        if size != info["size"]:
+            problems.append(f"{rel}: size {size}, manifest says {info['size']}")
+        elif full and file_sha256(f) != info["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the manifest")
+    return problems
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+

@@ -1,0 +1,70 @@
+"""Honest clocks: CUDA events on a GPU, perf_counter after a synchronize elsewhere.
+
+Device work is asynchronous; a host clock read without a sync measures the launch, not the work.
+`StepClock` records one mark per step without stalling the device (events), and reads the
+intervals once, after one synchronize, at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+class StepClock:
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self._marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self._marks, self._marks[1:])]
+        return [b - a for a, b in zip(self._marks, self._marks[1:])]
+
+
+@contextlib.contextmanager
+def phase(phases: dict[str, float], name: str, device: str = "cpu") -> Iterator[None]:
+    """Time a host-visible phase (load, warm-up), synchronizing the device before both readings."""
+    sync(device)
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        sync(device)
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - t
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    """p50/p90/p99 (nearest-rank on the sorted samples) and the mean; empty input gives zeros."""
+    if not samples:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
+    s = sorted(samples)
+
+    def rank(q: float) -> float:
+        return s[min(len(s) - 1, max(0, int(round(q * len(s) + 0.5)) - 1))]
+
+    return {"p50": statistics.median(s), "p90": rank(0.90), "p99": rank(0.99), "mean": statistics.fmean(s)}
