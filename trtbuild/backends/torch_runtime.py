@@ -54,7 +54,7 @@ class TorchEngine:
             consts[f"model.v_cache_{i}"] = torch.zeros(cache_shape, dtype=dtype, device=self.device)
         self._consts = consts
         for name, graph in self.spec["graphs"].items():
-            package = torch._inductor.aoti_load_package(str(self.entry / graph["file"]), run_single_threaded=True)
+            package = _load_package(self.entry / graph["file"])
             fqns = package.get_constant_fqns()
             missing = [n for n in fqns if n not in consts]
             if missing:
@@ -133,6 +133,24 @@ class TorchEngine:
         attention = 2 * 2 * c.num_layers * batch * c.num_heads * c.head_dim * t * (t + 1) / 2  # causal QK^T and PV
         head = 2 * c.hidden_size * c.vocab_size * batch  # last position only
         return dense + attention + head
+
+
+def _load_package(path: Path) -> Any:
+    """Load an AOTInductor package single-threaded (so that decode can be CUDA-graph captured).
+
+    `aoti_load_package` first compares the package's device record with this machine's, which on a
+    CPU host runs compiler probes for seconds just to print a warning. The store's key already pins
+    the device and toolchain, so the loader is constructed directly; torch versions without that
+    constructor fall back to the public call.
+    """
+    import torch
+    from torch.export.pt2_archive._package import AOTICompiledModel
+
+    try:
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, -1)
+    except (AttributeError, TypeError):
+        return torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
+    return AOTICompiledModel(loader)
 
 
 class _Decoder:

@@ -1,0 +1,92 @@
+"""Shared fixtures: every test gets its own engine store; tiny Hugging Face-format models are made here."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY_CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 64,
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "needs_tensorrt" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs the real TensorRT / TensorRT-LLM and a GPU"))
+
+
+@pytest.fixture(autouse=True)
+def engine_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point the default engine store at a fresh folder, so no test sees another's engines."""
+    store = tmp_path / "engines"
+    monkeypatch.setenv("TRTBUILD_ENGINES", str(store))
+    monkeypatch.delenv("TRTBUILD_NO_BUILD", raising=False)
+    monkeypatch.delenv("TRTBUILD_DEBUG", raising=False)
+    return store
+
+
+def write_recipe(folder: Path, doc: dict[str, Any], name: str = "recipe.yaml") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def tiny_recipe_doc(**overrides: Any) -> dict[str, Any]:
+    """A synthetic recipe small enough to export and compile on 2 CPU cores in seconds."""
+    doc: dict[str, Any] = {
+        "name": "tiny",
+        "model": {"source": "synthetic", "seed": 0, "config": dict(TINY_CONFIG)},
+        "backend": "torch",
+        "precision": "fp32",
+        "shapes": {"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [2]},
+        "tactics": {"level": "none"},
+        "run": {"batch_size": 1, "input_len": 8, "output_len": 8},
+    }
+    doc.update(overrides)
+    return doc
+
+
+def make_hf_folder(folder: Path, config: dict[str, Any] | None = None, seed: int = 0) -> Path:
+    """A real Hugging Face-format checkpoint (config.json + model.safetensors) with seeded weights."""
+    from trtbuild.models.checkpoint import write_synthetic
+
+    write_synthetic(folder, dict(config or TINY_CONFIG), seed)
+    return folder
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> Any:
+    """The real `trtbuild` command in a new process."""
+    import subprocess
+
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "trtbuild", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd or REPO, timeout=900)
+
+
+def read_json_line(stdout: str) -> Any:
+    return json.loads(stdout.strip().splitlines()[-1])
