@@ -1,0 +1,147 @@
+"""Real builds of a tiny model on the CPU: recipe → key → store → AOTInductor → runner, and reuse."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import trtbuild
+from trtbuild.build import build
+from trtbuild.errors import EngineMissingError
+from trtbuild.recipe import load_recipe
+from trtbuild.runner import open_session, run_report
+from trtbuild.store import Store
+
+from .conftest import read_json_line, run_cli, tiny_recipe_doc, write_recipe
+from .engine_helpers import eager_greedy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One engine built once for the module, through the CLI in a real process."""
+    root = tmp_path_factory.mktemp("built")
+    recipe = write_recipe(root, tiny_recipe_doc(shapes={"max_batch_size": 2, "max_input_len": 16,
+                                                        "max_seq_len": 48, "batch_buckets": [1, 2]}))
+    store = root / "engines"
+    proc = run_cli("build", str(recipe), "--engines", str(store), "--json")
+    assert proc.returncode == 0, proc.stderr
+    return {"recipe": recipe, "store": store, "build": read_json_line(proc.stdout)}
+
+
+def test_first_build_is_a_miss_and_publishes_a_complete_entry(built: dict[str, Any]) -> None:
+    result = built["build"]
+    assert result["engine"]["cache_hit"] is False and result["build_s"] > 0
+    entry = Path(result["engine"]["path"])
+    assert entry.name == f"tiny-{result['engine']['key'][:16]}"
+    assert entry.parent.name == "v1"
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert set(manifest["files"]) >= {"prefill.pt2", "decode_b1.pt2", "decode_b2.pt2", "weights.safetensors", "engine.json"}
+    assert manifest["key_material"]["recipe"]["shapes"]["batch_buckets"] == [1, 2]
+    assert {"export_s", "compile_s", "load_weights_s"} <= set(manifest["build"]["phases"])
+    assert not any((built["store"] / "v1" / ".tmp").iterdir()), "the build folder must be gone after publish"
+
+
+def test_run_in_a_new_process_reuses_the_engine(built: dict[str, Any]) -> None:
+    """A restart never rebuilds: the report says cache hit and the store gains no entry."""
+    before = sorted(p.name for p in (built["store"] / "v1").iterdir())
+    proc = run_cli("run", str(built["recipe"]), "--engines", str(built["store"]), "--json", "--iterations", "2")
+    assert proc.returncode == 0, proc.stderr
+    report = read_json_line(proc.stdout)
+    assert report["engine"]["cache_hit"] is True
+    assert report["engine"]["key"] == built["build"]["engine"]["key"]
+    assert report["phases"]["build_s"] == 0.0
+    assert "compiling" not in proc.stderr and "exporting" not in proc.stderr
+    assert sorted(p.name for p in (built["store"] / "v1").iterdir()) == before
+    for field in ("lookup_s", "build_s", "load_s", "warmup_s", "prefill_s", "decode_s"):
+        assert report["phases"][field] >= 0
+    assert report["ttft_ms"] > 0 and report["tpot_ms"]["p50"] > 0 and report["tokens_per_s"] > 0
+    assert len(report["output_ids"]) == 1 and len(report["output_ids"][0]) == 8
+    assert report["roofline"]["decode_bandwidth_Bps"] > 0
+
+
+def _folder(recipe_path: Path, store: Path) -> Path:
+    recipe = load_recipe(recipe_path)
+    return build(recipe, store, allow_build=False).model.materialize()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_engine_tokens_match_the_eager_model(built: dict[str, Any], batch: int) -> None:
+    """The compiled prefill + decode packages, sharing one KV cache, give the eager model's greedy tokens."""
+    recipe = load_recipe(built["recipe"])
+    prompts = [[(7 * i + 3 * r) % 128 for i in range(11)] for r in range(batch)]
+    with open_session(recipe, built["store"], build=False) as session:
+        got = session.generate(prompts, 20)
+        again = session.generate(prompts, 20)  # a second generation must not see the first's cache
+    want = eager_greedy(_folder(built["recipe"], built["store"]), prompts, 20, 48)
+    assert got == want
+    assert again == want
+
+
+def test_batch_padded_to_a_bucket_and_sliced_prompts_stay_correct(built: dict[str, Any]) -> None:
+    """A batch of 1 in the batch-2 bucket, and prompts of another length, still match eager."""
+    recipe = load_recipe(built["recipe"])
+    prompts = [[5, 9, 2, 77, 31]]
+    with open_session(recipe, built["store"], build=False) as session:
+        engine = session.engine
+        assert engine.bucket_for(1) == 1 and engine.bucket_for(2) == 2
+        got = session.generate(prompts, 12)
+    assert got == eager_greedy(_folder(built["recipe"], built["store"]), prompts, 12, 48)
+
+
+def test_python_api_opens_a_prebuilt_engine_without_building(built: dict[str, Any]) -> None:
+    recipe = trtbuild.load_recipe(built["recipe"])
+    with trtbuild.open(recipe, engines=str(built["store"]), build=False) as session:
+        ids = session.generate([[1, 2, 3]], max_new_tokens=4)
+        assert len(ids[0]) == 4
+        assert session.outcome.cache_hit and session.phases["build_s"] == 0.0
+        assert session.phases["load_s"] > 0
+        report = run_report(session, batch_size=2, input_len=4, output_len=3, iterations=1)
+    assert len(report["output_ids"]) == 2
+
+
+def test_no_build_miss_is_a_clear_error(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_recipe_doc(name="absent"))
+    with pytest.raises(EngineMissingError, match="no engine for recipe 'absent'"):
+        build(load_recipe(recipe), tmp_path / "store", allow_build=False)
+    proc = run_cli("run", str(recipe), "--engines", str(tmp_path / "store"), "--no-build")
+    assert proc.returncode == 1 and proc.stderr.startswith("Error: no engine") and "Traceback" not in proc.stderr
+    proc = run_cli("run", str(recipe), "--engines", str(tmp_path / "store"), env={"TRTBUILD_NO_BUILD": "1"})
+    assert proc.returncode == 1 and "building is off" in proc.stderr
+    assert not list((tmp_path / "store" / "v1").glob("absent-*"))
+
+
+def test_run_flags_outside_the_engine_shapes_are_refused(built: dict[str, Any]) -> None:
+    proc = run_cli("run", str(built["recipe"]), "--engines", str(built["store"]), "--input-len", "40")
+    assert proc.returncode == 2 and "--input-len: 40 exceeds shapes.max_input_len 16" in proc.stderr
+
+
+def test_a_changed_build_field_misses_and_builds_a_second_entry(built: dict[str, Any], tmp_path: Path) -> None:
+    """Run defaults and the name are not in the key; the seed (weights) is."""
+    doc = tiny_recipe_doc(shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
+    same = write_recipe(tmp_path, {**doc, "name": "renamed", "run": {"batch_size": 2, "input_len": 4, "output_len": 4}},
+                        "same.yaml")
+    assert build(load_recipe(same), built["store"], allow_build=False).cache_hit
+    seeded = {**doc, "model": {**doc["model"], "seed": 1}}
+    other = write_recipe(tmp_path, seeded, "other.yaml")
+    with pytest.raises(EngineMissingError):
+        build(load_recipe(other), built["store"], allow_build=False)
+
+
+def test_cache_ls_lists_the_entry(built: dict[str, Any]) -> None:
+    proc = run_cli("cache", "ls", "--engines", str(built["store"]))
+    assert proc.returncode == 0
+    assert "tiny" in proc.stdout and built["build"]["engine"]["key"][:16] in proc.stdout
+    rows = json.loads(run_cli("cache", "ls", "--engines", str(built["store"]), "--json").stdout)
+    assert rows[0]["backend"] == "torch" and rows[0]["size"] > 0
+
+
+def test_rebuild_reuses_the_tactic_cache(built: dict[str, Any], tmp_path: Path) -> None:
+    """Deleting the engine keeps the tactic cache: Inductor's compiled artifacts live there."""
+    store = Store(built["store"])
+    tactic_dirs = list((store.tactics_dir / "torch").iterdir())
+    assert tactic_dirs and any((d / "inductor").is_dir() for d in tactic_dirs)
