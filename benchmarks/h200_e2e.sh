@@ -10,7 +10,7 @@ log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.log"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)" | tee -a "$OUT/gpu.txt"
 log "gpu tests"
-timeout 200 python3 -m pytest tests/test_gpu.py -q -x -k fp32 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+timeout 240 python3 -m pytest tests/test_gpu.py -q -x --tb=short -p no:logging 2>&1 | grep -v "^DEBUG" | tail -25 | tee "$OUT/gpu_tests.log"
 log "cold build"
 /usr/bin/time -v timeout 420 python3 -m trtbuild build "$RECIPE" --json > "$OUT/build_cold.json" 2> "$OUT/build_cold.err"; log "rc $?"
 tail -3 "$OUT/build_cold.err"

@@ -26,8 +26,9 @@ PRECISIONS = {
 }
 TACTIC_LEVELS = ("none", "default", "max")
 MODEL_TYPES = ("llama", "mistral", "qwen2")
-NAME_RE = re.compile(r"^[a-z0-9._-]+$")
-REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+# \Z, not $: "$" also matches before a trailing newline, which would let "tiny\n" through.
+NAME_RE = re.compile(r"^[a-z0-9._-]+\Z")
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 
 # Fields of a synthetic model's config.json: name -> (type, required).
 SYNTHETIC_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
@@ -177,6 +178,10 @@ def load_recipe(path: str | Path) -> Recipe:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise InputError(f"{path}: malformed YAML{where}: {problem}") from None
+    except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+        # PyYAML's constructors let these through for scalars it mis-resolves (`2001-13-01`,
+        # `!!timestamp x`) and for very deep nesting.
+        raise InputError(f"{path}: malformed YAML: {exc}") from None
     return parse_recipe(doc, path)
 
 
@@ -259,16 +264,22 @@ def _model(c: _Checker, value: Any, path: Path, backend: str | None) -> ModelSpe
     for key in ("config", "seed"):
         if key in m:
             c.add(f"model.{key}", "only for model.source 'synthetic'")
-    local = (path.parent / source).expanduser()
+    try:
+        # `~` expands before joining, so `~/models/x` means the home folder wherever the recipe lives.
+        local = path.parent / Path(source).expanduser()
+        is_file, is_dir = local.is_file(), local.is_dir()
+    except (RuntimeError, OSError, ValueError) as exc:  # unknown ~user, a name too long, a NUL byte
+        c.add("model.source", f"not a usable path: {exc}")
+        return None
     if source.endswith(".onnx"):
-        if not local.is_file():
+        if not is_file:
             c.add("model.source", f"ONNX file not found: {local}")
         if backend != "tensorrt":
             c.add("model.source", "an .onnx model needs backend: tensorrt")
         return ModelSpec(source=source, kind="onnx", path=local.resolve())
-    looks_local = source.startswith((".", "/", "~")) or local.is_dir()
+    looks_local = source.startswith((".", "/", "~")) or is_dir
     if looks_local:
-        if not local.is_dir():
+        if not is_dir:
             c.add("model.source", f"model folder not found: {local}")
         elif not (local / "config.json").is_file():
             c.add("model.source", f"{local} has no config.json; expected a Hugging Face-format folder")
@@ -285,8 +296,8 @@ def _synthetic_config(c: _Checker, value: Any) -> dict[str, Any] | None:
     where = "model.config"
     cfg = c.mapping(value, where, tuple(SYNTHETIC_FIELDS),
                     required=tuple(k for k, (_, req) in SYNTHETIC_FIELDS.items() if req))
-    if not cfg:
-        return None
+    if not cfg or any(k not in cfg for k, (_, req) in SYNTHETIC_FIELDS.items() if req):
+        return None  # the missing fields are reported above; the checks below need them all
     ok = True
     for key, (kind, _) in SYNTHETIC_FIELDS.items():
         if key in cfg:
@@ -300,6 +311,8 @@ def _synthetic_config(c: _Checker, value: Any) -> dict[str, Any] | None:
                 ok = False
     if not ok:
         return None
+    if "rope_scaling" in cfg:
+        _rope_scaling(c, cfg["rope_scaling"], f"{where}.rope_scaling")
     if cfg["model_type"] not in MODEL_TYPES:
         c.add(f"{where}.model_type", f"expected one of {', '.join(MODEL_TYPES)}, got {cfg['model_type']!r}")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
@@ -313,6 +326,25 @@ def _synthetic_config(c: _Checker, value: Any) -> dict[str, Any] | None:
         c.add(f"{where}.head_dim" if "head_dim" in cfg else f"{where}.hidden_size",
               f"the head dimension {head_dim} must be even for rotary embeddings")
     return dict(cfg)
+
+
+ROPE_SCALING_FIELDS = {"default": (), "linear": ("factor",),
+                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _rope_scaling(c: _Checker, value: dict[str, Any], where: str) -> None:
+    """The rope types the model implements, with the numbers each needs (else a KeyError at build time)."""
+    kind = value.get("rope_type", value.get("type", "default"))
+    if not isinstance(kind, str) or kind not in ROPE_SCALING_FIELDS:
+        c.add(f"{where}.rope_type", f"expected one of {', '.join(ROPE_SCALING_FIELDS)}, got {kind!r}")
+        return
+    for key in ROPE_SCALING_FIELDS[kind]:
+        v = value.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            c.add(f"{where}.{key}", f"a positive number is required for rope_type {kind}, got {v!r}")
+    if kind == "llama3" and all(isinstance(value.get(k), (int, float)) for k in ("low_freq_factor", "high_freq_factor")) \
+            and value["high_freq_factor"] <= value["low_freq_factor"]:
+        c.add(f"{where}.high_freq_factor", "must exceed low_freq_factor")
 
 
 def _shapes(c: _Checker, value: Any) -> Shapes | None:

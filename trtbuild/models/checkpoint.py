@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from trtbuild.errors import InputError
-from trtbuild.models.llama import LlamaConfig, hf_parameter_shapes
+from trtbuild.models.llama import LlamaConfig, hf_parameter_shapes, rope_frequencies
 
 WEIGHT_INDEX = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -39,8 +39,14 @@ def read_config(folder: Path) -> tuple[dict[str, Any], LlamaConfig]:
         cfg = LlamaConfig.from_hf(raw)
     except KeyError as exc:
         raise InputError(f"{path}: {exc.args[0]}: required field missing") from None
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise InputError(f"{path}: a field has the wrong type: {exc}") from None
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+        raise InputError(f"{path}: a field has the wrong type or value: {exc}") from None
+    try:
+        rope_frequencies(cfg)  # an unsupported or incomplete rope_scaling fails here, not mid-build
+    except KeyError as exc:
+        raise InputError(f"{path}: rope_scaling.{exc.args[0]}: required field missing") from None
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"{path}: rope_scaling: {exc}") from None
     if cfg.num_heads % cfg.num_kv_heads:
         raise InputError(f"{path}: num_key_value_heads: {cfg.num_kv_heads} does not divide num_attention_heads {cfg.num_heads}")
     return raw, cfg

@@ -41,6 +41,9 @@ class LlamaConfig:
         model_type = cfg.get("model_type", "llama")
         attention_bias = bool(cfg.get("attention_bias", False))
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        # transformers 5 writes rope_theta inside rope_parameters; read it before a "default" rope
+        # type drops the mapping, or a checkpoint's rope_theta would silently become 10000.
+        theta = cfg.get("rope_theta", (scaling or {}).get("rope_theta", 10000.0))
         if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
         return cls(
@@ -52,7 +55,7 @@ class LlamaConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", (scaling or {}).get("rope_theta", 10000.0))),
+            rope_theta=float(theta),
             rope_scaling=dict(scaling) if scaling else None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 puts biases on q/k/v only; Llama's attention_bias covers q/k/v and o.
@@ -136,13 +139,16 @@ class Attention(nn.Module):
         v_cache[:b].index_copy_(2, pos, v)
         # A prompt that starts at position 0 only attends to itself: a causal fused kernel over t
         # tokens, not a masked pass over the whole cache.
-        keys, values = (k, v) if from_start else (k_cache[:b], v_cache[:b])
-        if c.num_kv_heads != c.num_heads:
-            rep = c.num_heads // c.num_kv_heads
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
         if from_start:
-            y = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+            # SDPA's own GQA support: repeating K/V heads here would put the shape guards of the
+            # repeat's view arithmetic on the dynamic prompt length, which export cannot discharge
+            # on CUDA.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
         else:
+            keys, values = k_cache[:b], v_cache[:b]
+            if c.num_kv_heads != c.num_heads:
+                rep = c.num_heads // c.num_kv_heads
+                keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
             # Causal mask over the static cache, from positions: slot j is visible to pos p iff j <= p.
             mask = torch.arange(k_cache.shape[2], device=x.device)[None, :] <= pos[:, None]
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None])

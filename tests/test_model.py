@@ -1,0 +1,189 @@
+"""Our Transformer against Hugging Face transformers' own implementation of the same config and weights.
+
+The weights travel the way users' weights do: transformers writes a safetensors checkpoint, and our
+loader (`read_config` + `load_weights` + `convert_hf_state_dict`) reads it back. fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from tests.conftest import TINY_CONFIG, make_hf_folder
+from trtbuild.models.checkpoint import load_weights, read_config
+from trtbuild.models.llama import Transformer, convert_hf_state_dict
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = RTOL = 1e-4
+BATCH, PROMPT_LEN, DECODE_STEPS = 2, 9, 12
+MAX_SEQ_LEN = PROMPT_LEN + DECODE_STEPS + 3  # slack: the static cache is longer than what is used
+
+BASE: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=128, rms_norm_eps=1e-5, max_position_embeddings=64,
+                            tie_word_embeddings=False)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               # with head_dim 16 and theta 5e5 the wavelengths span the unscaled, smoothed and scaled bands
+               "original_max_position_embeddings": 64}
+
+CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa": ("llama", {}),
+    "llama-mqa": ("llama", {"num_key_value_heads": 1}),
+    "llama-mha": ("llama", {"num_key_value_heads": 4}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-rope-theta": ("llama", {"rope_theta": 500000.0}),
+    "llama3-rope-scaling": ("llama", {"hidden_size": 64, "rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}),
+    "llama-attention-and-mlp-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "llama-head-dim": ("llama", {"head_dim": 16}),
+    "qwen2": ("qwen2", {"rope_theta": 1000000.0, "num_key_value_heads": 1}),
+    "mistral": ("mistral", {"hidden_size": 64, "num_attention_heads": 8}),
+}
+
+
+def hf_model(model_type: str, overrides: dict[str, Any]) -> Any:
+    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                             "mistral": ("MistralConfig", "MistralForCausalLM"),
+                             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[model_type]
+    config = getattr(transformers, config_cls)(**{**BASE, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    _randomize(model)
+    return model
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module) -> None:
+    """Every parameter random and O(1) logits: HF's init (std 0.02, zero biases, unit norms) would leave
+    biases and norm weights untested and the logits too small for a tolerance to mean much."""
+    gen = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        elif "embed_tokens" in name:
+            p.copy_(torch.randn(p.shape, generator=gen))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+
+def ours_from_folder(folder: Path, max_seq_len: int = MAX_SEQ_LEN) -> Transformer:
+    """The loading path a user's checkpoint takes."""
+    _, cfg = read_config(folder)
+    model = Transformer(cfg, max_batch_size=BATCH, max_seq_len=max_seq_len, dtype=torch.float32)
+    model.load_state_dict(convert_hf_state_dict(load_weights(folder, cfg, torch.float32), cfg), strict=True)
+    return model.eval()
+
+
+def prompts(vocab: int = 128) -> Tensor:
+    return torch.randint(0, vocab, (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.fixture(params=list(CONFIGS), scope="module")
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    model_type, overrides = CONFIGS[request.param]
+    hf = hf_model(model_type, overrides)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf, folder
+
+
+@torch.no_grad()
+def hf_logits(hf: Any, tokens: Tensor) -> Tensor:
+    return hf(input_ids=tokens, use_cache=False).logits
+
+
+@pytest.mark.parametrize("from_start", [False, True])
+@torch.no_grad()
+def test_prefill_logits_match_at_every_position(pair: tuple[Any, Path], from_start: bool) -> None:
+    hf, folder = pair
+    ours = ours_from_folder(folder)
+    tokens = prompts()
+    got = ours(tokens, torch.arange(PROMPT_LEN), all_logits=True, from_start=from_start)
+    want = hf_logits(hf, tokens)
+    assert got.shape == want.shape == (BATCH, PROMPT_LEN, 128)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    assert want.abs().max() > 1.0  # the comparison is not between near-zero numbers
+
+
+@pytest.mark.parametrize("from_start", [False, True])
+@torch.no_grad()
+def test_greedy_decode_matches_full_recompute(pair: tuple[Any, Path], from_start: bool) -> None:
+    hf, folder = pair
+    ours = ours_from_folder(folder)
+    seq = prompts()
+    last = ours(seq, torch.arange(PROMPT_LEN), from_start=from_start)
+    for step in range(DECODE_STEPS):
+        want = hf_logits(hf, seq)[:, -1]
+        torch.testing.assert_close(last, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"decode step {step}: {m}")
+        # HF's choice drives both, so one near-tie cannot send the two down different paths
+        nxt = want.argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+        last = ours(nxt, torch.tensor([seq.shape[1] - 1]))
+
+
+@torch.no_grad()
+def test_decode_matches_hf_kv_cache_generation(pair: tuple[Any, Path]) -> None:
+    hf, folder = pair
+    ours = ours_from_folder(folder)
+    tokens = prompts()
+    out = hf.generate(input_ids=tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=DECODE_STEPS,
+                      min_new_tokens=DECODE_STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                      pad_token_id=0)
+    seq = out.sequences
+    last = ours(tokens, torch.arange(PROMPT_LEN), from_start=True)
+    for step, want in enumerate(out.logits):
+        torch.testing.assert_close(last, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"decode step {step}: {m}")
+        pos = PROMPT_LEN + step
+        last = ours(seq[:, pos:pos + 1], torch.tensor([pos]))
+
+
+@torch.no_grad()
+def test_sharded_checkpoint_loads_identically(tmp_path: Path) -> None:
+    hf = hf_model("llama", {})
+    hf.save_pretrained(tmp_path / "single", safe_serialization=True)
+    hf.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="20KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+    assert not (tmp_path / "sharded" / "model.safetensors").exists()
+    single, sharded = ours_from_folder(tmp_path / "single"), ours_from_folder(tmp_path / "sharded")
+    for name, tensor in single.state_dict().items():
+        assert torch.equal(tensor, sharded.state_dict()[name]), name
+    tokens = prompts()
+    torch.testing.assert_close(sharded(tokens, torch.arange(PROMPT_LEN), all_logits=True), hf_logits(hf, tokens),
+                               atol=ATOL, rtol=RTOL)
+
+
+@torch.no_grad()
+def test_synthetic_folder_means_the_same_model_to_hugging_face(tmp_path: Path) -> None:
+    # The other direction: what write_synthetic writes (old-style top-level rope_theta) is read by
+    # transformers as the model we build from it.
+    folder = make_hf_folder(tmp_path / "m", {**TINY_CONFIG, "rope_theta": 500000.0, "attention_bias": True}, seed=5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = prompts()
+    torch.testing.assert_close(ours_from_folder(folder)(tokens, torch.arange(PROMPT_LEN), all_logits=True),
+                               hf_logits(hf, tokens), atol=ATOL, rtol=RTOL)
+
+
+def test_config_reads_rope_theta_from_rope_parameters(tmp_path: Path) -> None:
+    # transformers 5 writes rope_theta only inside rope_parameters
+    hf = hf_model("llama", {"rope_theta": 500000.0})
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    raw, cfg = read_config(tmp_path)
+    assert "rope_theta" not in raw and raw["rope_parameters"]["rope_theta"] == 500000.0
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling is None
+
+
+def test_parameter_count_matches_hugging_face() -> None:
+    from trtbuild.models.llama import LlamaConfig
+
+    for name in ("llama-gqa", "llama-tied", "llama-head-dim"):
+        model_type, overrides = CONFIGS[name]
+        hf = hf_model(model_type, overrides)
+        cfg = LlamaConfig.from_hf(hf.config.to_dict())
+        assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters()), name
