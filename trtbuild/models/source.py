@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from trtbuild.tactics import write_atomic
 
 SYNTHETIC_GENERATOR = 1  # bump when write_synthetic's output for a (config, seed) changes
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
+RACY_NS = 2_000_000_000  # files changed more recently than this are not memoized
 
 
 @dataclass
@@ -97,12 +99,17 @@ def resolve(spec: ModelSpec, store_root: Path) -> ResolvedModel:
 
 
 def _file_digest(path: Path, store_root: Path) -> str:
-    """sha256 of a file, remembered by (path, size, mtime, inode) in the store's digest cache."""
+    """sha256 of a file, remembered by (path, size, mtime, ctime, inode) in the store's digest cache.
+
+    ctime is in the stamp because nothing can set it back (`touch -d`, `cp -p` and rsync restore
+    mtime). A file changed in the last seconds is hashed but not remembered: timestamps tick coarsely,
+    so a write in the same tick as the hash would leave the stamp unchanged (git's "racy clean").
+    """
     try:
         st = path.stat()
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror}") from None
-    stamp = _digest([str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino])
+    stamp = _digest([str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
     memo = store_root / ".digests" / stamp
     with contextlib.suppress(OSError):
         return memo.read_text().strip()
@@ -113,8 +120,10 @@ def _file_digest(path: Path, store_root: Path) -> str:
                 h.update(chunk)
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror}") from None
+    racy = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_NS
     with contextlib.suppress(OSError):  # a read-only store only loses the memo
-        write_atomic(memo, h.hexdigest().encode())
+        if not racy:
+            write_atomic(memo, h.hexdigest().encode())
     return h.hexdigest()
 
 
