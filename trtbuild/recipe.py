@@ -22,7 +22,8 @@ BACKENDS = ("torch", "tensorrt-llm", "tensorrt")
 PRECISIONS = {
     "torch": ("fp32", "fp16", "bf16"),
     "tensorrt-llm": ("fp16", "bf16", "fp8", "int8_wo", "int4_wo", "int4_awq"),
-    "tensorrt": ("fp32", "fp16", "bf16", "fp8", "int8"),
+    # "onnx": keep the ONNX file's own types (a strongly typed network; the only choice on TensorRT 11)
+    "tensorrt": ("fp32", "fp16", "bf16", "fp8", "int8", "onnx"),
 }
 TACTIC_LEVELS = ("none", "default", "max")
 MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -189,6 +189,9 @@ class IExecutionContextImpl(StrictBase):
 
     @property
     def all_binding_shapes_specified(self) -> bool:
+        return self._fake_all_specified()
+
+    def _fake_all_specified(self) -> bool:
         return all(n in self._fake_shapes or -1 not in s for n, _, s, _ in self._fake_inputs())
 
     def _fake_input_shape(self, name: str, static: list[int]) -> tuple[int, ...]:
@@ -199,7 +202,7 @@ class IExecutionContextImpl(StrictBase):
         dims = type(self)._fake_module._fake_cls("Dims")
         if mode == "INPUT":
             return dims._fake_new(self._fake_input_shape(name, static))
-        if not self.all_binding_shapes_specified:
+        if not self._fake_all_specified():
             return dims._fake_new(static)
         key = tuple(sorted(self._fake_shapes.items()))
         if key not in self._fake_out_shapes:  # shape inference by evaluating once on zeros
@@ -228,7 +231,7 @@ class IExecutionContextImpl(StrictBase):
     def execute_async_v3(self, stream_handle: int) -> bool:
         mod = type(self)._fake_module
         missing = [t[0] for t in self._fake_engine._fake_io if not self._fake_addresses.get(t[0])]
-        if missing or not self.all_binding_shapes_specified:
+        if missing or not self._fake_all_specified():
             _log(self._fake_engine._fake_logger, "ERROR", "IExecutionContext::enqueueV3: Error Code 3: API Usage Error "
                  f"(Parameter check failed: addresses or shapes missing for {missing or 'dynamic inputs'})")
             return False
