@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import signal
 import shutil
 import sys
 import time
@@ -20,7 +22,7 @@ from typing import Any
 
 from trtbuild import __version__, backends, fingerprint
 from trtbuild.backends import BuildJob
-from trtbuild.errors import EngineMissingError
+from trtbuild.errors import EngineMissingError, InputError
 from trtbuild.models.source import ResolvedModel, resolve
 from trtbuild.recipe import Recipe
 from trtbuild.store import SCHEMA, Entry, Store, key_of
@@ -74,25 +76,36 @@ def key_material(recipe: Recipe, model: ResolvedModel, backend: backends.Backend
     }
 
 
-def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allow_build: bool = True,
-          progress: Progress = lambda message: None) -> BuildOutcome:
-    """The engine for `recipe`: a cache hit, or a build published atomically. Raises
-    EngineMissingError on a miss when building is not allowed."""
-    t0 = time.perf_counter()
-    store = Store(engines)
+def fault_point(name: str) -> None:
+    """Test hook: `TRTBUILD_FAULT=<name>` kills this process with SIGKILL here, as a crash or an
+    OOM killer would, so tests can check what a dead builder leaves behind. Off unless set."""
+    if os.environ.get("TRTBUILD_FAULT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _resolve(recipe: Recipe, store: Store) -> tuple[backends.Backend, ResolvedModel, dict[str, Any], str]:
     backend = backends.get(recipe.backend)
     toolchain = backend.toolchain()  # raises BackendUnavailableError naming the install step
     model = resolve(recipe.model, store.root)
     material = key_material(recipe, model, backend, toolchain)
-    key = key_of(material)
-    entry = store.lookup(key)
+    return backend, model, material, key_of(material)
+
+
+def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allow_build: bool = True,
+          full_verify: bool = False, progress: Progress = lambda message: None) -> BuildOutcome:
+    """The engine for `recipe`: a cache hit, or a build published atomically. Raises
+    EngineMissingError on a miss when building is not allowed."""
+    t0 = time.perf_counter()
+    store = Store(engines)
+    backend, model, material, key = _resolve(recipe, store)
+    entry = store.lookup(key, full_verify=full_verify)
     lookup_s = time.perf_counter() - t0
     if entry is not None:
+        store.record("hit", key=key, name=recipe.name, saved_s=entry.manifest.get("build", {}).get("total_s"))
         return BuildOutcome(entry, True, lookup_s, 0.0, model)
+    store.record("miss", key=key, name=recipe.name)
     if not allow_build:
-        raise EngineMissingError(f"no engine for recipe '{recipe.name}' (key {key[:16]}) in {store.entries_dir}",
-                                 hint="building is off (--no-build / TRTBUILD_NO_BUILD); build it first with "
-                                 f"`trtbuild build {recipe.path or recipe.name}`")
+        raise _missing(recipe, store, material, key)
     waited: list[str] = []
 
     def on_wait(message: str) -> None:
@@ -100,35 +113,93 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
         progress(message)
 
     with store.lock(key, on_wait=on_wait):
-        entry = store.lookup(key)  # the holder we waited for may have published it
+        entry = store.lookup(key, full_verify=full_verify)  # the holder we waited for may have published it
         if entry is not None:
+            store.record("hit", key=key, name=recipe.name, saved_s=entry.manifest.get("build", {}).get("total_s"))
             return BuildOutcome(entry, True, lookup_s, 0.0, model, waited_for=waited[0] if waited else None)
-        t_build = time.perf_counter()
-        workdir = store.new_workdir(recipe.name, key)
-        try:
-            tactics = TacticCache.for_build(store.tactics_dir, recipe.backend, material["device"], toolchain)
-            job = BuildJob(recipe=recipe, model=model, workdir=workdir, tactics=tactics,
-                           device=material["device"], progress=progress)
-            output = backend.build(job)
-            build_s = time.perf_counter() - t_build
-            now = time.time()
-            manifest = {
-                "key": key,
-                "key_material": material,
-                "name": recipe.name,
-                "backend": recipe.backend,
-                "precision": recipe.precision,
-                "recipe_file": str(recipe.path) if recipe.path else None,
-                "model_source": recipe.model.source,
-                "build": {"total_s": build_s, "phases": output.phases, "host": fingerprint.host()},
-                "tactics": output.tactics,
-                "backend_info": output.extra,
-                "created": now,
-                "last_used": now,
-                "trtbuild_version": __version__,
-            }
-            entry = store.publish(workdir, recipe.name, key, manifest)
-        except BaseException:
-            shutil.rmtree(workdir, ignore_errors=True)
-            raise
-    return BuildOutcome(entry, False, lookup_s, build_s, model, phases=dict(output.phases))
+        outcome = _build_locked(recipe, store, backend, model, material, key, progress)
+        outcome.lookup_s = lookup_s
+        return outcome
+
+
+def _build_locked(recipe: Recipe, store: Store, backend: backends.Backend, model: ResolvedModel,
+                  material: dict[str, Any], key: str, progress: Progress) -> BuildOutcome:
+    fault_point("build_start")
+
+    def progress_with_faults(message: str) -> None:
+        progress(message)
+        fault_point(message.split()[0])  # "exporting ...", "compiling ..."
+
+    t_build = time.perf_counter()
+    workdir = store.new_workdir(recipe.name, key)
+    try:
+        tactics = TacticCache.for_build(store.tactics_dir, recipe.backend, material["device"],
+                                        material["backend"]["toolchain"])
+        job = BuildJob(recipe=recipe, model=model, workdir=workdir, tactics=tactics,
+                       device=material["device"], progress=progress_with_faults)
+        output = backend.build(job)
+        fault_point("before_publish")
+        build_s = time.perf_counter() - t_build
+        now = time.time()
+        manifest = {
+            "key": key,
+            "key_material": material,
+            "name": recipe.name,
+            "backend": recipe.backend,
+            "precision": recipe.precision,
+            "recipe_file": str(recipe.path) if recipe.path else None,
+            "model_source": recipe.model.source,
+            "build": {"total_s": build_s, "phases": output.phases, "host": fingerprint.host()},
+            "tactics": output.tactics,
+            "backend_info": output.extra,
+            "created": now,
+            "last_used": now,
+            "trtbuild_version": __version__,
+        }
+        entry = store.publish(workdir, recipe.name, key, manifest)
+    except OSError as exc:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            raise InputError(f"engine store {store.root}: {exc.strerror} while building '{recipe.name}'; "
+                             "nothing was published", hint="free space or pass --engines DIR on a larger, "
+                             "writable disk") from None
+        raise
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    store.record("build", key=key, name=recipe.name, build_s=build_s)
+    return BuildOutcome(entry, False, 0.0, build_s, model, phases=dict(output.phases))
+
+
+def _missing(recipe: Recipe, store: Store, material: dict[str, Any], key: str) -> EngineMissingError:
+    """Why there is no engine, in the words a fleet operator needs: corrupt, incompatible, or absent."""
+    from trtbuild.housekeeping import incompatibility
+
+    where = f"no engine for recipe '{recipe.name}' (key {key[:16]}) in {store.entries_dir}"
+    reasons = []
+    if store.quarantined:
+        reasons.append(f"corrupt entry moved to quarantine: {store.quarantined[-1]}")
+    other = incompatibility(material, store.entries())
+    if other:
+        reasons.append(other)
+    return EngineMissingError(where + "".join(f"; {r}" for r in reasons),
+                              hint="building is off (--no-build / TRTBUILD_NO_BUILD); build it first with "
+                              f"`trtbuild build {recipe.path or recipe.name}` on this kind of machine")
+
+
+def explain(recipe: Recipe, engines: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Hit or miss, without building; on a miss, the key-material fields that differ from the
+    nearest existing entry."""
+    from trtbuild.housekeeping import nearest
+
+    store = Store(engines)
+    _, _, material, key = _resolve(recipe, store)
+    entry = store.lookup(key)
+    if entry is not None:
+        return {"hit": True, "key": key, "entry": str(entry.path)}
+    near = nearest(material, store.entries(), recipe.name)
+    result: dict[str, Any] = {"hit": False, "key": key, "nearest": None, "differences": []}
+    if near is not None:
+        result["nearest"] = str(near[0].path)
+        result["differences"] = [{"field": f, "entry": a, "recipe": b} for f, a, b in near[1]]
+    return result

@@ -43,8 +43,8 @@ def main() -> None:
 @contextlib.contextmanager
 def _progress(quiet: bool) -> Iterator[Callable[[str], None]]:
     """Progress lines on stderr, as a live status line on a terminal; nothing under --json."""
-    if quiet:
-        yield lambda message: None
+    if quiet:  # JSON on stdout; only a wait for another process's build is worth a line on stderr
+        yield lambda message: click.echo(f"trtbuild: {message}", err=True) if message.startswith("waiting") else None
         return
     from rich.console import Console
 
@@ -82,17 +82,19 @@ def validate(recipes: tuple[str, ...]) -> None:
 @main.command("build")
 @recipe_arg
 @engines_option
+@click.option("--verify", is_flag=True, help="Hash every file of a cached engine (sizes are always checked).")
 @json_option
-def build_cmd(recipe: str, engines: str | None, as_json: bool) -> None:
+def build_cmd(recipe: str, engines: str | None, verify: bool, as_json: bool) -> None:
     """Build the recipe's engine, or find it in the store."""
     from trtbuild.build import build
 
     r = _load(recipe)
     with _progress(as_json) as progress:
-        outcome = build(r, engines, progress=progress)
+        outcome = build(r, engines, full_verify=verify, progress=progress)
     result = {"recipe": r.name, "backend": r.backend,
               "engine": {"key": outcome.key, "path": str(outcome.entry.path), "cache_hit": outcome.cache_hit},
-              "lookup_s": outcome.lookup_s, "build_s": outcome.build_s, "phases": outcome.phases}
+              "lookup_s": outcome.lookup_s, "build_s": outcome.build_s, "phases": outcome.phases,
+              "waited_for": outcome.waited_for}
     if as_json:
         click.echo(json.dumps(result))
         return
@@ -124,10 +126,11 @@ def _parse_ids(text: str | None) -> list[list[int]] | None:
 @click.option("--prompt-ids", default=None, help="Token ids, e.g. 1,2,3 (rows separated by ';').")
 @click.option("--prompt", "prompt_text", default=None, help="Text prompt (needs the model's tokenizer.json).")
 @click.option("--iterations", type=int, default=3, show_default=True)
+@click.option("--verify", is_flag=True, help="Hash every engine file before loading (sizes are always checked).")
 @json_option
 def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | None, input_len: int | None,
             output_len: int | None, prompt_ids: str | None, prompt_text: str | None, iterations: int,
-            as_json: bool) -> None:
+            verify: bool, as_json: bool) -> None:
     """Find (or build) the engine, run it, and report every phase."""
     from trtbuild.runner import open_session, run_report
 
@@ -136,7 +139,7 @@ def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | 
     if ids is not None and prompt_text is not None:
         raise InputError("--prompt and --prompt-ids: give one of them")
     with _progress(as_json) as progress:
-        session = open_session(r, engines, build=not no_build, progress=progress)
+        session = open_session(r, engines, build=not no_build, progress=progress, verify=verify)
     with session:
         report = run_report(session, batch_size=batch_size or r.run.batch_size, input_len=input_len or r.run.input_len,
                             output_len=output_len or r.run.output_len, iterations=iterations, prompt_ids=ids,
@@ -239,15 +242,107 @@ def cache_show(ref: str, engines: str | None) -> None:
 @cache.command("rm")
 @click.argument("refs", nargs=-1, required=True)
 @engines_option
-def cache_rm(refs: tuple[str, ...], engines: str | None) -> None:
+@click.option("--force", is_flag=True, help="Remove even entries that a running process has open.")
+def cache_rm(refs: tuple[str, ...], engines: str | None, force: bool) -> None:
     """Remove entries (their tactic caches stay)."""
     from trtbuild.store import Store
 
     store = Store(engines)
     for ref in refs:
         entry = store.find(ref)
+        if store.is_in_use(entry.key) and not force:
+            raise TrtbuildError(f"{entry.path.name} is open in a running process", hint="stop it, or pass --force")
         store.remove(entry)
         click.echo(f"removed {entry.path.name}")
+
+
+@cache.command("pin")
+@click.argument("ref")
+@engines_option
+def cache_pin(ref: str, engines: str | None) -> None:
+    """Protect an entry from prune."""
+    from trtbuild.store import Store
+
+    store = Store(engines)
+    entry = store.find(ref)
+    store.pin(entry)
+    click.echo(f"pinned {entry.path.name}")
+
+
+@cache.command("unpin")
+@click.argument("ref")
+@engines_option
+def cache_unpin(ref: str, engines: str | None) -> None:
+    """Let prune remove an entry again."""
+    from trtbuild.store import Store
+
+    store = Store(engines)
+    entry = store.find(ref)
+    store.pin(entry, pinned=False)
+    click.echo(f"unpinned {entry.path.name}")
+
+
+@cache.command("prune")
+@engines_option
+@click.option("--max-size", default=None, help="Keep the store under this size, e.g. 50G (LRU first).")
+@click.option("--older-than", default=None, help="Remove entries unused for this long, e.g. 30d.")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+def cache_prune(engines: str | None, max_size: str | None, older_than: str | None, dry_run: bool) -> None:
+    """Remove least recently used entries; pinned and in-use entries always stay."""
+    from trtbuild.housekeeping import parse_age, parse_size, plan_prune
+    from trtbuild.store import Store
+
+    if max_size is None and older_than is None:
+        raise InputError("cache prune: give --max-size and/or --older-than")
+    store = Store(engines)
+    plan = plan_prune(store, parse_size(max_size) if max_size else None, parse_age(older_than) if older_than else None)
+    verb = "would remove" if dry_run else "removed"
+    for entry in plan.remove:
+        if not dry_run:
+            store.remove(entry)
+        click.echo(f"{verb} {entry.path.name} ({_size(entry.size())}, last used {_when(entry.manifest.get('last_used'))})")
+    for entry in plan.kept_pinned:
+        click.echo(f"kept   {entry.path.name} (pinned)")
+    for entry in plan.kept_in_use:
+        click.echo(f"kept   {entry.path.name} (in use)")
+    click.echo(f"store: {_size(plan.size_before)} -> {_size(plan.size_after)}")
+
+
+@cache.command("explain")
+@recipe_arg
+@engines_option
+@json_option
+def cache_explain(recipe: str, engines: str | None, as_json: bool) -> None:
+    """Hit or miss for a recipe; on a miss, the key fields that differ from the nearest entry."""
+    from trtbuild.build import explain
+
+    result = explain(_load(recipe), engines)
+    if as_json:
+        click.echo(json.dumps(result))
+    elif result["hit"]:
+        click.echo(f"hit: {result['entry']} (key {result['key'][:16]})")
+    elif result["nearest"] is None:
+        click.echo(f"miss: key {result['key'][:16]}; the store has no entries to compare with")
+    else:
+        click.echo(f"miss: key {result['key'][:16]}; nearest entry {result['nearest']} differs in:")
+        for d in result["differences"]:
+            click.echo(f"  {d['field']}: entry {json.dumps(d['entry'])} -> recipe {json.dumps(d['recipe'])}")
+
+
+@cache.command("stats")
+@engines_option
+@json_option
+def cache_stats(engines: str | None, as_json: bool) -> None:
+    """Hits, misses, builds, and the build seconds that hits saved."""
+    from trtbuild.housekeeping import stats
+    from trtbuild.store import Store
+
+    counts = stats(Store(engines))
+    if as_json:
+        click.echo(json.dumps(counts))
+        return
+    click.echo(f"hits {counts['hits']}  misses {counts['misses']}  builds {counts['builds']}  "
+               f"build time {counts['build_s']:.1f} s  saved by hits {counts['build_s_saved']:.1f} s")
 
 
 @cache.command("verify")

@@ -46,3 +46,16 @@ class EngineMissingError(TrtbuildError):
 
 class BackendUnavailableError(TrtbuildError):
     """The recipe's backend cannot be imported here; the hint says what to install."""
+
+
+class IncompatibleEngineError(TrtbuildError):
+    """A stored engine this runtime cannot load (another library version or GPU, not a plan).
+
+    `reason` is one of version_mismatch, device_mismatch, not_a_plan, unknown. The engine is not
+    broken, it was built for something else: the runner quarantines it and rebuilds when allowed.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message, hint="rebuild the engine here (remove it with `trtbuild cache rm` and build "
+                                       "again); engines only load with the library version and GPU that built them")
+        self.reason = reason

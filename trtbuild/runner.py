@@ -7,6 +7,7 @@ is excluded from prefill and decode; every figure is a median or percentile over
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -16,9 +17,12 @@ from typing import Any
 from trtbuild import backends
 from trtbuild.backends import Engine, Generation
 from trtbuild.build import BuildOutcome, Progress, build, no_build_from_env
-from trtbuild.errors import InputError
+from trtbuild.errors import IncompatibleEngineError, InputError
 from trtbuild.recipe import Recipe, run_shape_problems
+from trtbuild.store import Store
 from trtbuild.timing import percentiles
+
+_build = build  # open_session's `build` flag shadows the function
 
 # Datasheet peaks (dense bf16 FLOP/s, HBM bytes/s): leads, not measurements. The benchmark measures
 # the real ceilings; these only give the run report a scale.
@@ -33,26 +37,53 @@ DATASHEET_PEAKS: dict[str, tuple[float, float]] = {
 class Session:
     """An open engine. `with open_session(recipe) as s: s.generate(ids, 16)`; no device work before entry."""
 
-    def __init__(self, recipe: Recipe, outcome: BuildOutcome) -> None:
+    def __init__(self, recipe: Recipe, outcome: BuildOutcome, engines: str | os.PathLike[str] | None = None,
+                 allow_build: bool = False, progress: Progress = lambda message: None) -> None:
         self.recipe = recipe
         self.outcome = outcome
+        self.engines = engines
+        self.allow_build = allow_build
+        self.progress = progress
         self.phases: dict[str, float] = {"lookup_s": outcome.lookup_s, "build_s": outcome.build_s}
         self.last: Generation | None = None
         self._engine: Engine | None = None
         self._tokenizer: Any = None
 
     def __enter__(self) -> "Session":
-        entry = self.outcome.entry
-        engine = backends.get(self.recipe.backend).load(entry.path, entry.manifest)
-        t = time.perf_counter()
-        self._engine = engine.__enter__()
-        self.phases["load_s"] = time.perf_counter() - t  # __enter__ synchronizes what it loads
+        self._stack = contextlib.ExitStack()
+        try:
+            self._load()
+        except BaseException:
+            self._stack.close()
+            raise
         return self
+
+    def _load(self) -> None:
+        store = Store(self.engines)
+        for attempt in (1, 2):
+            entry = self.outcome.entry
+            # Held while open: prune and rm never take an engine from under a running process.
+            self._stack.enter_context(store.in_use(entry.key))
+            engine = backends.get(self.recipe.backend).load(entry.path, entry.manifest)
+            t = time.perf_counter()
+            try:
+                self._engine = engine.__enter__()
+            except IncompatibleEngineError as exc:
+                # Built for another library version or GPU: never crash later, rebuild now if allowed.
+                if attempt == 2 or not self.allow_build:
+                    raise
+                store.quarantine(entry.path, f"{exc.reason}: {exc.message}")
+                self.outcome = build(self.recipe, self.engines, allow_build=True, progress=self.progress)
+                self.phases["build_s"] += self.outcome.build_s
+                continue
+            self.phases["load_s"] = time.perf_counter() - t  # __enter__ synchronizes what it loads
+            return
 
     def __exit__(self, *exc: object) -> None:
         if self._engine is not None:
             self._engine.__exit__(*exc)
             self._engine = None
+        self._stack.close()
 
     @property
     def engine(self) -> Engine:
@@ -89,15 +120,11 @@ class Session:
 
 
 def open_session(recipe: Recipe, engines: str | os.PathLike[str] | None = None, build: bool = True,
-                 progress: Progress = lambda message: None) -> Session:
+                 progress: Progress = lambda message: None, verify: bool = False) -> Session:
     """Find (or build) the engine and return a Session; enter it to load the engine."""
-    outcome = build_or_find(recipe, engines, build, progress)
-    return Session(recipe, outcome)
-
-
-def build_or_find(recipe: Recipe, engines: str | os.PathLike[str] | None, allow_build: bool,
-                  progress: Progress) -> BuildOutcome:
-    return build(recipe, engines, allow_build=allow_build and not no_build_from_env(), progress=progress)
+    allow = build and not no_build_from_env()
+    outcome = _build(recipe, engines, allow_build=allow, full_verify=verify, progress=progress)
+    return Session(recipe, outcome, engines, allow_build=allow, progress=progress)
 
 
 def default_prompt(batch_size: int, input_len: int, vocab_size: int) -> list[list[int]]:
@@ -177,8 +204,3 @@ def roofline(gen: Generation, ttft_s: float, tpot_s: float, device: str) -> dict
                 break
     return out
 
-
-def default_engines() -> Path:
-    from trtbuild.store import default_root
-
-    return default_root()

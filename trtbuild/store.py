@@ -6,6 +6,9 @@ Layout under the root (`--engines`, `TRTBUILD_ENGINES`, or ./engines):
     v1/<name>-<key[:16]>/        one engine: the backend's files + manifest.json
     v1/.tmp/                     builds in progress (same filesystem, so publish is one rename)
     v1/.locks/<key>.lock         per-key build locks (OS locks: they die with their process)
+    v1/.locks/<key>.use          shared locks held by every process that has the engine open
+    pins/<key>                   entries that prune never removes
+    stats.jsonl                  one line per hit, miss and build, for `trtbuild cache stats`
     quarantine/                  entries that failed an integrity check, kept for inspection
     tactics/<backend>/<id>/      tactic caches (see tactics.py)
     models/                      synthetic checkpoints written on first build
@@ -18,6 +21,7 @@ processes building the same key at once.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -78,6 +82,9 @@ class Store:
         self.locks_dir = self.entries_dir / ".locks"
         self.quarantine_dir = self.root / "quarantine"
         self.tactics_dir = self.root / "tactics"
+        self.pins_dir = self.root / "pins"
+        self.stats_file = self.root / "stats.jsonl"
+        self.quarantined: list[str] = []  # what lookups in this process moved aside, and why
 
     # -- setup ---------------------------------------------------------------------------------
     def ensure(self) -> None:
@@ -109,11 +116,14 @@ class Store:
             if manifest is None or manifest.get("key") != key:
                 if manifest is None and path.is_dir():
                     self.quarantine(path, "manifest missing or unreadable")
+                    self.quarantined.append(f"{path.name}: manifest missing or unreadable")
                 continue
             entry = Entry(path, manifest)
+            # Sizes on every lookup (cheap); every hash on the first use after publish or when asked.
             problems = verify(entry, full=full_verify or not manifest.get("verified", False))
             if problems:
                 self.quarantine(path, "; ".join(problems))
+                self.quarantined.append(f"{path.name}: {'; '.join(problems)}")
                 continue
             if not manifest.get("verified", False):
                 manifest["verified"] = True  # first use after publish checked every hash
@@ -158,8 +168,13 @@ class Store:
         try:
             lock.acquire(timeout=0)
         except Timeout:
-            with contextlib.suppress(OSError):
-                on_wait(f"waiting for the build of this engine by {owner_path.read_text().strip()}")
+            owner = "another process"
+            for _ in range(20):  # the holder writes its name just after taking the lock
+                with contextlib.suppress(OSError):
+                    owner = owner_path.read_text().strip() or owner
+                    break
+                time.sleep(0.05)
+            on_wait(f"waiting for the build of this engine by {owner}")
             lock.acquire()
         try:
             with contextlib.suppress(OSError):
@@ -199,7 +214,9 @@ class Store:
             rel = f.relative_to(workdir).as_posix()
             files[rel] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
             _fsync(f)
-        manifest = {**manifest, "files": files, "verified": True}
+        # verified stays False: the first process to use the entry hashes every file once more,
+        # which catches what went wrong between this write and that use.
+        manifest = {**manifest, "files": files, "verified": False}
         write_atomic(workdir / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
         final = self.entry_path(name, key)
         if final.exists():  # left by a crash between rename and nothing else; quarantine, never merge
@@ -207,6 +224,53 @@ class Store:
         os.rename(workdir, final)
         _fsync_dir(self.entries_dir)
         return Entry(final, manifest)
+
+    # -- use, pins, stats ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def in_use(self, key: str) -> Iterator[None]:
+        """Hold a shared OS lock while an engine is open: prune and rm skip entries held this way."""
+        self.locks_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.locks_dir / f"{key}.use", "a+b") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def is_in_use(self, key: str) -> bool:
+        path = self.locks_dir / f"{key}.use"
+        if not path.exists():
+            return False
+        with open(path, "a+b") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return False
+
+    def pin(self, entry: Entry, pinned: bool = True) -> None:
+        path = self.pins_dir / entry.key
+        if pinned:
+            self.pins_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(entry.path.name + "\n")
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def is_pinned(self, key: str) -> bool:
+        return (self.pins_dir / key).exists()
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Append one stats line; a single small O_APPEND write, so concurrent writers do not interleave."""
+        line = json.dumps({"event": event, "time": time.time(), **fields}, sort_keys=True) + "\n"
+        with contextlib.suppress(OSError):
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.stats_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
 
     def quarantine(self, path: Path, reason: str) -> Path:
         self.quarantine_dir.mkdir(parents=True, exist_ok=True)

@@ -16,17 +16,8 @@ from trtbuild.tactics import TacticCache, write_atomic
 TIMING_CACHE = "timing.cache"
 
 
-class IncompatibleEngineError(TrtbuildError):
-    """A stored engine this runtime cannot load (other TensorRT version, other GPU, not a plan).
-
-    `reason` is one of version_mismatch, device_mismatch, not_a_plan, unknown. The engine is not
-    broken, it was built for something else: the fix is a rebuild, which the hint names.
-    """
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message, hint="rebuild the engine here (remove it with `trtbuild cache rm` and build "
-                                       "again); engines only load with the TensorRT version and GPU that built them")
-        self.reason = reason
+# Defined with the other user-facing errors so that the runner can catch it without importing a backend.
+from trtbuild.errors import IncompatibleEngineError  # noqa: E402,F401
 
 
 def capturing_logger(trt: Any) -> Any:

@@ -1,0 +1,206 @@
+"""The variants the benchmark runs side by side, each behind one small interface.
+
+Every peer answers `generate(prompts, new_tokens) -> (prefill_s, decode_step_s)`: greedy decoding
+of a batch of equal-length prompts, timed on the device (CUDA events through trtbuild's StepClock,
+perf_counter on the CPU). The first interval is the time to the first token; each later one is one
+decode step. The benchmark warms every peer up with the exact shapes it then times.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from trtbuild.timing import StepClock
+
+Timings = tuple[float, list[float]]
+
+
+class Peer(Protocol):
+    label: str  # what ran, in words (mode, fallbacks)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> Timings: ...
+
+    def close(self) -> None: ...
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# -- (1) our engine, as a user runs it: a cache hit through open_session ------------------------------
+class EnginePeer:
+    def __init__(self, recipe: Any, engines: str) -> None:
+        from trtbuild.runner import open_session
+
+        self.session = open_session(recipe, engines, build=False).__enter__()
+        self.label = f"trtbuild {recipe.backend} engine (cache hit, open_session(build=False))"
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> Timings:
+        gen = self.session.engine.generate(prompts, new_tokens)
+        return gen.prefill_s, list(gen.decode_step_s)
+
+    def close(self) -> None:
+        self.session.__exit__(None, None, None)
+        free_device_memory()
+
+
+# -- (2) eager PyTorch and (3) torch.compile on the same model code -----------------------------------
+def load_transformer(folder: Path, dtype: torch.dtype, device: str, max_batch: int, max_seq: int) -> Any:
+    """trtbuild's Transformer with the checkpoint's weights, the way the backend builds it."""
+    from trtbuild.models.checkpoint import load_weights, read_config
+    from trtbuild.models.llama import Transformer, convert_hf_state_dict
+
+    _, cfg = read_config(folder)
+    state = convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg)
+    with torch.device(device):
+        model = Transformer(cfg, max_batch, max_seq, dtype)
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def _prefill_step(model: Any, tokens: Tensor, pos: Tensor) -> Tensor:
+    return model(tokens, pos, from_start=True).argmax(-1, keepdim=True)
+
+
+def _decode_step(model: Any, tok: Tensor, pos: Tensor) -> Tensor:
+    return model(tok, pos).argmax(-1, keepdim=True)
+
+
+class TransformerPeer:
+    """Prefill then one decode call per token; `compiled` = the gpt-fast recipe."""
+
+    def __init__(self, model: Any, device: str, compiled: bool, cpu_mode: str = "default") -> None:
+        self.model, self.device, self.compiled = model, device, compiled
+        self.prefill: Callable[..., Tensor] = _prefill_step
+        self.decoders: dict[int, Callable[..., Tensor]] = {}
+        if not compiled:
+            self.label = "eager PyTorch, trtbuild's Transformer (no CUDA graph)"
+            return
+        cuda = device.startswith("cuda")
+        self.mode = "max-autotune" if cuda else cpu_mode
+        # gpt-fast: decode compiled whole (fullgraph), static shapes, CUDA graphs from the mode;
+        # prefill compiled once with a dynamic length, no CUDA graphs.
+        self.prefill = torch.compile(_prefill_step, fullgraph=True, dynamic=True)
+        self.label = (f"torch.compile(mode={self.mode!r}, fullgraph) decode per batch, dynamic prefill"
+                      + ("; CUDA graphs from the mode" if cuda else "; CPU: no CUDA graphs"))
+
+    def _decoder(self, batch: int) -> Callable[..., Tensor]:
+        if batch not in self.decoders:
+            self.decoders[batch] = (torch.compile(_decode_step, mode=self.mode, fullgraph=True, dynamic=False)
+                                    if self.compiled else _decode_step)
+        return self.decoders[batch]
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> Timings:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        tokens = torch.tensor(prompts, dtype=torch.long, device=self.device)
+        t = tokens.shape[1]
+        decode = self._decoder(tokens.shape[0])
+        clock = StepClock(self.device)
+        out = []
+        with torch.no_grad():
+            clock.mark()
+            nxt = self.prefill(self.model, tokens, torch.arange(t, device=self.device)).clone()
+            clock.mark()
+            out.append(nxt)
+            pos = torch.tensor([t], dtype=torch.long, device=self.device)
+            # MATH attention for decode, as the engine's decode graphs (Inductor writes the kernel).
+            with sdpa_kernel([SDPBackend.MATH]):
+                for _ in range(new_tokens - 1):
+                    nxt = decode(self.model, nxt, pos).clone()
+                    pos += 1
+                    clock.mark()
+                    out.append(nxt)
+        times = clock.intervals()
+        return times[0], times[1:]
+
+    def close(self) -> None:
+        self.decoders.clear()
+        if self.compiled:
+            torch._dynamo.reset()  # drops compiled graphs and their CUDA-graph pools
+        self.model = None
+        free_device_memory()
+
+
+# -- (4) Hugging Face transformers generate() ---------------------------------------------------------
+class HFPeer:
+    """`generate()` with a static cache (auto-compiled decode on CUDA), or eager with DynamicCache.
+
+    The time marks come from a logits processor, which generate() calls once per step right after
+    the forward pass: the first interval is prefill (with generate's own set-up), each later one a
+    decode step including generate's per-step host work, as a user experiences it.
+    """
+
+    def __init__(self, folder: Path, dtype: torch.dtype, device: str, mode: str) -> None:
+        from transformers import AutoModelForCausalLM, LogitsProcessor
+
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+        self.model.generation_config.eos_token_id = None  # random weights: never stop early
+        self.model.generation_config.pad_token_id = 0
+        self.mode = mode
+        peer = self
+
+        class Marker(LogitsProcessor):
+            def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+                peer.clock.mark()
+                return scores
+
+        self.marker = Marker()
+        self.clock = StepClock(device)
+
+    @property
+    def label(self) -> str:
+        if self.mode == "static":
+            compiled = hasattr(self.model, "_compiled_call")
+            return ("transformers generate(), static cache, " +
+                    ("auto torch.compile of decode (reduce-overhead, CUDA graphs)" if compiled else "not compiled"))
+        return "transformers generate(), eager, DynamicCache"
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> Timings:
+        from transformers import LogitsProcessorList
+
+        ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
+        kwargs: dict[str, Any] = {"cache_implementation": "static"} if self.mode == "static" else {"disable_compile": True}
+        self.clock = StepClock(self.device)
+        with torch.no_grad():
+            self.clock.mark()
+            self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False,
+                                logits_processor=LogitsProcessorList([self.marker]), **kwargs)
+        times = self.clock.intervals()
+        return times[0], times[1:]
+
+    def close(self) -> None:
+        self.model = None
+        torch._dynamo.reset()
+        free_device_memory()
+
+
+def hf_peer(folder: Path, dtype: torch.dtype, device: str, mode: str, probe: list[list[int]],
+            new_tokens: int) -> tuple[HFPeer, list[str]]:
+    """The fastest HF mode that works here: try static(+compile) first unless told, fall back to eager."""
+    notes: list[str] = []
+    order = {"auto": ["static", "eager"], "static": ["static"], "eager": ["eager"]}[mode]
+    peer = HFPeer(folder, dtype, device, order[0])
+    for i, m in enumerate(order):
+        peer.mode = m
+        try:
+            for _ in range(3):  # compiles and records the CUDA graphs for this exact total length
+                peer.generate(probe, new_tokens)
+            return peer, notes
+        except Exception as exc:  # noqa: BLE001 - any failure means "this mode does not work here"
+            notes.append(f"HF mode {m!r} failed: {type(exc).__name__}: {str(exc)[:300]}")
+            if i == len(order) - 1:
+                raise
+            torch._dynamo.reset()
+    raise AssertionError("unreachable")

@@ -1,0 +1,194 @@
+"""The store under concurrency, crashes and corruption, with real processes and real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trtbuild.build import build
+from trtbuild.recipe import load_recipe
+from trtbuild.store import Store
+
+from .conftest import REPO, read_json_line, run_cli, tiny_recipe_doc, write_recipe
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One engine, built once; tests work on copies of its store."""
+    root = tmp_path_factory.mktemp("published")
+    recipe = write_recipe(root, tiny_recipe_doc(name="rel"))
+    outcome = build(load_recipe(recipe), root / "engines")
+    return {"recipe": recipe, "store": root / "engines", "key": outcome.key, "entry": outcome.entry.path.name}
+
+
+def _copy_store(published: dict[str, Any], dest: Path) -> Path:
+    shutil.copytree(published["store"], dest)
+    return dest
+
+
+def _entry_dirs(store: Path) -> list[str]:
+    return sorted(p.name for p in (store / "v1").iterdir() if not p.name.startswith("."))
+
+
+def test_builders_killed_mid_build_leave_nothing_visible_and_no_stuck_lock(tmp_path: Path) -> None:
+    """SIGKILL during export, during compile and between writing files and publishing: no entry
+    appears, the lock dies with the process, and the next build proceeds and cleans up."""
+    recipe = write_recipe(tmp_path, tiny_recipe_doc(name="crash"))
+    store = tmp_path / "engines"
+    for point in ("exporting", "compiling", "before_publish"):
+        proc = run_cli("build", str(recipe), "--engines", str(store), "--json", env={"TRTBUILD_FAULT": point})
+        assert proc.returncode == -9, (point, proc.stderr[-500:])
+        assert _entry_dirs(store) == [], point
+        assert list((store / "v1" / ".tmp").iterdir()), "the dead builder's folder is left behind"
+        miss = run_cli("run", str(recipe), "--engines", str(store), "--no-build")
+        assert miss.returncode == 1 and "no engine for recipe 'crash'" in miss.stderr
+    proc = run_cli("build", str(recipe), "--engines", str(store), "--json")  # lock free: not stuck
+    assert proc.returncode == 0, proc.stderr[-800:]
+    assert read_json_line(proc.stdout)["engine"]["cache_hit"] is False
+    leftovers = [p.name for p in (store / "v1" / ".tmp").iterdir()]
+    assert leftovers == [], f"stale build folders not cleaned: {leftovers}"
+    assert len(_entry_dirs(store)) == 1
+
+
+def test_concurrent_builders_build_once_and_the_others_wait_and_reuse(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_recipe_doc(name="flight"))
+    store = tmp_path / "engines"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "trtbuild", "build", str(recipe), "--engines", str(store), "--json"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    results = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [r[1][-500:] for r in results]
+    reports = [read_json_line(out) for out, _ in results]
+    assert sorted(r["engine"]["cache_hit"] for r in reports) == [False, True, True]
+    assert len({r["engine"]["key"] for r in reports}) == 1
+    waiters = [err for (_, err), rep in zip(results, reports) if rep["engine"]["cache_hit"]]
+    assert all("waiting for the build of this engine by pid" in err for err in waiters)
+    stats = json.loads(run_cli("cache", "stats", "--engines", str(store), "--json").stdout)
+    assert stats["builds"] == 1 and stats["hits"] == 2
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_corrupt_entries_are_quarantined_and_rebuilt_or_refused(published: dict[str, Any], tmp_path: Path,
+                                                               damage: str) -> None:
+    store = _copy_store(published, tmp_path / "engines")
+    weights = store / "v1" / published["entry"] / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF  # same size: only a hash finds it
+        weights.write_bytes(bytes(data))
+    elif damage == "truncate":
+        weights.write_bytes(bytes(data[: len(data) // 3]))
+    else:
+        weights.unlink()
+    # The copy has never been used, so its first lookup hashes every file.
+    proc = run_cli("run", str(published["recipe"]), "--engines", str(store), "--no-build")
+    assert proc.returncode == 1 and "corrupt entry moved to quarantine" in proc.stderr, proc.stderr
+    assert "weights.safetensors" in proc.stderr and "Traceback" not in proc.stderr
+    assert _entry_dirs(store) == []
+    quarantined = list((store / "quarantine").iterdir())
+    assert len(quarantined) == 1 and (quarantined[0] / "QUARANTINED").is_file()
+
+
+def test_after_first_use_sizes_are_checked_on_every_lookup_and_hashes_on_verify(published: dict[str, Any],
+                                                                              tmp_path: Path) -> None:
+    store = _copy_store(published, tmp_path / "engines")
+    recipe = load_recipe(published["recipe"])
+    assert build(recipe, store, allow_build=False).cache_hit  # first use: full hash, marks verified
+    weights = store / "v1" / published["entry"] / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert build(recipe, store, allow_build=False).cache_hit  # same size: the cheap check passes
+    proc = run_cli("cache", "verify", "--all", "--engines", str(store))
+    assert proc.returncode == 1 and "CORRUPT" in proc.stdout and "sha256" in proc.stdout
+    assert _entry_dirs(store) == []
+
+
+def test_verify_flag_hashes_every_file(published: dict[str, Any], tmp_path: Path) -> None:
+    store = _copy_store(published, tmp_path / "engines")
+    recipe = load_recipe(published["recipe"])
+    build(recipe, store, allow_build=False)
+    pkg = store / "v1" / published["entry"] / "prefill.pt2"
+    data = bytearray(pkg.read_bytes())
+    data[-10] ^= 0x01
+    pkg.write_bytes(bytes(data))
+    proc = run_cli("build", str(published["recipe"]), "--engines", str(store), "--verify", "--json")
+    assert proc.returncode == 0
+    assert read_json_line(proc.stdout)["engine"]["cache_hit"] is False  # quarantined, then rebuilt
+    assert len(list((store / "quarantine").iterdir())) == 1
+
+
+def test_prune_removes_least_recently_used_and_keeps_pinned_and_in_use(published: dict[str, Any],
+                                                                       tmp_path: Path) -> None:
+    store_dir = _copy_store(published, tmp_path / "engines")
+    src = store_dir / "v1" / published["entry"]
+    # Three entries with different last-used times (copies of one engine under other keys).
+    for i, age_days in enumerate([40, 20, 1]):
+        dest = store_dir / "v1" / f"copy{i}-{str(i) * 16}"
+        shutil.copytree(src, dest)
+        manifest = json.loads((dest / "manifest.json").read_text())
+        manifest.update(key=str(i) * 64, name=f"copy{i}", last_used=manifest["last_used"] - age_days * 86400)
+        (dest / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(src)
+    store = Store(store_dir)
+    dry = run_cli("cache", "prune", "--older-than", "10d", "--dry-run", "--engines", str(store_dir))
+    assert "would remove copy0" in dry.stdout and "would remove copy1" in dry.stdout and len(_entry_dirs(store_dir)) == 3
+    assert run_cli("cache", "pin", "copy0", "--engines", str(store_dir)).returncode == 0
+    with store.in_use("1" * 64):  # a process holds copy1 open
+        proc = run_cli("cache", "prune", "--older-than", "10d", "--engines", str(store_dir))
+        assert "kept   copy0" in proc.stdout and "(pinned)" in proc.stdout and "(in use)" in proc.stdout
+        assert _entry_dirs(store_dir) == sorted(p for p in _entry_dirs(store_dir))
+        assert len(_entry_dirs(store_dir)) == 3
+        rm = run_cli("cache", "rm", "copy1", "--engines", str(store_dir))
+        assert rm.returncode == 1 and "open in a running process" in rm.stderr
+    run_cli("cache", "unpin", "copy0", "--engines", str(store_dir))
+    size = store.find("copy2").size()
+    proc = run_cli("cache", "prune", "--max-size", str(size + 1), "--engines", str(store_dir))
+    assert proc.returncode == 0
+    assert _entry_dirs(store_dir) == ["copy2-" + "2" * 16], "oldest first until the store fits"
+
+
+def test_explain_names_the_fields_that_differ(published: dict[str, Any], tmp_path: Path) -> None:
+    store = _copy_store(published, tmp_path / "engines")
+    hit = json.loads(run_cli("cache", "explain", str(published["recipe"]), "--engines", str(store), "--json").stdout)
+    assert hit["hit"] is True
+    doc = tiny_recipe_doc(name="rel", precision="bf16")
+    other = write_recipe(tmp_path, doc, "other.yaml")
+    miss = json.loads(run_cli("cache", "explain", str(other), "--engines", str(store), "--json").stdout)
+    assert miss["hit"] is False and miss["nearest"].endswith(published["entry"])
+    assert [d["field"] for d in miss["differences"]] == ["recipe.precision"]
+
+
+def test_an_entry_built_elsewhere_is_refused_by_name(published: dict[str, Any], tmp_path: Path) -> None:
+    """An entry from another device/toolchain never matches this machine's key, and a fleet node
+    told not to build says what the entry was built for and what this machine is."""
+    store = _copy_store(published, tmp_path / "engines")
+    entry = store / "v1" / published["entry"]
+    manifest = json.loads((entry / "manifest.json").read_text())
+    km = manifest["key_material"]
+    km["device"] = {"kind": "cuda", "name": "NVIDIA H200", "compute_capability": "9.0"}
+    km["backend"]["toolchain"] = {"torch": "2.11.0+cu130", "cuda": "13.0", "triton": "3.6.0"}
+    manifest["key"] = "f" * 64
+    (entry / "manifest.json").write_text(json.dumps(manifest))
+    entry.rename(store / "v1" / f"rel-{'f' * 16}")
+    proc = run_cli("run", str(published["recipe"]), "--engines", str(store), "--no-build")
+    assert proc.returncode == 1
+    assert "was built for NVIDIA H200 sm90 with cuda 13.0, torch 2.11.0+cu130, triton 3.6.0; this is CPU" in proc.stderr
+
+
+def test_unwritable_store_is_a_clear_input_error(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_recipe_doc(name="ro"))
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the store should be")
+    proc = run_cli("build", str(recipe), "--engines", str(blocker / "engines"))
+    assert proc.returncode == 2 and "not writable" in proc.stderr and "Traceback" not in proc.stderr
