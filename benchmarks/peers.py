@@ -204,3 +204,89 @@ def hf_peer(folder: Path, dtype: torch.dtype, device: str, mode: str, probe: lis
                 raise
             torch._dynamo.reset()
     raise AssertionError("unreachable")
+
+
+# -- report: the PNG and the table printed last -------------------------------------------------------
+def plot(report: dict[str, Any], path: Path) -> str:
+    """Time per token against batch, prefill time against prompt length; every variant, floors dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "[bench] matplotlib is not importable here: no plot written (the JSON has every number)"
+    recipes = list(report["recipes"].values())
+    fig, axes = plt.subplots(len(recipes), 2, figsize=(12, 4.5 * len(recipes)), squeeze=False)
+    for row, rec in zip(axes, recipes):
+        floors = rec["floors"]
+        for ax, kind, xlabel in ((row[0], "decode", "batch size"), (row[1], "prefill", "prompt tokens (batch 1)")):
+            xs = sorted(int(x) for x in floors[f"{kind}_s"])
+            ax.plot(xs, [floors[f"{kind}_s"][str(x)] * 1e3 for x in xs], "k--", label="floor")
+            for name, v in rec.get("variants", {}).items():
+                pts = sorted((int(x), d["p50"] * 1e3) for x, d in v.get(kind, {}).items())
+                if pts:
+                    ax.plot(*zip(*pts), "o-", label=name)
+            ax.set(xlabel=xlabel, ylabel="ms per token" if kind == "decode" else "ms", yscale="log",
+                   title=f"{rec['recipe']}: {'decode, median' if kind == 'decode' else 'prefill, median'}")
+            ax.set_xticks(xs)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{report['device']}, torch {report['torch']}, {report['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"[bench] plot written: {path}"
+
+
+def _ms(d: dict[str, Any] | None, key: str = "p50") -> str:
+    if not d:
+        return "-"
+    x = f" ({d['x_floor']:.2f}x)" if "x_floor" in d else ""
+    return f"{d[key] * 1e3:.3f}{x}"
+
+
+def table(report: dict[str, Any]) -> str:
+    c = report["ceilings"]
+    lines = [f"device {report['device']}, torch {report['torch']}: copy {c['copy_Bps'] / 1e12:.3f} TB/s (read+write), "
+             f"{c['matmul_dtype']} {c['matmul_n']}^3 matmul {c['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s"]
+    for rec in report["recipes"].values():
+        fl = rec["floors"]
+        batches, lens = sorted(fl["decode_s"], key=int), sorted(fl["prefill_s"], key=int)
+        head = ["variant"] + [f"decode b{b} p50 ms (xfloor)" for b in batches] + [f"b{b} p90" for b in batches]
+        head += [f"prefill {t} ms (xfloor)" for t in lens]
+        rows = [["floor"] + [f"{fl['decode_s'][b] * 1e3:.3f}" for b in batches] + ["-"] * len(batches)
+                + [f"{fl['prefill_s'][t] * 1e3:.3f}" for t in lens]]
+        for name, v in rec.get("variants", {}).items():
+            if "decode" not in v:
+                rows.append([name, v.get("skipped") and f"skipped: {v['skipped']}" or f"error: {v.get('error')}"])
+                continue
+            d, p = v["decode"], v["prefill"]
+            rows.append([name] + [_ms(d.get(b)) for b in batches] + [_ms(d.get(b), "p90") for b in batches]
+                        + [_ms(p.get(t)) for t in lens])
+        widths = [max(len(r[i]) for r in [head] + rows if i < len(r) and len(r) > 2) for i in range(len(head))]
+        lines += ["", f"== {rec['recipe']} ({rec['precision']}); decode after a {report['plan']['prompt_len']}-token "
+                  f"prompt, n = samples"]
+        for r in [head] + rows:
+            lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths)) if len(r) > 2 else "  ".join(r))
+        for name, v in rec.get("variants", {}).items():
+            if "label" in v:
+                n = v["decode"][batches[0]]["n"]
+                lines.append(f"  {name}: {v['label']} (n={n} steps per batch){'; ' + '; '.join(v['notes']) if v['notes'] else ''}")
+        for cache in ("cold", "warm"):
+            r = rec.get("restart", {}).get(cache)
+            if r:
+                e, f = r["engine"], r["read_weights_to_device"]
+                got = f"{e['start_to_first_token_s']:.2f} s" if "error" not in e else e["error"][:160]
+                lines.append(f"  restart ({cache} page cache): start -> first token {got}; read weights to device "
+                             f"{f['s']:.3f} s ({f['Bps'] / 1e9:.2f} GB/s); ratio {r['ratio_to_floor']:.2f}")
+        b = rec.get("build")
+        if b:
+            def one(x: dict[str, Any]) -> str:
+                return (f"{x['build_s']:.1f} s " + str({k: round(v, 1) for k, v in x["phases"].items()})
+                        if "error" not in x else x["error"][:160])
+            lines.append(f"  build cold: {one(b['cold'])}")
+            if "rebuild_kept_tactics" in b:
+                lines.append(f"  rebuild (engine deleted, tactics kept): {one(b['rebuild_kept_tactics'])}; "
+                             f"ratio {b.get('ratio', float('nan')):.2f}")
+    return "\n".join(lines)

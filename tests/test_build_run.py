@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import trtbuild
-from trtbuild.build import build
+from trtbuild.builder import build
 from trtbuild.errors import EngineMissingError
 from trtbuild.recipe import load_recipe
 from trtbuild.runner import open_session, run_report

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trtbuild.build import build
+from trtbuild.builder import build
 from trtbuild.recipe import load_recipe
 from trtbuild.runner import open_session, run_report
 

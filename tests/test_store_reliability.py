@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from trtbuild.build import build
+from trtbuild.builder import build
 from trtbuild.recipe import load_recipe
 from trtbuild.store import Store
 

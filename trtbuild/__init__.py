@@ -15,8 +15,8 @@ from trtbuild.recipe import Recipe, load_recipe  # noqa: E402
 
 
 def build(recipe: Recipe, engines: str | None = None):  # type: ignore[no-untyped-def]
-    """Look up or build the engine for `recipe`; returns a `trtbuild.build.BuildOutcome`."""
-    from trtbuild.build import build as _build
+    """Look up or build the engine for `recipe`; returns a `trtbuild.builder.BuildOutcome`."""
+    from trtbuild.builder import build as _build
 
     return _build(recipe, engines)
 

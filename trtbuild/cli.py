@@ -86,7 +86,7 @@ def validate(recipes: tuple[str, ...]) -> None:
 @json_option
 def build_cmd(recipe: str, engines: str | None, verify: bool, as_json: bool) -> None:
     """Build the recipe's engine, or find it in the store."""
-    from trtbuild.build import build
+    from trtbuild.builder import build
 
     r = _load(recipe)
     with _progress(as_json) as progress:
@@ -314,7 +314,7 @@ def cache_prune(engines: str | None, max_size: str | None, older_than: str | Non
 @json_option
 def cache_explain(recipe: str, engines: str | None, as_json: bool) -> None:
     """Hit or miss for a recipe; on a miss, the key fields that differ from the nearest entry."""
-    from trtbuild.build import explain
+    from trtbuild.builder import explain
 
     result = explain(_load(recipe), engines)
     if as_json:

@@ -16,7 +16,7 @@ from typing import Any
 
 from trtbuild import backends
 from trtbuild.backends import Engine, Generation
-from trtbuild.build import BuildOutcome, Progress, build, no_build_from_env
+from trtbuild.builder import BuildOutcome, Progress, build, no_build_from_env
 from trtbuild.errors import IncompatibleEngineError, InputError
 from trtbuild.recipe import Recipe, run_shape_problems
 from trtbuild.store import Store

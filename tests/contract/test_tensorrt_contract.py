@@ -22,7 +22,7 @@ SURFACES = {"10.x": "tensorrt_api_surface_10x_common.json", "10.16": "tensorrt_a
 
 
 def _build_and_run(recipe_path: Path, engines: Path, prompt: list[list[int]], n: int) -> tuple[Any, list[list[int]]]:
-    from trtbuild.build import build
+    from trtbuild.builder import build
     from trtbuild.runner import open_session
 
     recipe = load_recipe(recipe_path)
@@ -178,7 +178,7 @@ def test_deserialization_failures_are_classified(install_trt: Any, tmp_path: Pat
 def test_loading_under_another_tensorrt_is_refused_before_deserializing(install_trt: Any, onnx_recipe: Any,
                                                                         tmp_path: Path) -> None:
     from trtbuild import backends
-    from trtbuild.build import build
+    from trtbuild.builder import build
 
     install_trt("10.16")
     outcome = build(load_recipe(onnx_recipe()), engines=tmp_path / "engines")
@@ -191,7 +191,7 @@ def test_loading_under_another_tensorrt_is_refused_before_deserializing(install_
 
 def test_timing_cache_is_merged_under_the_lock_never_overwritten(install_trt: Any, onnx_recipe: Any, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from trtbuild.build import build
+    from trtbuild.builder import build
 
     trt = install_trt("10.16")
     real_write = trt_common.write_atomic
@@ -224,7 +224,7 @@ def test_timing_cache_is_merged_under_the_lock_never_overwritten(install_trt: An
 
 
 def test_a_foreign_timing_cache_is_set_aside_not_dropped(install_trt: Any, onnx_recipe: Any, tmp_path: Path) -> None:
-    from trtbuild.build import build
+    from trtbuild.builder import build
     from trtbuild.tactics import TacticCache
 
     install_trt("10.16")
@@ -241,7 +241,7 @@ def test_a_foreign_timing_cache_is_set_aside_not_dropped(install_trt: Any, onnx_
 
 
 def test_a_plain_tensor_network_runs_first_and_steady_state(install_trt: Any, onnx_recipe: Any, tmp_path: Path) -> None:
-    from trtbuild.build import build
+    from trtbuild.builder import build
     from trtbuild.runner import open_session
 
     trt = install_trt("10.16")
@@ -256,7 +256,7 @@ def test_a_plain_tensor_network_runs_first_and_steady_state(install_trt: Any, on
 
 def test_unavailable_backend_names_what_to_install(monkeypatch: pytest.MonkeyPatch, onnx_recipe: Any) -> None:
     from trtbuild import backends
-    from trtbuild.build import build
+    from trtbuild.builder import build
 
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError, as when not installed
     available, reason = backends.availability("tensorrt")
@@ -268,7 +268,7 @@ def test_unavailable_backend_names_what_to_install(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.needs_tensorrt
 def test_real_tensorrt_builds_the_example_recipe(tmp_path: Path) -> None:
-    from trtbuild.build import build
+    from trtbuild.builder import build
 
     outcome = build(load_recipe(Path(__file__).parents[2] / "recipes" / "onnx-tiny-lm.yaml"), engines=tmp_path)
     assert (outcome.entry.path / "engine.plan").stat().st_size > 0

@@ -26,7 +26,7 @@ def _recipe(tmp_path: Path, **overrides: Any) -> Any:
 
 
 def _build(recipe: Any, engines: Path) -> Any:
-    from trtbuild.build import build
+    from trtbuild.builder import build
 
     return build(recipe, engines=engines)
 

@@ -1,0 +1,389 @@
+"""Engine speed against the device's ceilings and against its peers, in one run on one device.
+
+    python benchmarks/bench.py recipes/llama-3.2-1b.yaml recipes/llama-3.1-8b.yaml --out $OUT
+    python benchmarks/bench.py recipes/tiny-llama.yaml --quick --engines /tmp/e --out /tmp/o  # CPU smoke test
+
+Order: ceilings (copy bandwidth, matmul rate), then per recipe: build (cold, then rebuild with the
+tactic cache kept; in child processes), restart (new process to first token, cold and warm page
+cache, against reading the weight file into device memory), then the variants (see peers.py).
+Writes bench.json and bench.png under --out and prints a table last. See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # trtbuild, run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers
+
+VARIANTS = ("engine", "eager", "compile", "hf")
+SECTIONS = ("build", "restart", "variants")
+
+
+@dataclass(frozen=True)
+class Plan:
+    prompt_len: int  # prompt before the timed decode steps
+    new_tokens: int  # tokens per timed generation (new_tokens - 1 decode steps each)
+    decode_reps: int  # timed generations per batch size, after `warmup` untimed ones
+    warmup: int
+    prefill_lens: tuple[int, ...]
+    prefill_reps: int
+    copy_bytes: int
+    matmul_n: int
+
+
+FULL = Plan(128, 128, 2, 3, (128, 1024, 2048), 10, 4 << 30, 8192)
+QUICK = Plan(8, 36, 3, 2, (8, 32, 64), 5, 64 << 20, 512)
+
+
+# -- timing and ceilings ------------------------------------------------------------------------------
+def time_op(fn: Callable[[], Any], device: str, reps: int, warmup: int = 3) -> list[float]:
+    """Seconds per call: CUDA events around each call on a GPU, perf_counter on the CPU."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    cuda = device.startswith("cuda")
+    out = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(); fn(); b.record(); b.synchronize()  # noqa: E702
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter(); fn(); out.append(time.perf_counter() - t)  # noqa: E702
+    return out
+
+
+def measure_ceilings(device: str, plan: Plan) -> dict[str, Any]:
+    import torch
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    src = torch.randn(plan.copy_bytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    t_copy = statistics.median(time_op(lambda: dst.copy_(src), device, 50))
+    del src, dst
+    n = plan.matmul_n
+    mats = [(torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device))
+            for _ in range(3)]  # rotate among inputs so no run times a cache-warm repeat
+    it = iter(range(10**9))
+    t_mm = statistics.median(time_op(lambda: torch.mm(*mats[next(it) % 3]), device, 30))
+    return {"copy_bytes": plan.copy_bytes, "copy_s": t_copy, "copy_Bps": 2 * plan.copy_bytes / t_copy,
+            "copy_note": "bytes read + written", "matmul_n": n, "matmul_dtype": str(dtype).replace("torch.", ""),
+            "matmul_s": t_mm, "matmul_flops_per_s": 2 * n**3 / t_mm}
+
+
+# -- floors ---------------------------------------------------------------------------------------------
+def decode_bytes(cfg: Any, elem: int, batch: int, mean_len: float) -> float:
+    """Weights a step must read (the embedding table only when it is also the LM head) + filled KV cache."""
+    weights = cfg.num_parameters() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * mean_len
+    return (weights + kv) * elem
+
+
+def prefill_flops(cfg: Any, t: int) -> float:
+    c = cfg
+    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    per_layer += c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    attention = 2 * 2 * c.num_layers * c.num_heads * c.head_dim * t * (t + 1) / 2  # causal QK^T and PV
+    return 2 * per_layer * c.num_layers * t + attention + 2 * c.hidden_size * c.vocab_size  # head: last position
+
+
+# -- variants -------------------------------------------------------------------------------------------
+def measure_peer(peer: Any, plan: Plan, batches: list[int], vocab: int) -> dict[str, Any]:
+    from trtbuild.runner import default_prompt
+    from trtbuild.timing import percentiles
+
+    decode: dict[str, Any] = {}
+    for b in batches:
+        prompts = default_prompt(b, plan.prompt_len, vocab)
+        for _ in range(plan.warmup):  # same shapes as the timed runs: compiles/captures happen here
+            peer.generate(prompts, plan.new_tokens)
+        steps = [s for _ in range(plan.decode_reps) for s in peer.generate(prompts, plan.new_tokens)[1]]
+        decode[str(b)] = {**percentiles(steps), "n": len(steps)}
+    prefill: dict[str, Any] = {}
+    for t in plan.prefill_lens:
+        prompt = default_prompt(1, t, vocab)
+        for _ in range(2):
+            peer.generate(prompt, 1)
+        samples = [peer.generate(prompt, 1)[0] for _ in range(plan.prefill_reps)]
+        prefill[str(t)] = {"p50": statistics.median(samples), "n": len(samples)}
+    return {"label": peer.label, "decode": decode, "prefill": prefill}
+
+
+def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: list[str]) -> Any:
+    import peers
+
+    recipe, device, dtype, folder = ctx["recipe"], ctx["device"], ctx["dtype"], ctx["folder"]
+    shapes = recipe.shapes
+    if name == "engine":
+        return peers.EnginePeer(recipe, args.engines)
+    if name in ("eager", "compile"):
+        model = peers.load_transformer(folder, dtype, device, shapes.max_batch_size, shapes.max_seq_len)
+        return peers.TransformerPeer(model, device, compiled=name == "compile")
+    from trtbuild.runner import default_prompt
+
+    probe = default_prompt(1, ctx["plan"].prompt_len, ctx["vocab"])
+    hf_mode = args.hf_mode if args.hf_mode != "auto" or device.startswith("cuda") else "eager"
+    if hf_mode != args.hf_mode:
+        notes.append("hf: static cache is compiled only on accelerators; on CPU the eager mode ran")
+    peer, hf_notes = peers.hf_peer(folder, dtype, device, hf_mode, probe, ctx["plan"].new_tokens)
+    notes.extend(hf_notes)
+    return peer
+
+
+def run_variants(ctx: dict[str, Any], args: argparse.Namespace, skipped: dict[str, str]) -> dict[str, Any]:
+    import peers
+
+    results: dict[str, Any] = {}
+    batches = [b for b in ctx["recipe"].shapes.batch_buckets]
+    for name in args.variants:
+        if name in skipped:
+            print(f"[bench] {ctx['recipe'].name}/{name}: skipped: {skipped[name]}", flush=True)
+            results[name] = {"skipped": skipped[name]}
+            continue
+        print(f"[bench] {ctx['recipe'].name}/{name} ...", flush=True)
+        notes: list[str] = []
+        t = time.perf_counter()
+        peer = None
+        try:
+            peer = make_peer(name, ctx, args, notes)
+            results[name] = measure_peer(peer, ctx["plan"], batches, ctx["vocab"])
+        except Exception as exc:  # noqa: BLE001 - one failing peer must not cost the others' numbers
+            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+            print(f"[bench]   failed: {results[name]['error']}", flush=True)
+        finally:
+            if peer is not None:
+                peer.close()
+            peers.free_device_memory()
+        results[name].update(notes=notes, wall_s=time.perf_counter() - t)
+    return results
+
+
+# -- restart and build (child processes) ------------------------------------------------------------
+def drop_page_cache(files: list[Path]) -> str:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return (f"posix_fadvise(POSIX_FADV_DONTNEED) on {len(files)} file(s); the kernel (or gVisor) may ignore it: "
+            "compare the cold and warm read rates to see whether it took effect")
+
+
+def read_to_device(files: list[Path], device: str, chunk: int = 64 << 20) -> dict[str, float]:
+    """The floor: the files' bytes into preallocated device memory (double-buffered pinned reads)."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    dsts = [torch.empty(f.stat().st_size, dtype=torch.uint8, device=device) for f in files]
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+    t = time.perf_counter()
+    for f, dst in zip(files, dsts):
+        with open(f, "rb", buffering=0) as fh:
+            off, i = 0, 0
+            while off < dst.numel():
+                if not cuda:
+                    off += fh.readinto(memoryview(dst.numpy())[off:off + chunk])
+                    continue
+                buf, ev = bufs[i % 2], events[i % 2]
+                ev.synchronize()  # type: ignore[union-attr]  # this buffer's previous copy is done
+                n = fh.readinto(memoryview(buf.numpy())[:min(chunk, dst.numel() - off)])
+                dst[off:off + n].copy_(buf[:n], non_blocking=True)
+                ev.record()  # type: ignore[union-attr]
+                off, i = off + n, i + 1
+    if cuda:
+        torch.cuda.synchronize()
+    s = time.perf_counter() - t
+    size = sum(d.numel() for d in dsts)
+    return {"s": s, "bytes": size, "Bps": size / s}
+
+
+def child(kind: str, recipe_path: str, engines: str, extra: list[str]) -> dict[str, Any]:
+    """Run `bench.py --child KIND` in a new process; its last stdout line is JSON."""
+    t0 = time.time()
+    p = subprocess.run([sys.executable, __file__, "--child", kind, recipe_path, "--engines", engines, *extra],
+                       capture_output=True, text=True)
+    wall = time.time() - t0
+    try:
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        why = f"signal {-p.returncode}" if p.returncode < 0 else f"exit code {p.returncode}"
+        return {"error": f"child crashed ({why}): {p.stderr.strip()[-800:]}", "returncode": p.returncode}
+    return {**out, "t_spawn": t0, "wall_s": wall}
+
+
+def child_main(kind: str, recipe_path: str, engines: str, prompt_len: int) -> None:
+    t_main = time.time()
+    from trtbuild.build import build
+    from trtbuild.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path)
+    if kind == "build":
+        o = build(recipe, engines)
+        print(json.dumps({"build_s": o.build_s, "phases": o.phases, "cache_hit": o.cache_hit, "key": o.key}))
+        return
+    from trtbuild.runner import default_prompt, open_session, vocab_size
+
+    with open_session(recipe, engines, build=False) as s:
+        t_loaded = time.time()
+        gen = s.engine.generate(default_prompt(1, prompt_len, vocab_size(recipe, s)), 1)  # .tolist() syncs
+        t_first = time.time()
+        print(json.dumps({"t_main": t_main, "t_loaded": t_loaded, "t_first_token": t_first, "phases": s.phases,
+                          "prefill_s": gen.prefill_s}), flush=True)
+
+
+def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    entry: Path = ctx["entry"]
+    files = sorted(p for p in entry.rglob("*") if p.is_file())
+    weights = [entry / "weights.safetensors"] if (entry / "weights.safetensors").is_file() else files
+    out: dict[str, Any] = {"weight_files": [str(w) for w in weights], "engine_files": len(files)}
+    for cache in ("cold", "warm"):
+        note = drop_page_cache(files) if cache == "cold" else "files just read (warm page cache)"
+        r = child("restart", args.recipe_path, args.engines, ["--prompt-len", str(ctx["plan"].prompt_len)])
+        if "error" not in r:
+            r["start_to_first_token_s"] = r["t_first_token"] - r["t_spawn"]
+        if cache == "cold":
+            drop_page_cache(weights)
+        floor = read_to_device(weights, ctx["device"])
+        ratio = r.get("start_to_first_token_s", float("nan")) / floor["s"]
+        out[cache] = {"page_cache": note, "engine": r, "read_weights_to_device": floor, "ratio_to_floor": ratio}
+    return out
+
+
+def measure_build(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from trtbuild.build import explain
+    from trtbuild.store import Store
+
+    main = Store(args.engines)
+    root = main.root
+    note = "cold build in the benchmark's store (no engine yet)"
+    if explain(ctx["recipe"], args.engines)["hit"]:
+        root = Path(str(main.root) + "-buildbench")  # a fresh store (fresh tactic cache), same model files
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        (root / "models").symlink_to(main.root / "models")
+        note = f"engine already cached: cold build in a fresh store {root} (models/ linked, tactics/ empty)"
+    tactics_before = sum(1 for _ in (Store(root).tactics_dir).rglob("*")) if Store(root).tactics_dir.is_dir() else 0
+    cold = child("build", args.recipe_path, str(root), [])
+    out: dict[str, Any] = {"note": note, "tactic_cache_files_before_cold": tactics_before, "cold": cold}
+    if "error" not in cold:
+        store = Store(root)
+        entry = store.lookup(cold["key"])
+        if entry is not None:
+            store.remove(entry)  # delete the engine, keep store/tactics
+        out["rebuild_kept_tactics"] = warm = child("build", args.recipe_path, str(root), [])
+        if "error" not in warm:
+            out["ratio"] = warm["build_s"] / cold["build_s"]
+    if root != main.root:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+# -- one recipe -----------------------------------------------------------------------------------------
+def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
+                 ceilings: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from trtbuild.build import build
+    from trtbuild.models.checkpoint import read_config
+    from trtbuild.models.source import resolve
+    from trtbuild.recipe import load_recipe
+    from trtbuild.store import Store
+
+    args.recipe_path = path
+    recipe = load_recipe(path)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[recipe.precision]
+    folder = resolve(recipe.model, Store(args.engines).root).materialize()  # same synthetic weights for all
+    res: dict[str, Any] = {"recipe": recipe.name, "path": path, "precision": recipe.precision}
+    if "build" in args.sections:
+        print(f"[bench] {recipe.name}: build (cold, then rebuild with tactics kept) ...", flush=True)
+        res["build"] = measure_build({"recipe": recipe}, args)
+    outcome = build(recipe, args.engines)  # a hit after the build section; builds here otherwise
+    folder = outcome.model.materialize()
+    _, cfg = read_config(folder)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    ctx = {"recipe": recipe, "device": device, "dtype": dtype, "folder": folder, "plan": plan,
+           "vocab": cfg.vocab_size, "entry": outcome.entry.path}
+    mean_len = plan.prompt_len + plan.new_tokens / 2
+    res["floors"] = {
+        "decode_s": {str(b): decode_bytes(cfg, elem, b, mean_len) / ceilings["copy_Bps"] for b in recipe.shapes.batch_buckets},
+        "decode_bytes": {str(b): decode_bytes(cfg, elem, b, mean_len) for b in recipe.shapes.batch_buckets},
+        "prefill_s": {str(t): prefill_flops(cfg, t) / ceilings["matmul_flops_per_s"] for t in plan.prefill_lens},
+        "prefill_flops": {str(t): prefill_flops(cfg, t) for t in plan.prefill_lens},
+        "mean_kv_len": mean_len}
+    skipped: dict[str, str] = {}
+    if "restart" in args.sections:
+        print(f"[bench] {recipe.name}: restart (new process to first token) ...", flush=True)
+        res["restart"] = measure_restart(ctx, args)
+        crash = res["restart"]["cold"]["engine"].get("error")
+        if crash and "signal" in crash:
+            skipped["engine"] = f"loading the engine crashed a child process ({crash[:120]}); not loaded here"
+    if not device.startswith("cuda") and not args.cpu_compile:
+        skipped["compile"] = "CUDA graphs (mode='max-autotune') need a GPU; --cpu-compile runs mode='default' on CPU"
+    if "variants" in args.sections:
+        res["variants"] = run_variants(ctx, args, skipped)
+        for v in res["variants"].values():
+            for b, d in v.get("decode", {}).items():
+                d["x_floor"] = d["p50"] / res["floors"]["decode_s"][b]
+            for t, d in v.get("prefill", {}).items():
+                d["x_floor"] = d["p50"] / res["floors"]["prefill_s"][t]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("recipes", nargs="+")
+    ap.add_argument("--engines", default=os.environ.get("TRTBUILD_ENGINES", "/tmp/bench-engines"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (smoke test)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")
+    ap.add_argument("--cpu-compile", action="store_true", help="run the torch.compile peer on CPU (mode='default')")
+    ap.add_argument("--child", choices=("restart", "build"), help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-len", type=int, default=128, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child_main(args.child, args.recipes[0], args.engines, args.prompt_len)
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch: trtbuild and the children build and run for the CPU
+    import torch
+
+    device = ("cuda:0" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = "cuda:0" if device == "cuda" else device
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.sections = [s for s in args.sections.split(",") if s]
+    plan = QUICK if args.quick or device == "cpu" else FULL
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[bench] ceilings on {device} ...", flush=True)
+    ceilings = measure_ceilings(device, plan)
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
+                              "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+                              "torch": torch.__version__, "plan": asdict(plan), "ceilings": ceilings, "recipes": {}}
+    for path in args.recipes:
+        report["recipes"][path] = bench_recipe(path, args, device, plan, ceilings)
+        (out_dir / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")  # after each recipe
+    from peers import plot, table
+
+    print(plot(report, out_dir / "bench.png"))
+    print(table(report))
+
+
+if __name__ == "__main__":
+    main()

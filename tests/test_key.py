@@ -1,0 +1,67 @@
+"""The key material has a golden file: any change to what goes into a key fails here, loudly.
+
+If a change to the key is intended, bump the store's SCHEMA (old engines must stop matching) and
+regenerate tests/golden/key_material.json by running this file with TRTBUILD_UPDATE_GOLDEN=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import trtbuild.builder as build_mod
+from trtbuild.backends.torch_aoti import TorchAOTIBackend
+from trtbuild.models.source import resolve
+from trtbuild.recipe import load_recipe
+from trtbuild.store import canonical_json, key_of
+
+from .conftest import REPO, tiny_recipe_doc, write_recipe
+
+GOLDEN = Path(__file__).parent / "golden" / "key_material.json"
+FIXED_DEVICE = {"kind": "cpu", "arch": "x86_64", "isa": ["avx2", "fma"]}
+FIXED_TOOLCHAIN = {"torch": "2.13.0+cpu"}
+
+
+def _material(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **overrides: object) -> dict:
+    monkeypatch.setattr(build_mod.fingerprint, "device", lambda: FIXED_DEVICE)
+    monkeypatch.setattr(build_mod, "engine_code_digest", lambda backend: "<engine code digest>")
+    recipe = load_recipe(write_recipe(tmp_path, tiny_recipe_doc(**overrides)))
+    return build_mod.key_material(recipe, resolve(recipe.model, tmp_path), TorchAOTIBackend(), FIXED_TOOLCHAIN)
+
+
+def test_key_material_matches_the_golden_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    material = _material(tmp_path, monkeypatch)
+    if os.environ.get("TRTBUILD_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(material, indent=2, sort_keys=True) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    assert material == golden
+    assert key_of(material) == key_of(golden)
+
+
+def test_key_is_sha256_of_canonical_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    material = _material(tmp_path, monkeypatch)
+    text = canonical_json(material)
+    assert text == json.dumps(material, sort_keys=True, separators=(",", ":"))
+    assert key_of(material) == hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_run_defaults_and_name_stay_out_of_the_key_and_build_fields_go_in(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    base = key_of(_material(tmp_path / "a", monkeypatch))
+    assert key_of(_material(tmp_path / "b", monkeypatch, name="other",
+                            run={"batch_size": 2, "input_len": 3, "output_len": 4})) == base
+    for change in ({"precision": "bf16"}, {"tactics": {"level": "max"}},
+                   {"shapes": {"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 40, "batch_buckets": [2]}}):
+        assert key_of(_material(tmp_path / str(len(str(change))), monkeypatch, **change)) != base, change
+
+
+def test_the_engine_code_digest_covers_the_model_and_build_code() -> None:
+    digest = build_mod.engine_code_digest(TorchAOTIBackend())
+    assert len(digest) == 64
+    assert REPO.joinpath("trtbuild", "models", "llama.py").is_file()
