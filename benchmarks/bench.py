@@ -228,7 +228,7 @@ def child(kind: str, recipe_path: str, engines: str, extra: list[str]) -> dict[s
 
 def child_main(kind: str, recipe_path: str, engines: str, prompt_len: int) -> None:
     t_main = time.time()
-    from trtbuild.build import build
+    from trtbuild.builder import build
     from trtbuild.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)
@@ -265,7 +265,7 @@ def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, 
 
 
 def measure_build(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from trtbuild.build import explain
+    from trtbuild.builder import explain
     from trtbuild.store import Store
 
     main = Store(args.engines)
@@ -298,7 +298,7 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
                  ceilings: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from trtbuild.build import build
+    from trtbuild.builder import build
     from trtbuild.models.checkpoint import read_config
     from trtbuild.models.source import resolve
     from trtbuild.recipe import load_recipe

@@ -242,7 +242,7 @@ def plot(report: dict[str, Any], path: Path) -> str:
 def _ms(d: dict[str, Any] | None, key: str = "p50") -> str:
     if not d:
         return "-"
-    x = f" ({d['x_floor']:.2f}x)" if "x_floor" in d else ""
+    x = f" ({d['x_floor']:.2f}x)" if "x_floor" in d and key == "p50" else ""
     return f"{d[key] * 1e3:.3f}{x}"
 
 

@@ -145,3 +145,28 @@ def test_rebuild_reuses_the_tactic_cache(built: dict[str, Any], tmp_path: Path) 
     store = Store(built["store"])
     tactic_dirs = list((store.tactics_dir / "torch").iterdir())
     assert tactic_dirs and any((d / "inductor").is_dir() for d in tactic_dirs)
+
+
+def test_local_folder_with_tokenizer_runs_a_text_prompt(tmp_path: Path) -> None:
+    """A local Hugging Face folder (relative to the recipe) with tokenizer.json: --prompt is encoded,
+    and the report shows the decoded output."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from .conftest import make_hf_folder
+
+    folder = make_hf_folder(tmp_path / "model")
+    vocab = {f"w{i}": i for i in range(127)} | {"[UNK]": 127}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    doc = tiny_recipe_doc(name="local", model={"source": "./model"})
+    recipe = write_recipe(tmp_path, doc)
+    proc = run_cli("run", str(recipe), "--prompt", "w1 w2 w3 w4", "--output-len", "5", "--iterations", "1", "--json",
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = read_json_line(proc.stdout)
+    assert report["shape"]["input_len"] == 4
+    text = report["output_text"][0].split()
+    assert len(text) == 5 and all(w in vocab for w in text)
+    identity = json.loads((Path(report["engine"]["path"]) / "manifest.json").read_text())["key_material"]["recipe"]["model"]["identity"]
+    assert identity["kind"] == "local" and len(identity["sha256"]) == 64
