@@ -1,0 +1,84 @@
+"""The command line through click's CliRunner (fast) and real processes (what users run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from trtbuild.cli import main
+
+from .conftest import run_cli, tiny_recipe_doc, write_recipe
+
+
+def test_validate_reports_every_problem_with_exit_2_and_no_traceback(tmp_path: Path, engine_store: Path) -> None:
+    doc = tiny_recipe_doc()
+    doc["shapes"] = {"max_batch_size": 2, "max_input_len": 64, "max_seq_len": 32, "batch_buckets": [4]}
+    doc["precison"] = "fp16"
+    bad = write_recipe(tmp_path, doc, "bad.yaml")
+    good = write_recipe(tmp_path, tiny_recipe_doc(), "good.yaml")
+    result = CliRunner().invoke(main, ["validate", str(good), str(bad)])
+    assert result.exit_code == 2
+    assert f"{good}: ok" in result.output
+    for expected in ("precison: unknown key; did you mean 'precision'?",
+                     "shapes.max_input_len: 64 exceeds shapes.max_seq_len 32",
+                     "shapes.batch_buckets: bucket 4 exceeds shapes.max_batch_size 2"):
+        assert expected in result.output
+    assert str(bad) in result.output and "Traceback" not in result.output
+    assert not engine_store.exists(), "validation writes nothing"
+
+
+def test_bad_recipe_in_a_real_process(tmp_path: Path, engine_store: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\nmodel: [unclosed\n")
+    for command in ("validate", "build", "run"):
+        proc = run_cli(command, str(path))
+        assert proc.returncode == 2, command
+        assert proc.stderr.startswith(f"Error: {path}: malformed YAML at line") and "Traceback" not in proc.stderr
+    assert not engine_store.exists()
+    debug = run_cli("build", str(path), env={"TRTBUILD_DEBUG": "1"})
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_missing_model_folder_names_the_field(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_recipe_doc(model={"source": "./nowhere"}))
+    result = CliRunner().invoke(main, ["build", str(recipe)])
+    assert result.exit_code == 2 and "model.source: model folder not found" in result.output
+
+
+def test_unavailable_backend_fails_in_one_line_naming_the_install(tmp_path: Path) -> None:
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"not really onnx")
+    doc = tiny_recipe_doc(backend="tensorrt", precision="fp16", model={"source": "m.onnx"},
+                          tactics={"level": "default"})
+    recipe = write_recipe(tmp_path, doc)
+    proc = run_cli("build", str(recipe))
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "backend 'tensorrt' is unavailable" in lines[0] and "NVIDIA" in lines[0]
+
+
+def test_doctor_lists_every_backend_and_the_device() -> None:
+    proc = run_cli("doctor")
+    assert proc.returncode == 0
+    assert "torch         available" in proc.stdout
+    assert "tensorrt-llm  unavailable" in proc.stdout and "tensorrt      unavailable" in proc.stdout
+    assert '"kind": "cpu"' in proc.stdout
+
+
+def test_cache_commands_on_an_empty_store(engine_store: Path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(main, ["cache", "ls"]).output.strip() == "no engines"
+    shown = runner.invoke(main, ["cache", "show", "nothing"])
+    assert shown.exit_code == 2 and "no engine matches 'nothing'" in shown.output
+    stats = runner.invoke(main, ["cache", "stats", "--json"])
+    assert json.loads(stats.output) == {"hits": 0, "misses": 0, "builds": 0, "build_s": 0.0, "build_s_saved": 0.0}
+    prune = runner.invoke(main, ["cache", "prune", "--max-size", "lots"])
+    assert prune.exit_code == 2 and "--max-size: expected a size" in prune.output
+
+
+def test_prompt_ids_are_parsed_strictly(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, tiny_recipe_doc())
+    result = CliRunner().invoke(main, ["run", str(recipe), "--prompt-ids", "1,x,3"])
+    assert result.exit_code == 2 and "--prompt-ids: expected comma-separated integers" in result.output
