@@ -256,17 +256,21 @@ def cache_rm(refs: tuple[str, ...], engines: str | None, force: bool) -> None:
         click.echo(f"removed {entry.path.name}")
 
 
+def _set_pin(ref: str, engines: str | None, pinned: bool) -> None:
+    from trtbuild.store import Store
+
+    store = Store(engines)
+    entry = store.find(ref)
+    store.pin(entry, pinned=pinned)
+    click.echo(f"{'pinned' if pinned else 'unpinned'} {entry.path.name}")
+
+
 @cache.command("pin")
 @click.argument("ref")
 @engines_option
 def cache_pin(ref: str, engines: str | None) -> None:
     """Protect an entry from prune."""
-    from trtbuild.store import Store
-
-    store = Store(engines)
-    entry = store.find(ref)
-    store.pin(entry)
-    click.echo(f"pinned {entry.path.name}")
+    _set_pin(ref, engines, True)
 
 
 @cache.command("unpin")
@@ -274,12 +278,7 @@ def cache_pin(ref: str, engines: str | None) -> None:
 @engines_option
 def cache_unpin(ref: str, engines: str | None) -> None:
     """Let prune remove an entry again."""
-    from trtbuild.store import Store
-
-    store = Store(engines)
-    entry = store.find(ref)
-    store.pin(entry, pinned=False)
-    click.echo(f"unpinned {entry.path.name}")
+    _set_pin(ref, engines, False)
 
 
 @cache.command("prune")
