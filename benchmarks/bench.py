@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers
 
 VARIANTS = ("engine", "eager", "compile", "hf")
 SECTIONS = ("build", "restart", "variants")
+CHILD_TIMEOUT_S = int(os.environ.get("BENCH_CHILD_TIMEOUT_S", "1800"))
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Plan:
     matmul_n: int
 
 
-FULL = Plan(128, 128, 2, 3, (128, 1024, 2048), 10, 4 << 30, 8192)
+FULL = Plan(128, 128, 2, 3, (128, 1024, 2048), 10, 2 << 30, 8192)
 QUICK = Plan(8, 36, 3, 2, (8, 32, 64), 5, 64 << 20, 512)
 
 
@@ -215,8 +216,11 @@ def read_to_device(files: list[Path], device: str, chunk: int = 64 << 20) -> dic
 def child(kind: str, recipe_path: str, engines: str, extra: list[str]) -> dict[str, Any]:
     """Run `bench.py --child KIND` in a new process; its last stdout line is JSON."""
     t0 = time.time()
-    p = subprocess.run([sys.executable, __file__, "--child", kind, recipe_path, "--engines", engines, *extra],
-                       capture_output=True, text=True)
+    try:
+        p = subprocess.run([sys.executable, __file__, "--child", kind, recipe_path, "--engines", engines, *extra],
+                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"child timed out after {CHILD_TIMEOUT_S} s", "returncode": None}
     wall = time.time() - t0
     try:
         out = json.loads(p.stdout.strip().splitlines()[-1])

@@ -40,7 +40,12 @@ def test_first_build_is_a_miss_and_publishes_a_complete_entry(built: dict[str, A
     assert entry.name == f"tiny-{result['engine']['key'][:16]}"
     assert entry.parent.name == "v1"
     manifest = json.loads((entry / "manifest.json").read_text())
-    assert set(manifest["files"]) >= {"prefill.pt2", "decode_b1.pt2", "decode_b2.pt2", "weights.safetensors", "engine.json"}
+    assert {"weights.safetensors", "engine.json"} <= set(manifest["files"])
+    graphs = json.loads((entry / "engine.json").read_text())["graphs"]
+    assert set(graphs) == {"prefill", "decode_b1", "decode_b2"}
+    for graph in graphs.values():  # the compiled model, unpacked out of its .pt2, is in the entry
+        assert graph["so"] in manifest["files"] and graph["so"].endswith(".so")
+    assert not list(entry.glob("*.pt2"))
     assert manifest["key_material"]["recipe"]["shapes"]["batch_buckets"] == [1, 2]
     assert {"export_s", "compile_s", "load_weights_s"} <= set(manifest["build"]["phases"])
     assert not any((built["store"] / "v1" / ".tmp").iterdir()), "the build folder must be gone after publish"

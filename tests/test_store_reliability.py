@@ -118,7 +118,8 @@ def test_verify_flag_hashes_every_file(published: dict[str, Any], tmp_path: Path
     store = _copy_store(published, tmp_path / "engines")
     recipe = load_recipe(published["recipe"])
     build(recipe, store, allow_build=False)
-    pkg = store / "v1" / published["entry"] / "prefill.pt2"
+    entry = store / "v1" / published["entry"]
+    pkg = entry / json.loads((entry / "engine.json").read_text())["graphs"]["prefill"]["so"]
     data = bytearray(pkg.read_bytes())
     data[-10] ^= 0x01
     pkg.write_bytes(bytes(data))

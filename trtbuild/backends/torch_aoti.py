@@ -1,11 +1,12 @@
-"""The PyTorch AOTInductor backend: torch.export + AOTInductor packages, run on CPU or CUDA.
+"""The PyTorch AOTInductor backend: torch.export + AOTInductor, run on CPU or CUDA.
 
-An entry holds one prefill package (dynamic batch and prompt length, attention through SDPA's fused
-causal kernels), one decode package per batch bucket (static shapes, so Inductor can turn batch-1
+An entry holds one prefill graph (dynamic batch and prompt length, attention through SDPA's fused
+causal kernels), one decode graph per batch bucket (static shapes, so Inductor can turn batch-1
 matmuls into GEMV reductions), and the weights as one safetensors file in the engine's own fused
-layout and dtype. The packages are compiled without their weights inside
-(`package_constants_in_so=False`): at load the weights and a KV cache that trtbuild allocates are
-handed to every package as user-managed constants, so prefill and decode share one cache and the
+layout and dtype. Each graph is compiled by `aoti_compile_and_package` without its weights inside
+(`package_constants_in_so=False`) and unpacked from the .pt2 into a folder holding the compiled
+.so (and, on CUDA, its cubins). At load the weights and a KV cache that trtbuild allocates are
+handed to every graph as user-managed constants, so prefill and decode share one cache and the
 weights exist once on disk and once in device memory.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,8 +92,10 @@ class TorchAOTIBackend:
                 g0 = time.perf_counter()
                 extra = {"coordinate_descent_tuning": True} if graph["gemv"] and configs.get("_cd_decode") else {}
                 cfg_for_graph = {k: v for k, v in configs.items() if not k.startswith("_")} | extra
-                torch._inductor.aoti_compile_and_package(graph["program"], package_path=str(job.workdir / graph["file"]),
+                package = job.workdir / f"{name}.pt2"
+                torch._inductor.aoti_compile_and_package(graph["program"], package_path=str(package),
                                                          inductor_configs=cfg_for_graph)
+                graph["so"] = _extract_model(package, job.workdir / name)
                 graph["compile_s"] = time.perf_counter() - g0
                 del graph["program"]
         phases["compile_s"] = time.perf_counter() - t
@@ -157,7 +161,7 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[
                                  dynamic_shapes=({0: batch, 1: seq}, {0: seq}),
                                  # guards export cannot prove become runtime asserts, not failures
                                  prefer_deferred_runtime_asserts_over_guards=True)
-    graphs["prefill"] = {"file": "prefill.pt2", "batch": "dynamic", "program": ep, "gemv": False,
+    graphs["prefill"] = {"batch": "dynamic", "program": ep, "gemv": False,
                          "export_s": time.perf_counter() - t}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -167,9 +171,37 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[
         # MATH attention for decode: Inductor then generates the attention kernel itself (gpt-fast).
         with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
             ep = torch.export.export(Step(model, from_start=False), (torch.zeros(b, 1, **long), torch.ones(1, **long)))
-        graphs[f"decode_b{b}"] = {"file": f"decode_b{b}.pt2", "batch": b, "program": ep, "gemv": b == 1,
+        graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "gemv": b == 1,
                                   "export_s": time.perf_counter() - t}
     return graphs
+
+
+def _extract_model(package: Path, dest: Path) -> str:
+    """Unpack the compiled model (the wrapper .so, its cubins and metadata) out of the .pt2 and
+    drop the archive: the runtime loads the .so directly, never through the package's C++ zip
+    reader, which segfaults on the H200 image (torch 2.11) for every package; and a restart then
+    unpacks nothing. Generated C++ sources are not needed to run and are left out."""
+    import zipfile
+
+    dest.mkdir()
+    so = None
+    with zipfile.ZipFile(package) as archive:
+        for info in archive.infolist():
+            parts = info.filename.split("/")
+            if len(parts) < 5 or parts[1:4] != ["data", "aotinductor", "model"] or info.is_dir():
+                continue
+            if info.filename.endswith(".cpp"):
+                continue
+            target = dest / "/".join(parts[4:])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with archive.open(info) as src, open(target, "wb") as out:
+                shutil.copyfileobj(src, out)
+            if target.name.endswith(".wrapper.so") or (target.suffix == ".so" and so is None):
+                so = target
+    package.unlink()
+    if so is None:
+        raise TrtbuildError(f"{package}: AOTInductor wrote no compiled model (.so) into the package")
+    return so.relative_to(dest.parent).as_posix()
 
 
 @contextlib.contextmanager

@@ -54,15 +54,13 @@ class TorchEngine:
             consts[f"model.v_cache_{i}"] = torch.zeros(cache_shape, dtype=dtype, device=self.device)
         self._consts = consts
         for name, graph in self.spec["graphs"].items():
-            package = _load_package(self.entry / graph["file"])
-            fqns = package.get_constant_fqns()
-            missing = [n for n in fqns if n not in consts]
+            model = _Model(self.entry / graph["so"], self.device)
+            missing = [n for n in model.fqns() if n not in consts]
             if missing:
-                raise TrtbuildError(f"{self.entry / graph['file']}: package expects constants trtbuild does not have: "
-                                    f"{', '.join(missing[:3])}", hint="rebuild the engine (`trtbuild cache rm`)")
-            # user_managed: the packages use these very tensors, so all of them share one KV cache.
-            package.load_constants({n: consts[n] for n in fqns}, check_full_update=True, user_managed=True)
-            self._packages[name] = package
+                raise TrtbuildError(f"{self.entry / graph['so']}: the compiled graph expects constants trtbuild does not "
+                                    f"have: {', '.join(missing[:3])}", hint="rebuild the engine (`trtbuild cache rm`)")
+            model.load_constants(consts)
+            self._packages[name] = model
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -135,22 +133,40 @@ class TorchEngine:
         return dense + attention + head
 
 
-def _load_package(path: Path) -> Any:
-    """Load an AOTInductor package single-threaded (so that decode can be CUDA-graph captured).
+class _Model:
+    """One compiled graph, loaded from its .so with AOTInductor's container runner.
 
-    `aoti_load_package` first compares the package's device record with this machine's, which on a
-    CPU host runs compiler probes for seconds just to print a warning. The store's key already pins
-    the device and toolchain, so the loader is constructed directly; torch versions without that
-    constructor fall back to the public call.
+    The runner is used directly rather than through `aoti_load_package`: the package's zip reader
+    segfaults on the H200 image (torch 2.11), and loading the unpacked .so also skips the CPU
+    compiler probes `aoti_load_package` runs before it loads anything. On CUDA the runner is
+    created single-threaded, without which a CUDA-graph capture of it fails and poisons the process.
     """
-    import torch
-    from torch.export.pt2_archive._package import AOTICompiledModel
 
-    try:
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, -1)
-    except (AttributeError, TypeError):
-        return torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
-    return AOTICompiledModel(loader)
+    def __init__(self, so: Path, device: str) -> None:
+        import torch
+
+        aoti = torch._C._aoti
+        self.graph_safe = True
+        if device.startswith("cuda"):
+            try:
+                self.runner = aoti.AOTIModelContainerRunnerCuda(str(so), 1, device, str(so.parent), True)
+            except TypeError:  # an older binding without run_single_threaded: no graph capture then
+                self.runner = aoti.AOTIModelContainerRunnerCuda(str(so), 1, device, str(so.parent))
+                self.graph_safe = False
+        else:
+            self.runner = aoti.AOTIModelContainerRunnerCpu(str(so), 1)
+        self.names = dict(self.runner.get_constant_names_to_original_fqns())  # internal name -> FQN
+
+    def fqns(self) -> list[str]:
+        return list(self.names.values())
+
+    def load_constants(self, consts: dict[str, Any]) -> None:
+        # user_managed: the runner uses these very tensors (no copy), so every graph shares one
+        # KV cache and one set of weights.
+        self.runner.update_constant_buffer({k: consts[f] for k, f in self.names.items()}, False, True, True)
+
+    def __call__(self, *inputs: Any) -> Any:
+        return self.runner.run([t.contiguous() for t in inputs])[0]
 
 
 class _Decoder:
@@ -164,7 +180,7 @@ class _Decoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.out = torch.zeros(batch, max_seq_len, dtype=torch.long, device=device)
         self.graph: Any = None
-        if device.startswith("cuda"):
+        if device.startswith("cuda") and getattr(package, "graph_safe", True):
             self._capture()
 
     def _step(self) -> None:
