@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -145,11 +146,31 @@ def test_cache_ls_lists_the_entry(built: dict[str, Any]) -> None:
     assert rows[0]["backend"] == "torch" and rows[0]["size"] > 0
 
 
-def test_rebuild_reuses_the_tactic_cache(built: dict[str, Any], tmp_path: Path) -> None:
-    """Deleting the engine keeps the tactic cache: Inductor's compiled artifacts live there."""
-    store = Store(built["store"])
-    tactic_dirs = list((store.tactics_dir / "torch").iterdir())
-    assert tactic_dirs and any((d / "inductor").is_dir() for d in tactic_dirs)
+def test_rebuild_and_other_weights_reuse_compiled_graphs_and_stay_correct(built: dict[str, Any],
+                                                                          tmp_path: Path) -> None:
+    """Deleting an engine keeps the tactic cache: the rebuild copies the compiled graphs instead of
+    running Inductor. A recipe that differs only in its weights (seed) reuses them too, and its
+    tokens still match the eager model with *its* weights: no weight is baked into a graph."""
+    store = shutil.copytree(built["store"], tmp_path / "engines")
+    recipe = load_recipe(built["recipe"])
+    first = Store(store).find("tiny")
+    Store(store).remove(first)
+    rebuilt = build(recipe, store)
+    assert not rebuilt.cache_hit and rebuilt.key == first.key
+    assert rebuilt.entry.manifest["tactics"]["compiled_graphs_reused"] == ["prefill", "decode_b1", "decode_b2"]
+    doc = tiny_recipe_doc(name="seeded", shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48,
+                                                 "batch_buckets": [1, 2]})
+    doc["model"]["seed"] = 7
+    other = load_recipe(write_recipe(tmp_path, doc, "seeded.yaml"))
+    outcome = build(other, store)
+    assert outcome.key != first.key
+    assert outcome.entry.manifest["tactics"]["compiled_graphs_reused"] == ["prefill", "decode_b1", "decode_b2"]
+    prompts = [[4, 8, 15, 16, 23, 42]]
+    with open_session(other, store, build=False) as session:
+        got = session.generate(prompts, 10)
+    assert got == eager_greedy(outcome.model.materialize(), prompts, 10, 48)
+    with open_session(recipe, store, build=False) as session:
+        assert session.generate(prompts, 10) != got, "different weights, different tokens"
 
 
 def test_local_folder_with_tokenizer_runs_a_text_prompt(tmp_path: Path) -> None:

@@ -92,13 +92,11 @@ class TorchAOTIBackend:
                 g0 = time.perf_counter()
                 extra = {"coordinate_descent_tuning": True} if graph["gemv"] and configs.get("_cd_decode") else {}
                 cfg_for_graph = {k: v for k, v in configs.items() if not k.startswith("_")} | extra
-                package = job.workdir / f"{name}.pt2"
-                torch._inductor.aoti_compile_and_package(graph["program"], package_path=str(package),
-                                                         inductor_configs=cfg_for_graph)
-                graph["so"] = _extract_model(package, job.workdir / name)
+                graph["reused"] = _compile_or_reuse(graph, name, cfg_for_graph, job)
                 graph["compile_s"] = time.perf_counter() - g0
                 del graph["program"]
         phases["compile_s"] = time.perf_counter() - t
+        reused = [name for name, g in graphs.items() if g["reused"]]
 
         engine = {
             "hf_config": raw,
@@ -114,7 +112,7 @@ class TorchAOTIBackend:
         (job.workdir / ENGINE_JSON).write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
         tactics = {"level": recipe.tactics_level, "inductor_configs": {k: v for k, v in configs.items() if not k.startswith("_")},
                    "selections": tuned, "benchmarked": sum(s["num_candidates"] for s in tuned),
-                   "cache": str(job.tactics.path)}
+                   "cache": str(job.tactics.path), "compiled_graphs_reused": reused}
         if recipe.tactics_level == "max" and not tuned:
             tactics["note"] = "no GEMM benchmarking ran: every choice came from the tactic cache"
         return BuildOutput(phases=phases, tactics=tactics, extra={"graphs": list(graphs)})
@@ -174,6 +172,46 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[
         graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "gemv": b == 1,
                                   "export_s": time.perf_counter() - t}
     return graphs
+
+
+def _compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], job: BuildJob) -> bool:
+    """Compile one exported graph into `workdir/<name>/`, or copy the compiled folder that an
+    earlier build left in the tactic cache for exactly this graph. True when reused.
+
+    Weights are not inside the compiled graph (they are runtime constants, never folded), so the
+    compiled code depends only on the exported program (operations, shapes, dtypes, literals such
+    as rms_norm_eps), the Inductor options, and the toolchain and device the tactic cache is
+    already keyed by. A rebuild, or another recipe of the same architecture with other weights,
+    then skips Inductor entirely.
+    """
+    import hashlib
+
+    import torch
+
+    program = graph["program"]
+    digest = hashlib.sha256((str(program) + "\0" + json.dumps(configs, sort_keys=True, default=str)).encode()).hexdigest()
+    cached = job.tactics.path / "graphs" / digest[:32]
+    dest = job.workdir / name
+    if (cached / "COMPLETE").is_file():
+        shutil.copytree(cached, dest, ignore=shutil.ignore_patterns("COMPLETE"))
+        so_name = (cached / "COMPLETE").read_text().strip()
+        graph["so"] = f"{name}/{so_name}"
+        return True
+    package = job.workdir / f"{name}.pt2"
+    torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
+    graph["so"] = _extract_model(package, dest)
+    # Publish into the tactic cache the way the store publishes engines: a private folder, then one
+    # rename; a concurrent builder that lost the race just keeps its own copy.
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(dest, tmp)
+    (tmp / "COMPLETE").write_text(graph["so"].split("/", 1)[1] + "\n")
+    try:
+        os.rename(tmp, cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return False
 
 
 def _extract_model(package: Path, dest: Path) -> str:
