@@ -144,10 +144,10 @@ def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: l
     return peer
 
 
-def run_variants(ctx: dict[str, Any], args: argparse.Namespace, skipped: dict[str, str]) -> dict[str, Any]:
+def run_variants(ctx: dict[str, Any], args: argparse.Namespace, skipped: dict[str, str], results: dict[str, Any],
+                 save: Callable[[], None]) -> dict[str, Any]:
     import peers
 
-    results: dict[str, Any] = {}
     batches = [b for b in ctx["recipe"].shapes.batch_buckets]
     for name in args.variants:
         if name in skipped:
@@ -169,6 +169,7 @@ def run_variants(ctx: dict[str, Any], args: argparse.Namespace, skipped: dict[st
                 peer.close()
             peers.free_device_memory()
         results[name].update(notes=notes, wall_s=time.perf_counter() - t)
+        save()
     return results
 
 
@@ -299,7 +300,8 @@ def measure_build(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, An
 
 # -- one recipe -----------------------------------------------------------------------------------------
 def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
-                 ceilings: dict[str, Any]) -> dict[str, Any]:
+                 ceilings: dict[str, Any], res: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
+    """Fill `res` section by section, calling `save` after each, so a run cut short keeps what it measured."""
     import torch
 
     from trtbuild.builder import build
@@ -312,10 +314,11 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
     recipe = load_recipe(path)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[recipe.precision]
     folder = resolve(recipe.model, Store(args.engines).root).materialize()  # same synthetic weights for all
-    res: dict[str, Any] = {"recipe": recipe.name, "path": path, "precision": recipe.precision}
+    res.update(recipe=recipe.name, path=path, precision=recipe.precision)
     if "build" in args.sections:
         print(f"[bench] {recipe.name}: build (cold, then rebuild with tactics kept) ...", flush=True)
         res["build"] = measure_build({"recipe": recipe}, args)
+        save()
     outcome = build(recipe, args.engines)  # a hit after the build section; builds here otherwise
     folder = outcome.model.materialize()
     _, cfg = read_config(folder)
@@ -333,13 +336,15 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
     if "restart" in args.sections:
         print(f"[bench] {recipe.name}: restart (new process to first token) ...", flush=True)
         res["restart"] = measure_restart(ctx, args)
+        save()
         crash = res["restart"]["cold"]["engine"].get("error")
         if crash and "signal" in crash:
             skipped["engine"] = f"loading the engine crashed a child process ({crash[:120]}); not loaded here"
     if not device.startswith("cuda") and not args.cpu_compile:
         skipped["compile"] = "CUDA graphs (mode='max-autotune') need a GPU; --cpu-compile runs mode='default' on CPU"
     if "variants" in args.sections:
-        res["variants"] = run_variants(ctx, args, skipped)
+        res["variants"] = {}
+        run_variants(ctx, args, skipped, res["variants"], save)
         for v in res["variants"].values():
             for b, d in v.get("decode", {}).items():
                 d["x_floor"] = d["p50"] / res["floors"]["decode_s"][b]
@@ -380,9 +385,13 @@ def main() -> None:
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
                               "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
                               "torch": torch.__version__, "plan": asdict(plan), "ceilings": ceilings, "recipes": {}}
+    def save() -> None:
+        (out_dir / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+
     for path in args.recipes:
-        report["recipes"][path] = bench_recipe(path, args, device, plan, ceilings)
-        (out_dir / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")  # after each recipe
+        report["recipes"][path] = {}
+        bench_recipe(path, args, device, plan, ceilings, report["recipes"][path], save)
+        save()
     from peers import plot, table
 
     print(plot(report, out_dir / "bench.png"))

@@ -132,6 +132,8 @@ def inductor_configs(level: str, device: str) -> dict[str, Any]:
     coordinate descent everywhere.
     """
     base: dict[str, Any] = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
+    if os.environ.get("TRTBUILD_AOTI_STATIC_LIBSTDCXX") == "1":  # experiment: benchmarks/AOTI_LOAD_NOTES.md
+        base["cpp.cxx"] = (None, str(Path(__file__).with_name("cxx_static.sh")))
     if level == "none":
         return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
     if level == "default":

@@ -148,6 +148,9 @@ class _Model:
         aoti = torch._C._aoti
         self.graph_safe = True
         if device.startswith("cuda"):
+            # The runner must find a CUDA context already made on its device: created first, it
+            # crashes on the H200 image (benchmarks/AOTI_LOAD_NOTES.md).
+            torch.zeros(1, device=device)
             try:
                 self.runner = aoti.AOTIModelContainerRunnerCuda(str(so), 1, device, str(so.parent), True)
             except TypeError:  # an older binding without run_single_threaded: no graph capture then
