@@ -320,6 +320,10 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
         res["build"] = measure_build({"recipe": recipe}, args)
         save()
     outcome = build(recipe, args.engines)  # a hit after the build section; builds here otherwise
+    if "build" not in args.sections and not outcome.cache_hit:  # still worth keeping: a cold build, in-process
+        res["build"] = {"note": "build section skipped; this is the build the variants needed, in the benchmark process",
+                        "cold": {"build_s": outcome.build_s, "phases": outcome.phases, "cache_hit": False}}
+        save()
     folder = outcome.model.materialize()
     _, cfg = read_config(folder)
     elem = torch.empty(0, dtype=dtype).element_size()

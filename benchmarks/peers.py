@@ -100,8 +100,6 @@ class TransformerPeer:
         return self.decoders[batch]
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> Timings:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         tokens = torch.tensor(prompts, dtype=torch.long, device=self.device)
         t = tokens.shape[1]
         decode = self._decoder(tokens.shape[0])
@@ -113,13 +111,11 @@ class TransformerPeer:
             clock.mark()
             out.append(nxt)
             pos = torch.tensor([t], dtype=torch.long, device=self.device)
-            # MATH attention for decode, as the engine's decode graphs (Inductor writes the kernel).
-            with sdpa_kernel([SDPBackend.MATH]):
-                for _ in range(new_tokens - 1):
-                    nxt = decode(self.model, nxt, pos).clone()
-                    pos += 1
-                    clock.mark()
-                    out.append(nxt)
+            for _ in range(new_tokens - 1):
+                nxt = decode(self.model, nxt, pos).clone()
+                pos += 1
+                clock.mark()
+                out.append(nxt)
         times = clock.intervals()
         return times[0], times[1:]
 

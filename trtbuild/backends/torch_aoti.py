@@ -41,12 +41,21 @@ class TorchAOTIBackend:
     def toolchain(self) -> dict[str, str]:
         import torch
 
-        tools = {"torch": torch.__version__}
+        from trtbuild.backends import cxx
+
+        # The C++ compiler is part of the toolchain: it compiles every graph (cxx.py says why it is chosen).
+        tools = {"torch": torch.__version__, "cxx": cxx.choose().describe()}
         if torch.cuda.is_available():
-            import triton
+            from importlib import metadata
 
             tools["cuda"] = str(torch.version.cuda)
-            tools["triton"] = triton.__version__
+            # From the package metadata: importing triton costs a restart up to a second, for a string.
+            try:
+                tools["triton"] = metadata.version("triton")
+            except metadata.PackageNotFoundError:
+                import triton
+
+                tools["triton"] = triton.__version__
         return tools
 
     # -- build -----------------------------------------------------------------------------------
@@ -132,8 +141,9 @@ def inductor_configs(level: str, device: str) -> dict[str, Any]:
     coordinate descent everywhere.
     """
     base: dict[str, Any] = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
-    if os.environ.get("TRTBUILD_AOTI_STATIC_LIBSTDCXX") == "1":  # experiment: benchmarks/AOTI_LOAD_NOTES.md
-        base["cpp.cxx"] = (None, str(Path(__file__).with_name("cxx_static.sh")))
+    from trtbuild.backends import cxx
+
+    base["cpp.cxx"] = (None, cxx.choose().path)  # the compiler whose libstdc++ this process runs (cxx.py)
     if level == "none":
         return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
     if level == "default":
@@ -163,13 +173,10 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[
                                  prefer_deferred_runtime_asserts_over_guards=True)
     graphs["prefill"] = {"batch": "dynamic", "program": ep, "gemv": False,
                          "export_s": time.perf_counter() - t}
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     for b in shapes.batch_buckets:
         progress(f"exporting decode for batch {b}")
         t = time.perf_counter()
-        # MATH attention for decode: Inductor then generates the attention kernel itself (gpt-fast).
-        with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        with torch.no_grad():
             ep = torch.export.export(Step(model, from_start=False), (torch.zeros(b, 1, **long), torch.ones(1, **long)))
         graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "gemv": b == 1,
                                   "export_s": time.perf_counter() - t}

@@ -145,14 +145,27 @@ class Attention(nn.Module):
             # on CUDA.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
         else:
-            keys, values = k_cache[:b], v_cache[:b]
-            if c.num_kv_heads != c.num_heads:
-                rep = c.num_heads // c.num_kv_heads
-                keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-            # Causal mask over the static cache, from positions: slot j is visible to pos p iff j <= p.
-            mask = torch.arange(k_cache.shape[2], device=x.device)[None, :] <= pos[:, None]
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None])
+            y = _cached_attention(q, k_cache[:b], v_cache[:b], pos)
         return self.wo(y.transpose(1, 2).reshape(b, t, q_size))
+
+
+def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor) -> Tensor:
+    """Attention of q (B, H, T, D) at positions `pos` over the whole static cache (B, KV, S, D).
+
+    The query heads that share a KV head are stacked into one matrix, so each step reads every cached
+    K and V row once. Repeating K/V per query head instead (what SDPA's math path does for GQA) writes
+    and reads H/KV copies of the cache every step: 4x the cache traffic on Llama-3 shapes, measured on
+    the H200 as most of the gap between batch-8 decode and its floor.
+    """
+    b, h, t, d = q.shape
+    kv, s = keys.shape[1], keys.shape[2]
+    rep = h // kv
+    qg = q.reshape(b, kv, rep * t, d)  # query head i uses KV head i // rep (HF's repeat_kv order)
+    scores = (qg @ keys.transpose(-1, -2)).float() * d**-0.5  # (B, KV, rep*T, S)
+    # Causal mask over the static cache, from positions: slot j is visible to position p iff j <= p.
+    visible = (torch.arange(s, device=q.device)[None, :] <= pos[:, None]).repeat(rep, 1)  # (rep*T, S)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(q.dtype)
+    return (probs @ values).reshape(b, h, t, d)
 
 
 class FeedForward(nn.Module):
