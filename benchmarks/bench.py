@@ -26,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # trtbuild, run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers
+import trtbuild  # noqa: E402,F401  - before torch: one libstdc++ for the compiled graphs (backends/cxx.py)
 
 VARIANTS = ("engine", "eager", "compile", "hf")
 SECTIONS = ("build", "restart", "variants")
@@ -320,6 +321,8 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
         res["build"] = measure_build({"recipe": recipe}, args)
         save()
     outcome = build(recipe, args.engines)  # a hit after the build section; builds here otherwise
+    if not outcome.cache_hit:  # the first lookup after a publish hashes every file: keep it out of the restart
+        build(recipe, args.engines)
     if "build" not in args.sections and not outcome.cache_hit:  # still worth keeping: a cold build, in-process
         res["build"] = {"note": "build section skipped; this is the build the variants needed, in the benchmark process",
                         "cold": {"build_s": outcome.build_s, "phases": outcome.phases, "cache_hit": False}}

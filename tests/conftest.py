@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
+import trtbuild  # noqa: F401  - before torch, as a user's process would (trtbuild/backends/cxx.py)
+
 REPO = Path(__file__).resolve().parent.parent
 
 TINY_CONFIG: dict[str, Any] = {

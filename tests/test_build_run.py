@@ -196,3 +196,26 @@ def test_local_folder_with_tokenizer_runs_a_text_prompt(tmp_path: Path) -> None:
     assert len(text) == 5 and all(w in vocab for w in text)
     identity = json.loads((Path(report["engine"]["path"]) / "manifest.json").read_text())["key_material"]["recipe"]["model"]["identity"]
     assert identity["kind"] == "local" and len(identity["sha256"]) == 64
+
+
+
+def test_a_process_whose_libstdcxx_is_shadowed_gets_a_clear_error_not_a_crash(built: dict[str, Any]) -> None:
+    """The state that segfaulted every compiled graph on the H200 image, made here (tests/test_cxx.py):
+    `trtbuild run` must refuse before loading the graph, name the library, and say what to do."""
+    import subprocess
+    import sys
+
+    from .test_cxx import shadowed
+
+    if shutil.which("gcc") is None or sys.platform != "linux":
+        pytest.skip("needs Linux and gcc")
+    lib = built["store"].parent / "libshadow.so"
+    (built["store"].parent / "shadow.c").write_text("int _ZNSt7__cxx117collateIcE2idE = 0;\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(built["store"].parent / "shadow.c")], check=True)
+    code = shadowed(lib) + ("import sys\nfrom trtbuild.cli import main\n"
+                            f"sys.argv = ['trtbuild', 'run', {str(built['recipe'])!r}, '--engines', "
+                            f"{str(built['store'])!r}, '--no-build']\nmain()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode > 0, (proc.returncode, proc.stderr[-2000:])  # an error exit, not a signal
+    assert "libshadow.so" in proc.stderr and "LD_PRELOAD" in proc.stderr
+    assert "Traceback" not in proc.stderr

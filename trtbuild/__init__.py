@@ -10,6 +10,11 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+# Before anything imports torch: one libstdc++ for every compiled graph (trtbuild/backends/cxx.py).
+from trtbuild.backends.cxx import make_global as _make_global  # noqa: E402
+
+_make_global()
+
 from trtbuild.errors import TrtbuildError  # noqa: E402
 from trtbuild.recipe import Recipe, load_recipe  # noqa: E402
 

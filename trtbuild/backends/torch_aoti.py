@@ -43,8 +43,8 @@ class TorchAOTIBackend:
 
         from trtbuild.backends import cxx
 
-        # The C++ compiler is part of the toolchain: it compiles every graph (cxx.py says why it is chosen).
-        tools = {"torch": torch.__version__, "cxx": cxx.choose().describe()}
+        # The C++ compiler is part of the toolchain: it compiles every graph.
+        tools = {"torch": torch.__version__, "cxx": cxx.compiler().version}
         if torch.cuda.is_available():
             from importlib import metadata
 
@@ -143,7 +143,7 @@ def inductor_configs(level: str, device: str) -> dict[str, Any]:
     base: dict[str, Any] = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
     from trtbuild.backends import cxx
 
-    base["cpp.cxx"] = (None, cxx.choose().path)  # the compiler whose libstdc++ this process runs (cxx.py)
+    base["cpp.cxx"] = (None, cxx.compiler().path)  # exactly the compiler the key records
     if level == "none":
         return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
     if level == "default":

@@ -136,16 +136,19 @@ class TorchEngine:
 class _Model:
     """One compiled graph, loaded from its .so with AOTInductor's container runner.
 
-    The runner is used directly rather than through `aoti_load_package`: the package's zip reader
-    segfaults on the H200 image (torch 2.11), and loading the unpacked .so also skips the CPU
-    compiler probes `aoti_load_package` runs before it loads anything. On CUDA the runner is
+    The runner is used directly rather than through `aoti_load_package`: loading the unpacked .so
+    skips the package's zip reader and the CPU compiler probes `aoti_load_package` runs before it
+    loads anything, and a restart unpacks nothing. On CUDA the runner is
     created single-threaded, without which a CUDA-graph capture of it fails and poisons the process.
     """
 
     def __init__(self, so: Path, device: str) -> None:
         import torch
 
+        from trtbuild.backends import cxx
+
         aoti = torch._C._aoti
+        cxx.check_symbols(str(so))  # a clear error where the graph would otherwise segfault
         self.graph_safe = True
         if device.startswith("cuda"):
             # The runner must find a CUDA context already made on its device: created first, it
