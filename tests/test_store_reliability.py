@@ -114,6 +114,30 @@ def test_after_first_use_sizes_are_checked_on_every_lookup_and_hashes_on_verify(
     assert _entry_dirs(store) == []
 
 
+def test_damage_that_only_the_loader_trips_on_is_found_by_hash_and_quarantined(published: dict[str, Any],
+                                                                               tmp_path: Path) -> None:
+    """A used entry gets size checks only; a same-size flip in engine.json then reaches the loader. Found
+    by the stress round (benchmarks/reliability.py) as a UnicodeDecodeError traceback."""
+    store = _copy_store(published, tmp_path / "engines")
+    recipe = load_recipe(published["recipe"])
+    assert build(recipe, store, allow_build=False).cache_hit  # first use: hashed, marked verified
+    spec = store / "v1" / published["entry"] / "engine.json"
+    data = bytearray(spec.read_bytes())
+    data[len(data) // 2] = 0x91  # not UTF-8, same size
+    spec.write_bytes(bytes(data))
+    proc = run_cli("run", str(published["recipe"]), "--engines", str(store), "--no-build")
+    assert proc.returncode == 1 and "corrupt" in proc.stderr and "engine.json" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and _entry_dirs(store) == []
+    assert len(list((store / "quarantine").iterdir())) == 1
+    _copy_store(published, tmp_path / "again")
+    spec = tmp_path / "again" / "v1" / published["entry"] / "engine.json"
+    build(recipe, tmp_path / "again", allow_build=False)
+    spec.write_bytes(bytes(data))
+    proc = run_cli("run", str(published["recipe"]), "--engines", str(tmp_path / "again"), "--json", "--iterations", "1")
+    assert proc.returncode == 0, proc.stderr  # building allowed: quarantined, rebuilt, run
+    assert len(list((tmp_path / "again" / "quarantine").iterdir())) == 1
+
+
 def test_verify_flag_hashes_every_file(published: dict[str, Any], tmp_path: Path) -> None:
     store = _copy_store(published, tmp_path / "engines")
     recipe = load_recipe(published["recipe"])

@@ -93,7 +93,8 @@ def build_cmd(recipe: str, engines: str | None, verify: bool, as_json: bool) -> 
         outcome = build(r, engines, full_verify=verify, progress=progress)
     result = {"recipe": r.name, "backend": r.backend,
               "engine": {"key": outcome.key, "path": str(outcome.entry.path), "cache_hit": outcome.cache_hit},
-              "lookup_s": outcome.lookup_s, "build_s": outcome.build_s, "phases": outcome.phases,
+              "startup_s": outcome.startup_s, "lookup_s": outcome.lookup_s, "build_s": outcome.build_s,
+              "phases": outcome.phases,
               "waited_for": outcome.waited_for}
     if as_json:
         click.echo(json.dumps(result))
@@ -160,6 +161,7 @@ def _print_report(rep: dict[str, Any]) -> None:
     table.add_column("phase")
     table.add_column("time", justify="right")
     table.add_column("note")
+    table.add_row("start-up", f"{p.get('startup_s', 0.0) * 1e3:.1f} ms", "import the framework, find the device")
     table.add_row("lookup", f"{p['lookup_s'] * 1e3:.1f} ms", f"key {e['key'][:16]}")
     table.add_row("build", "cached" if e["cache_hit"] else f"{p['build_s']:.1f} s",
                   "cache hit: no export, no compile" if e["cache_hit"] else "built and published")

@@ -17,9 +17,9 @@ from typing import Any
 from trtbuild import backends
 from trtbuild.backends import Engine, Generation
 from trtbuild.builder import BuildOutcome, Progress, build, no_build_from_env
-from trtbuild.errors import IncompatibleEngineError, InputError
+from trtbuild.errors import EngineMissingError, IncompatibleEngineError, InputError, TrtbuildError
 from trtbuild.recipe import Recipe, run_shape_problems
-from trtbuild.store import Store
+from trtbuild.store import Store, verify
 from trtbuild.timing import percentiles
 
 _build = build  # open_session's `build` flag shadows the function
@@ -44,7 +44,8 @@ class Session:
         self.engines = engines
         self.allow_build = allow_build
         self.progress = progress
-        self.phases: dict[str, float] = {"lookup_s": outcome.lookup_s, "build_s": outcome.build_s}
+        self.phases: dict[str, float] = {"startup_s": outcome.startup_s, "lookup_s": outcome.lookup_s,
+                                         "build_s": outcome.build_s}
         self.last: Generation | None = None
         self._engine: Engine | None = None
         self._tokenizer: Any = None
@@ -64,20 +65,34 @@ class Session:
             entry = self.outcome.entry
             # Held while open: prune and rm never take an engine from under a running process.
             self._stack.enter_context(store.in_use(entry.key))
-            engine = backends.get(self.recipe.backend).load(entry.path, entry.manifest)
-            t = time.perf_counter()
             try:
+                engine = backends.get(self.recipe.backend).load(entry.path, entry.manifest)
+                t = time.perf_counter()
                 self._engine = engine.__enter__()
             except IncompatibleEngineError as exc:
                 # Built for another library version or GPU: never crash later, rebuild now if allowed.
                 if attempt == 2 or not self.allow_build:
                     raise
                 store.quarantine(entry.path, f"{exc.reason}: {exc.message}")
-                self.outcome = build(self.recipe, self.engines, allow_build=True, progress=self.progress)
-                self.phases["build_s"] += self.outcome.build_s
-                continue
-            self.phases["load_s"] = time.perf_counter() - t  # __enter__ synchronizes what it loads
-            return
+            except TrtbuildError:
+                raise
+            except Exception:
+                # An entry already verified once gets size checks only, so a same-size flip can reach
+                # the loader. If the hashes now disagree it is corruption, not a bug: quarantine it,
+                # then rebuild or refuse, as for damage found at lookup.
+                problems = verify(entry, full=True)
+                if not problems:
+                    raise
+                moved = store.quarantine(entry.path, "; ".join(problems))
+                if attempt == 2 or not self.allow_build:
+                    raise EngineMissingError(f"engine {entry.path.name} is corrupt ({'; '.join(problems)}); moved to "
+                                             f"quarantine: {moved}", hint="build it again (`trtbuild build "
+                                             f"{self.recipe.path or self.recipe.name}`)") from None
+            else:
+                self.phases["load_s"] = time.perf_counter() - t  # __enter__ synchronizes what it loads
+                return
+            self.outcome = build(self.recipe, self.engines, allow_build=True, progress=self.progress)
+            self.phases["build_s"] += self.outcome.build_s
 
     def __exit__(self, *exc: object) -> None:
         if self._engine is not None:
@@ -168,7 +183,7 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
         "device": session.engine.device,
         "engine": {"key": outcome.key, "path": str(outcome.entry.path), "cache_hit": outcome.cache_hit},
         "shape": {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "iterations": iterations},
-        "phases": {**{k: session.phases.get(k, 0.0) for k in ("lookup_s", "build_s", "load_s", "warmup_s")},
+        "phases": {**{k: session.phases.get(k, 0.0) for k in ("startup_s", "lookup_s", "build_s", "load_s", "warmup_s")},
                    "prefill_s": ttft["p50"], "decode_s": decode_s, "end_to_end_s": end_to_end},
         "ttft_ms": ttft["p50"] * 1e3,
         "tpot_ms": {k: v * 1e3 for k, v in tpot.items()},

@@ -1,17 +1,20 @@
 """The C++ side of compiled graphs: which compiler builds them, and one libstdc++ for the process.
 
 A compiled AOTInductor graph instantiates libstdc++ templates inline (std::regex, in AOTInductor's
-device-string parser) and binds the rest -- the facet ids of std::locale among them -- to whatever
-definition the dynamic linker finds first, searching the process's global scope before the
-graph's own dependencies. On the lent H200 image a library that torch loads into the global scope
-brings its own copy of those symbols; the graph then asks the system libstdc++'s locale for a facet
-by the other copy's id, gets the wrong facet, and segfaults in a virtual call (seen: regex_traits::
-transform_primary landing in codecvt<char16_t>::do_unshift; benchmarks/AOTI_LOAD_NOTES.md). The
-same engine runs once the system libstdc++ is first in the global scope (LD_PRELOAD did it there).
+device-string parser) and binds the rest -- std::locale's facet ids among them -- to the first
+definition the dynamic linker finds: the process's global scope first, then the graph's own
+dependencies. Python loads extension modules, and the libstdc++ they need, privately (RTLD_LOCAL), so
+libstdc++ is usually not in the global scope at all. On the lent H200 image every graph then crashed
+on load: the locale was built by one copy of those symbols and queried with another's ids, so
+use_facet returned the wrong facet and a virtual call landed in codecvt<char16_t>::do_unshift
+(seen twice, with two compilers; benchmarks/AOTI_LOAD_NOTES.md). Which other copy the graph bound
+to was not established: no library in the global scope exported them (checked there), so it came
+from the graph's own dependencies. The same engines ran with the system libstdc++ first in the
+global scope -- by LD_PRELOAD, and then by `make_global`, with no workaround (8B recipe, H200).
 
-So importing trtbuild puts libstdc++ into the global scope, which is first only if torch is not
-imported yet; before any graph is loaded `check_symbols` looks where those symbols resolve and, if
-another library would serve them, raises an error that says what to do instead of crashing.
+So trtbuild makes the libstdc++ the process already runs global when it is imported and again
+before it loads any graph, and `check_symbols` refuses, with the remedy, a process where another
+library would still serve those symbols first.
 """
 
 from __future__ import annotations
@@ -31,13 +34,24 @@ _PROBE_SYMBOLS = ("_ZNSt5ctypeIcE2idE", "_ZNSt7__cxx117collateIcE2idE", "_ZNSt6l
 
 
 def make_global() -> None:
-    """dlopen libstdc++ with RTLD_GLOBAL: first in the global scope when nothing else is there yet."""
+    """Put libstdc++ in the global scope (dlopen RTLD_GLOBAL): the copy already mapped if there is
+    one (dlopen of a loaded library only promotes it), else the one the loader finds."""
     if sys.platform != "linux":
         return
     try:
-        ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_GLOBAL | os.RTLD_NOW)
-    except OSError:  # no libstdc++ here: nothing can shadow it either
+        ctypes.CDLL(loaded_libstdcxx() or "libstdc++.so.6", mode=os.RTLD_GLOBAL | os.RTLD_NOW)
+    except OSError:  # no libstdc++ here: nothing to keep consistent
         pass
+
+
+def loaded_libstdcxx() -> str | None:
+    """The libstdc++ this process has mapped, or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+    except OSError:
+        return None
+    return paths[0] if paths else None
 
 
 class _DlInfo(ctypes.Structure):
@@ -64,7 +78,9 @@ def shadowing_libraries() -> dict[str, str]:
 
 
 def check_symbols(graph: str) -> None:
-    """Refuse, with the remedy, to load a compiled graph that would bind libstdc++ symbols elsewhere."""
+    """Before loading a compiled graph: libstdc++ global, and serving its own locale symbols; else
+    refuse, with the remedy, rather than let the graph crash the process."""
+    make_global()
     shadows = shadowing_libraries()
     if shadows:
         libs = ", ".join(sorted(set(shadows.values())))

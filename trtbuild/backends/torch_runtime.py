@@ -151,9 +151,7 @@ class _Model:
         cxx.check_symbols(str(so))  # a clear error where the graph would otherwise segfault
         self.graph_safe = True
         if device.startswith("cuda"):
-            # The runner must find a CUDA context already made on its device: created first, it
-            # crashes on the H200 image (benchmarks/AOTI_LOAD_NOTES.md).
-            torch.zeros(1, device=device)
+            torch.zeros(1, device=device)  # a CUDA context on this device before the runner's constructor
             try:
                 self.runner = aoti.AOTIModelContainerRunnerCuda(str(so), 1, device, str(so.parent), True)
             except TypeError:  # an older binding without run_single_threaded: no graph capture then
