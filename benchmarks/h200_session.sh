@@ -30,6 +30,9 @@ FIX=none
 log "bench $RECIPE sections=$SECTIONS variants=$VARIANTS (time left $(left) s)"
 timeout $(( $(left) - 45 )) python3 benchmarks/bench.py "$RECIPE" --engines /tmp/bench-engines --out "$OUT" \
   --sections "$SECTIONS" --variants "$VARIANTS" > "$OUT/bench.log" 2>&1; log "bench rc $?"
+# A benchmark cut off by its time limit leaves its child processes running (one was still loading 15 GB
+# when the CLI run below started, on 2026-12-03): end them before timing anything else.
+pkill -f "bench.py --child" 2>/dev/null; sleep 1
 grep -v "^  File\|^DEBUG" "$OUT/bench.log" | tail -40
 
 # -- 3. if the engine did not load in a new process, once more with LD_PRELOAD (the known workaround) ----
