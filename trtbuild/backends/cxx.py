@@ -7,7 +7,7 @@ dependencies. Python loads extension modules, and the libstdc++ they need, priva
 libstdc++ is usually not in the global scope at all. On the lent H200 image every graph then crashed
 on load: the locale was built by one copy of those symbols and queried with another's ids, so
 use_facet returned the wrong facet and a virtual call landed in codecvt<char16_t>::do_unshift
-(seen twice, with two compilers; benchmarks/AOTI_LOAD_NOTES.md). Which other copy the graph bound
+(seen in two builds; benchmarks/AOTI_LOAD_NOTES.md). Which other copy the graph bound
 to was not established: no library in the global scope exported them (checked there), so it came
 from the graph's own dependencies. The same engines ran with the system libstdc++ first in the
 global scope -- by LD_PRELOAD, and then by `make_global`, with no workaround (8B recipe, H200).
@@ -99,14 +99,10 @@ class Compiler:
 
 @functools.cache
 def compiler() -> Compiler:
-    """The compiler Inductor will run ($CXX, else g++), as Inductor itself finds it."""
-    path = os.environ.get("CXX") or "g++"
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        path = get_cpp_compiler()
-    except Exception:  # an Inductor without this helper: fall back to its documented default
-        pass
+    """The compiler graphs are built with: Inductor's own default ($CXX, else g++; clang++ on macOS),
+    which the build then pins in Inductor's config. Asking Inductor itself would import it: a second
+    on every start-up, for a name."""
+    path = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
     try:
         banner = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
         full = subprocess.run([path, "-dumpfullversion"], capture_output=True, text=True, timeout=30).stdout
