@@ -65,6 +65,8 @@ def test_run_in_a_new_process_reuses_the_engine(built: dict[str, Any]) -> None:
     assert sorted(p.name for p in (built["store"] / "v1").iterdir()) == before
     for field in ("lookup_s", "build_s", "load_s", "warmup_s", "prefill_s", "decode_s"):
         assert report["phases"][field] >= 0
+    # Importing torch is start-up, reported apart: a lookup of a few files is far below it.
+    assert report["phases"]["startup_s"] > report["phases"]["lookup_s"]
     assert report["ttft_ms"] > 0 and report["tpot_ms"]["p50"] > 0 and report["tokens_per_s"] > 0
     assert len(report["output_ids"]) == 1 and len(report["output_ids"][0]) == 8
     assert report["roofline"]["decode_bandwidth_Bps"] > 0
