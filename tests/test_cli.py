@@ -65,6 +65,7 @@ def test_doctor_lists_every_backend_and_the_device() -> None:
     assert "torch         available" in proc.stdout
     assert "tensorrt-llm  unavailable" in proc.stdout and "tensorrt      unavailable" in proc.stdout
     assert '"kind": "cpu"' in proc.stdout
+    assert "c++:    compiler" in proc.stdout and "first in the global scope" in proc.stdout
 
 
 def test_cache_commands_on_an_empty_store(engine_store: Path) -> None:

@@ -381,3 +381,11 @@ def doctor() -> None:
         click.echo(f"{name:<13} {'available' if ok else 'unavailable'}: {reason}")
     click.echo(f"device: {json.dumps(fingerprint.device())}")
     click.echo(f"host:   {json.dumps(fingerprint.host())}")
+    from trtbuild.backends import cxx
+
+    # What compiled torch graphs depend on (the H200 image crashed every graph here until it was fixed).
+    shadows = cxx.shadowing_libraries()
+    state = (f"served by {', '.join(sorted(set(shadows.values())))} first: compiled graphs will be refused"
+             if shadows else "first in the global scope")
+    click.echo(f"c++:    compiler {cxx.compiler().path} ({cxx.compiler().version}); "
+               f"libstdc++ {cxx.loaded_libstdcxx() or 'not loaded'}, {state}")
