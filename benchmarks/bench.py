@@ -146,7 +146,7 @@ def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: l
 
 
 def run_variants(ctx: dict[str, Any], args: argparse.Namespace, skipped: dict[str, str], results: dict[str, Any],
-                 save: Callable[[], None]) -> dict[str, Any]:
+                 save: Callable[[], None]) -> None:
     import peers
 
     batches = [b for b in ctx["recipe"].shapes.batch_buckets]
@@ -171,7 +171,6 @@ def run_variants(ctx: dict[str, Any], args: argparse.Namespace, skipped: dict[st
             peers.free_device_memory()
         results[name].update(notes=notes, wall_s=time.perf_counter() - t)
         save()
-    return results
 
 
 # -- restart and build (child processes) ------------------------------------------------------------
@@ -301,7 +300,7 @@ def measure_build(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, An
 
 # -- one recipe -----------------------------------------------------------------------------------------
 def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
-                 ceilings: dict[str, Any], res: dict[str, Any], save: Callable[[], None]) -> dict[str, Any]:
+                 ceilings: dict[str, Any], res: dict[str, Any], save: Callable[[], None]) -> None:
     """Fill `res` section by section, calling `save` after each, so a run cut short keeps what it measured."""
     import torch
 
@@ -321,12 +320,12 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
         res["build"] = measure_build({"recipe": recipe}, args)
         save()
     outcome = build(recipe, args.engines)  # a hit after the build section; builds here otherwise
-    if not outcome.cache_hit:  # the first lookup after a publish hashes every file: keep it out of the restart
-        build(recipe, args.engines)
-    if "build" not in args.sections and not outcome.cache_hit:  # still worth keeping: a cold build, in-process
-        res["build"] = {"note": "build section skipped; this is the build the variants needed, in the benchmark process",
-                        "cold": {"build_s": outcome.build_s, "phases": outcome.phases, "cache_hit": False}}
-        save()
+    if not outcome.cache_hit:
+        build(recipe, args.engines)  # the first lookup after a publish hashes every file: keep it out of the restart
+        if "build" not in args.sections:  # still worth keeping: a cold build, in-process
+            res["build"] = {"note": "build section skipped; this is the build the variants needed, in the benchmark "
+                            "process", "cold": {"build_s": outcome.build_s, "phases": outcome.phases, "cache_hit": False}}
+            save()
     folder = outcome.model.materialize()
     _, cfg = read_config(folder)
     elem = torch.empty(0, dtype=dtype).element_size()
@@ -357,7 +356,6 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
                 d["x_floor"] = d["p50"] / res["floors"]["decode_s"][b]
             for t, d in v.get("prefill", {}).items():
                 d["x_floor"] = d["p50"] / res["floors"]["prefill_s"][t]
-    return res
 
 
 def main() -> None:

@@ -84,11 +84,16 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _startup(recipe: Recipe) -> dict[str, str]:
+    """Import the backend's framework and find the device: the toolchain for the key."""
+    toolchain = backends.get(recipe.backend).toolchain()  # raises BackendUnavailableError naming the install step
+    fingerprint.device()  # cached for key_material
+    return toolchain
+
+
 def _resolve(recipe: Recipe, store: Store,
-             toolchain: dict[str, str] | None = None) -> tuple[backends.Backend, ResolvedModel, dict[str, Any], str]:
+             toolchain: dict[str, str]) -> tuple[backends.Backend, ResolvedModel, dict[str, Any], str]:
     backend = backends.get(recipe.backend)
-    if toolchain is None:
-        toolchain = backend.toolchain()  # raises BackendUnavailableError naming the install step
     model = resolve(recipe.model, store.root)
     material = key_material(recipe, model, backend, toolchain)
     return backend, model, material, key_of(material)
@@ -102,8 +107,7 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
     store = Store(engines)
     # Start-up (importing torch, initializing the device: seconds on a GPU host) is reported on its own,
     # so `lookup` is what the store costs.
-    toolchain = backends.get(recipe.backend).toolchain()
-    fingerprint.device()
+    toolchain = _startup(recipe)
     startup_s = time.perf_counter() - t0
     backend, model, material, key = _resolve(recipe, store, toolchain)
     entry = store.lookup(key, full_verify=full_verify)
@@ -202,7 +206,7 @@ def explain(recipe: Recipe, engines: str | os.PathLike[str] | None = None) -> di
     from trtbuild.housekeeping import nearest
 
     store = Store(engines)
-    _, _, material, key = _resolve(recipe, store)
+    _, _, material, key = _resolve(recipe, store, _startup(recipe))
     entry = store.lookup(key)
     if entry is not None:
         return {"hit": True, "key": key, "entry": str(entry.path)}
