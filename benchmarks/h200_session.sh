@@ -3,7 +3,7 @@
 # recipe (build / restart / variants), a retry under LD_PRELOAD if the engine did not load in a new
 # process, and the CLI report of a cache-hit run. At most 8 files under $OUT.
 #
-#   bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
+#   [PROFILE=0] [PROBE=1:cd,plain] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -45,7 +45,20 @@ if python3 -c "import json,sys; r=list(json.load(open('$OUT/bench.json'))['recip
   tail -12 "$OUT/preload/bench.log"
 fi
 
-# -- 4. the CLI report of a cache-hit run, if time is left ---------------------------------------------
+# -- 4. where a decode step's time goes (PROFILE=0 skips), and an A/B of Inductor options for one decode
+#       graph (PROBE="BATCH:OPTIONS", e.g. "1:cd,plain"; empty skips) ----------------------------------
+if [ "${PROFILE:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then
+  log "decode profile"
+  timeout $(( $(left) - 40 )) python3 benchmarks/profile_decode.py "$RECIPE" --engines /tmp/bench-engines \
+    --out "$OUT/profile.json" > "$OUT/profile.txt" 2>&1; log "rc $?"; grep -v "^USDT" "$OUT/profile.txt" | head -60
+fi
+if [ -n "${PROBE:-}" ] && [ "$(left)" -gt 90 ]; then
+  log "probe ${PROBE}"
+  timeout $(( $(left) - 30 )) python3 benchmarks/probe_decode.py "$RECIPE" --batch "${PROBE%%:*}" --options "${PROBE#*:}" \
+    --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1; log "rc $?"; grep -v "^USDT\|Warning\|return cls" "$OUT/probe.txt" | head -80
+fi
+
+# -- 5. the CLI report of a cache-hit run, if time is left ---------------------------------------------
 if [ "$(left)" -gt 25 ]; then
   log "cli run (cache hit)"
   timeout $(( $(left) - 8 )) python3 -m trtbuild run "$RECIPE" --engines /tmp/bench-engines --no-build --iterations 3 \

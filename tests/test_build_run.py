@@ -85,6 +85,8 @@ def test_engine_tokens_match_the_eager_model(built: dict[str, Any], batch: int) 
     with open_session(recipe, built["store"], build=False) as session:
         got = session.generate(prompts, 20)
         again = session.generate(prompts, 20)  # a second generation must not see the first's cache
+        # positions 11..29: decode runs in the 24-slot window, then crosses into the 48-slot one
+        assert [d.windows for d in session.engine._decoders.values()] == [[24, 48]]
     want = eager_greedy(_folder(built["recipe"], built["store"]), prompts, 20, 48)
     assert got == want
     assert again == want

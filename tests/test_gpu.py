@@ -26,11 +26,11 @@ def test_cuda_engine_matches_eager_and_replays_decode_in_a_cuda_graph(tmp_path: 
     assert outcome.entry.manifest["key_material"]["device"]["kind"] == "cuda"
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 16)
-        assert all(d.graph is not None for d in session.engine._decoders.values())
+        got = session.generate(prompts, 24)  # positions 8..30: the 24-slot window, then the 48-slot one
+        assert all(sorted(d.graphs) == d.windows == [24, 48] for d in session.engine._decoders.values())
         report = run_report(session, batch_size=1, input_len=8, output_len=8, iterations=2)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    want = eager_greedy(outcome.model.materialize(), prompts, 16, 48, dtype=dtype, device="cuda")
+    want = eager_greedy(outcome.model.materialize(), prompts, 24, 48, dtype=dtype, device="cuda")
     if precision == "fp32":
         assert got == want
     else:  # bf16 kernels may round differently; the first tokens must still agree

@@ -110,9 +110,11 @@ def test_prefill_logits_match_at_every_position(pair: tuple[Any, Path], from_sta
     assert want.abs().max() > 1.0  # the comparison is not between near-zero numbers
 
 
-@pytest.mark.parametrize("from_start", [False, True])
+@pytest.mark.parametrize("from_start,windowed", [(False, False), (True, False), (True, True)])
 @torch.no_grad()
-def test_greedy_decode_matches_full_recompute(pair: tuple[Any, Path], from_start: bool) -> None:
+def test_greedy_decode_matches_full_recompute(pair: tuple[Any, Path], from_start: bool, windowed: bool) -> None:
+    """`windowed`: each decode step attends over exactly the filled slots (the tightest span the
+    engine's decode graphs can be run at), not the whole static cache."""
     hf, folder = pair
     ours = ours_from_folder(folder)
     seq = prompts()
@@ -123,7 +125,8 @@ def test_greedy_decode_matches_full_recompute(pair: tuple[Any, Path], from_start
         # HF's choice drives both, so one near-tie cannot send the two down different paths
         nxt = want.argmax(-1, keepdim=True)
         seq = torch.cat([seq, nxt], dim=1)
-        last = ours(nxt, torch.tensor([seq.shape[1] - 1]))
+        pos = seq.shape[1] - 1
+        last = ours(nxt, torch.tensor([pos]), span=torch.arange(pos + 1) if windowed else None)
 
 
 @torch.no_grad()
@@ -186,3 +189,12 @@ def test_parameter_count_matches_hugging_face() -> None:
         hf = hf_model(model_type, overrides)
         cfg = LlamaConfig.from_hf(hf.config.to_dict())
         assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters()), name
+
+
+def test_decode_windows_cover_every_position_and_halve_down_to_16() -> None:
+    from trtbuild.backends.torch_runtime import decode_windows
+
+    assert decode_windows(4096) == [128, 256, 512, 1024, 2048, 4096]
+    assert decode_windows(48) == [24, 48]
+    assert decode_windows(20) == [20]
+    assert decode_windows(8) == [8]

@@ -1,8 +1,8 @@
 """The PyTorch AOTInductor backend: torch.export + AOTInductor, run on CPU or CUDA.
 
 An entry holds one prefill graph (dynamic batch and prompt length, attention through SDPA's fused
-causal kernels), one decode graph per batch bucket (static shapes, so Inductor can turn batch-1
-matmuls into GEMV reductions), and the weights as one safetensors file in the engine's own fused
+causal kernels), one decode graph per batch bucket (static batch, so Inductor can turn batch-1
+matmuls into GEMV reductions; dynamic in how many cache slots attention reads), and the weights as one safetensors file in the engine's own fused
 layout and dtype. Each graph is compiled by `aoti_compile_and_package` without its weights inside
 (`package_constants_in_so=False`) and unpacked from the .pt2 into a folder holding the compiled
 .so (and, on CUDA, its cubins). At load the weights and a KV cache that trtbuild allocates are
@@ -176,11 +176,28 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[
     for b in shapes.batch_buckets:
         progress(f"exporting decode for batch {b}")
         t = time.perf_counter()
-        with torch.no_grad():
-            ep = torch.export.export(Step(model, from_start=False), (torch.zeros(b, 1, **long), torch.ones(1, **long)))
-        graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "gemv": b == 1,
+        ep = export_decode(model, b, shapes.max_seq_len, device)
+        graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "gemv": b == 1, "window": "dynamic",
                                   "export_s": time.perf_counter() - t}
     return graphs
+
+
+def export_decode(model: Any, batch: int, max_seq_len: int, device: str) -> Any:
+    """The decode step at one batch size: static batch, and one dynamic dimension, the number of
+    cache slots attended over (the runtime picks the smallest window that covers the position)."""
+    import torch
+    from torch.export import Dim
+
+    from trtbuild.models.llama import Step
+
+    window = {0: Dim("window", min=2, max=max_seq_len)} if max_seq_len > 2 else None
+    long = dict(dtype=torch.long, device=device)
+    with torch.no_grad():
+        return torch.export.export(Step(model, from_start=False),
+                                   (torch.zeros(batch, 1, **long), torch.ones(1, **long),
+                                    torch.arange(max_seq_len, device=device)),
+                                   dynamic_shapes=(None, None, window),
+                                   prefer_deferred_runtime_asserts_over_guards=True)
 
 
 def _compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], job: BuildJob) -> bool:

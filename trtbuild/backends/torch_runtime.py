@@ -1,8 +1,9 @@
 """Running an AOTInductor entry: weights and KV cache handed to the packages, decode in a CUDA graph.
 
-On CUDA each decode bucket is captured once as a CUDA graph whose replay does the whole step on
-the device (forward, argmax, write the token, advance the position), so a token costs one replay and
-no host work. The packages are loaded with `run_single_threaded=True`; without it capture fails and
+On CUDA each decode bucket is captured as CUDA graphs whose replay does the whole step on the
+device (forward, argmax, write the token, advance the position), so a token costs one replay and
+no host work beyond picking the graph: one per cache window (`decode_windows`), since attention
+reads only as many cache slots as the window holds. The packages are loaded with `run_single_threaded=True`; without it capture fails and
 poisons the process.
 """
 
@@ -32,7 +33,7 @@ class TorchEngine:
         import torch
         from safetensors.torch import load_file
 
-        from trtbuild.models.llama import LlamaConfig, rope_table
+        from trtbuild.models.llama import LlamaConfig, kv_cache_shape, rope_table
 
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise TrtbuildError(f"{self.entry} was built for CUDA and this process sees no GPU")
@@ -46,7 +47,7 @@ class TorchEngine:
                                 if k != "tok_embeddings.weight" or self.spec["tied_output"])
         dtype = weights["tok_embeddings.weight"].dtype
         c, shapes = self.cfg, self.spec
-        cache_shape = (shapes["max_batch_size"], c.num_kv_heads, shapes["max_seq_len"], c.head_dim)
+        cache_shape = kv_cache_shape(c, shapes["max_batch_size"], shapes["max_seq_len"])
         consts: dict[str, Any] = {f"model.{k}": v for k, v in weights.items()}
         consts["model.rope"] = rope_table(c, shapes["max_seq_len"]).to(self.device)
         for i in range(c.num_layers):
@@ -173,8 +174,16 @@ class _Model:
         return self.runner.run([t.contiguous() for t in inputs])[0]
 
 
+def decode_windows(max_seq_len: int) -> list[int]:
+    """Cache spans the decode graphs are run (and captured) at: max_seq_len and up to five halvings,
+    none under 16 slots. A step runs the smallest that covers its position, so attention reads at
+    most twice the filled cache (and never less than a 32nd of it) instead of all of it."""
+    return sorted({max_seq_len >> k for k in range(6) if max_seq_len >> k >= 16} | {max_seq_len})
+
+
 class _Decoder:
-    """One decode bucket: static buffers, and on CUDA a captured graph of the whole step."""
+    """One decode bucket: static buffers, and on CUDA one captured graph of the whole step per
+    cache window (the graphs share one memory pool: they never run at the same time)."""
 
     def __init__(self, package: Any, batch: int, max_seq_len: int, device: str) -> None:
         import torch
@@ -183,30 +192,45 @@ class _Decoder:
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
         self.out = torch.zeros(batch, max_seq_len, dtype=torch.long, device=device)
-        self.graph: Any = None
+        self.windows = decode_windows(max_seq_len)
+        self.spans = {w: torch.arange(w, device=device) for w in self.windows}
+        self.next_pos = 0  # the position the next step writes, mirrored on the host to pick a window
+        self.graphs: dict[int, Any] = {}
         if device.startswith("cuda") and getattr(package, "graph_safe", True):
             self._capture()
 
-    def _step(self) -> None:
-        nxt = self.package(self.tok, self.pos).argmax(-1, keepdim=True)
+    def _window(self) -> int:
+        for w in self.windows:
+            if w > self.next_pos:
+                return w
+        raise InputError(f"decode position {self.next_pos} is past the engine's max_seq_len {self.windows[-1]}")
+
+    def _step(self, window: int) -> None:
+        nxt = self.package(self.tok, self.pos, self.spans[window]).argmax(-1, keepdim=True)
         self.out.index_copy_(1, self.pos, nxt)
         self.tok.copy_(nxt)
         self.pos.add_(1)
 
     def _capture(self) -> None:
+        # Runs before any prefill: the steps below write cache slot 0 and `out`, which the prompt
+        # then overwrites.
         import torch
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(2):  # the package's first calls allocate; keep that out of the graph
+            for w in [self.windows[0], *self.windows]:  # first calls allocate and load kernels: not in a graph
                 self.pos.zero_()
-                self._step()
+                self._step(w)
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        self.pos.zero_()
-        with torch.cuda.graph(self.graph), torch.no_grad():
-            self._step()
+        pool = None
+        for w in self.windows:
+            graph = torch.cuda.CUDAGraph()
+            self.pos.zero_()
+            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+                self._step(w)
+            pool = graph.pool()
+            self.graphs[w] = graph
         sync(self.device)
 
     def start(self, first: Any, prompt_len: int) -> None:
@@ -215,9 +239,12 @@ class _Decoder:
         self.pos.fill_(prompt_len - 1)
         self.out.index_copy_(1, self.pos, self.tok)
         self.pos.fill_(prompt_len)
+        self.next_pos = prompt_len
 
     def step(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
+        window = self._window()
+        if self.graphs:
+            self.graphs[window].replay()
         else:
-            self._step()
+            self._step(window)
+        self.next_pos += 1

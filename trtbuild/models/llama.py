@@ -105,6 +105,14 @@ def apply_rope(x: Tensor, table: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
+def kv_cache_shape(cfg: LlamaConfig, max_batch_size: int, max_seq_len: int) -> tuple[int, int, int, int]:
+    """(B, KV heads, slots, D) of each layer's K and V cache: one slot more than max_seq_len, never
+    written. A span of max_seq_len slots is then never the whole dimension, so the decode graph
+    exported with a dynamic span has one code path; with slots == max_seq_len, export adds a
+    contiguity branch for span == slots (and a runtime assert that refuses the longest window)."""
+    return (max_batch_size, cfg.num_kv_heads, max_seq_len + 1, cfg.head_dim)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -125,7 +133,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                from_start: bool) -> Tensor:
+                from_start: bool, span: Tensor | None) -> Tensor:
         c = self.cfg
         b, t, _ = x.shape
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -145,12 +153,17 @@ class Attention(nn.Module):
             # on CUDA.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
         else:
-            y = _cached_attention(q, k_cache[:b], v_cache[:b], pos)
+            y = _cached_attention(q, k_cache[:b], v_cache[:b], pos, span)
         return self.wo(y.transpose(1, 2).reshape(b, t, q_size))
 
 
-def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor) -> Tensor:
-    """Attention of q (B, H, T, D) at positions `pos` over the whole static cache (B, KV, S, D).
+def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span: Tensor | None) -> Tensor:
+    """Attention of q (B, H, T, D) at positions `pos` over the static cache (B, KV, S, D).
+
+    `span` (W,) = arange(W) limits it to the first W slots, which must cover every position in
+    `pos`: a decode graph exported with W dynamic reads only the filled part of the cache, not all
+    max_seq_len slots (at batch 8 and 4096 slots, the whole cache of an 8B model is 4.3 GB a step,
+    a quarter of its weights). None means the whole cache.
 
     The query heads that share a KV head are stacked into one matrix, so each step reads every cached
     K and V row once. Repeating K/V per query head instead (what SDPA's math path does for GQA) writes
@@ -158,12 +171,15 @@ def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor) -> T
     the H200 as most of the gap between batch-8 decode and its floor.
     """
     b, h, t, d = q.shape
-    kv, s = keys.shape[1], keys.shape[2]
+    if span is None:
+        span = torch.arange(keys.shape[2], device=q.device)
+    keys, values = keys[:, :, : span.shape[0]], values[:, :, : span.shape[0]]
+    kv = keys.shape[1]
     rep = h // kv
     qg = q.reshape(b, kv, rep * t, d)  # query head i uses KV head i // rep (HF's repeat_kv order)
-    scores = (qg @ keys.transpose(-1, -2)).float() * d**-0.5  # (B, KV, rep*T, S)
+    scores = (qg @ keys.transpose(-1, -2)).float() * d**-0.5  # (B, KV, rep*T, W)
     # Causal mask over the static cache, from positions: slot j is visible to position p iff j <= p.
-    visible = (torch.arange(s, device=q.device)[None, :] <= pos[:, None]).repeat(rep, 1)  # (rep*T, S)
+    visible = (span[None, :] <= pos[:, None]).repeat(rep, 1)  # (rep*T, W)
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(q.dtype)
     return (probs @ values).reshape(b, h, t, d)
 
@@ -188,8 +204,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                from_start: bool) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), table, pos, k_cache, v_cache, from_start)
+                from_start: bool, span: Tensor | None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), table, pos, k_cache, v_cache, from_start, span)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -210,16 +226,18 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(cfg, max_seq_len), persistent=False)
-        shape = (max_batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+        shape = kv_cache_shape(cfg, max_batch_size, max_seq_len)
         for i in range(cfg.num_layers):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, all_logits: bool = False, from_start: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, input_pos: Tensor, all_logits: bool = False, from_start: bool = False,
+                span: Tensor | None = None) -> Tensor:
         table = self.rope[input_pos]
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, table, input_pos, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), from_start)
+            x = layer(x, table, input_pos, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), from_start,
+                      span)
         x = self.norm(x if all_logits else x[:, -1])
         return self.output(x)
 
@@ -228,7 +246,8 @@ class Step(nn.Module):
     """One exported entry point over a shared Transformer: a prompt (`from_start`) or a decode step.
 
     Both wrap the same module, so their constants carry the same names ("model.<param>") and one set
-    of weight and cache tensors serves every package.
+    of weight and cache tensors serves every package. A decode step takes a third input, the span of
+    cache slots to attend over, whose length is the graph's one dynamic dimension.
     """
 
     def __init__(self, model: Transformer, from_start: bool) -> None:
@@ -236,8 +255,8 @@ class Step(nn.Module):
         self.model = model
         self.from_start = from_start
 
-    def forward(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
-        return self.model(tokens, input_pos, from_start=self.from_start)
+    def forward(self, tokens: Tensor, input_pos: Tensor, span: Tensor | None = None) -> Tensor:
+        return self.model(tokens, input_pos, from_start=self.from_start, span=span)
 
 
 def convert_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
