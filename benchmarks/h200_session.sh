@@ -3,12 +3,12 @@
 # recipe (build / restart / variants), a retry under LD_PRELOAD if the engine did not load in a new
 # process, and the CLI report of a cache-hit run. At most 8 files under $OUT.
 #
-#   [PROFILE=0] [PROBE=1:cd,plain] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
+#   [PROFILE=0] [PROBE=1:cd,plain] [RESERVE=100] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RECIPE=${1:-recipes/llama-3.2-1b.yaml}; VARIANTS=${2:-engine,eager}; SECTIONS=${3:-build,restart,variants}
-BUDGET=${BUDGET:-545}  # seconds this script may use in all
+BUDGET=${BUDGET:-545}  # seconds this script may use in all; RESERVE of them are kept from the benchmark
 left() { echo $((BUDGET - SECONDS)); }
 LOG="$OUT/session.log"
 log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$LOG"; }
@@ -28,7 +28,7 @@ FIX=none
 
 # -- 2. the benchmark of one recipe ------------------------------------------------------------------
 log "bench $RECIPE sections=$SECTIONS variants=$VARIANTS (time left $(left) s)"
-timeout $(( $(left) - 45 )) python3 benchmarks/bench.py "$RECIPE" --engines /tmp/bench-engines --out "$OUT" \
+timeout $(( $(left) - ${RESERVE:-45} )) python3 benchmarks/bench.py "$RECIPE" --engines /tmp/bench-engines --out "$OUT" \
   --sections "$SECTIONS" --variants "$VARIANTS" > "$OUT/bench.log" 2>&1; log "bench rc $?"
 # A benchmark cut off by its time limit leaves its child processes running (one was still loading 15 GB
 # when the CLI run below started, on 2026-12-03): end them before timing anything else.

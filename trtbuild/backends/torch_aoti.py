@@ -1,9 +1,9 @@
 """The PyTorch AOTInductor backend: torch.export + AOTInductor, run on CPU or CUDA.
 
 An entry holds one prefill graph (dynamic batch and prompt length, attention through SDPA's fused
-causal kernels), one decode graph per batch bucket (static batch, so Inductor can turn batch-1
-matmuls into GEMV reductions; dynamic in how many cache slots attention reads), and the weights as one safetensors file in the engine's own fused
-layout and dtype. Each graph is compiled by `aoti_compile_and_package` without its weights inside
+causal kernels), one decode graph per batch bucket (static batch; dynamic in how many cache slots
+attention reads), and the weights as one safetensors file in the engine's own fused layout and
+dtype. Each graph is compiled by `aoti_compile_and_package` without its weights inside
 (`package_constants_in_so=False`) and unpacked from the .pt2 into a folder holding the compiled
 .so (and, on CUDA, its cubins). At load the weights and a KV cache that trtbuild allocates are
 handed to every graph as user-managed constants, so prefill and decode share one cache and the
@@ -99,9 +99,7 @@ class TorchAOTIBackend:
             for name, graph in graphs.items():
                 job.progress(f"compiling {name} with AOTInductor (tactics: {recipe.tactics_level})")
                 g0 = time.perf_counter()
-                extra = {"coordinate_descent_tuning": True} if graph["gemv"] and configs.get("_cd_decode") else {}
-                cfg_for_graph = {k: v for k, v in configs.items() if not k.startswith("_")} | extra
-                graph["reused"] = _compile_or_reuse(graph, name, cfg_for_graph, job)
+                graph["reused"] = _compile_or_reuse(graph, name, configs, job)
                 graph["compile_s"] = time.perf_counter() - g0
                 del graph["program"]
         phases["compile_s"] = time.perf_counter() - t
@@ -119,7 +117,7 @@ class TorchAOTIBackend:
             "graphs": {name: {k: v for k, v in g.items()} for name, g in graphs.items()},
         }
         (job.workdir / ENGINE_JSON).write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
-        tactics = {"level": recipe.tactics_level, "inductor_configs": {k: v for k, v in configs.items() if not k.startswith("_")},
+        tactics = {"level": recipe.tactics_level, "inductor_configs": configs,
                    "selections": tuned, "benchmarked": sum(s["num_candidates"] for s in tuned),
                    "cache": str(job.tactics.path), "compiled_graphs_reused": reused}
         if recipe.tactics_level == "max" and not tuned:
@@ -135,10 +133,13 @@ class TorchAOTIBackend:
 def inductor_configs(level: str, device: str) -> dict[str, Any]:
     """Inductor options per tactics level. Keys starting with '_' are trtbuild's own switches.
 
-    none: no kernel benchmarking at all (fastest build). default: Inductor's defaults, plus
-    coordinate-descent tuning of the static batch-1 decode graph on CUDA, which is what turns its
-    matmuls into GEMV reductions. max: max-autotune (GEMM templates benchmarked against ATen) and
-    coordinate descent everywhere.
+    none: no kernel benchmarking at all (fastest build). default: Inductor's defaults (cuBLAS for
+    every matmul). max: max-autotune (GEMM templates benchmarked against ATen) and coordinate
+    descent everywhere.
+
+    Coordinate descent is not in `default`: it turns batch-1 matmuls into Triton GEMV reductions,
+    which on the H200 (2026-12-03, 1B shape) ran at 2.1-3.5 TB/s against cuBLAS's 2.7-4.3 at batch 8,
+    cost most of a 282 s build, and made the batch-1 step slower than the batch-8 one (1.55 vs 1.26 ms).
     """
     base: dict[str, Any] = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
     from trtbuild.backends import cxx
@@ -147,7 +148,7 @@ def inductor_configs(level: str, device: str) -> dict[str, Any]:
     if level == "none":
         return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
     if level == "default":
-        return base | {"_cd_decode": device == "cuda"}
+        return base
     return base | {"max_autotune": True, "coordinate_descent_tuning": True}
 
 
@@ -171,13 +172,13 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[
                                  dynamic_shapes=({0: batch, 1: seq}, {0: seq}),
                                  # guards export cannot prove become runtime asserts, not failures
                                  prefer_deferred_runtime_asserts_over_guards=True)
-    graphs["prefill"] = {"batch": "dynamic", "program": ep, "gemv": False,
+    graphs["prefill"] = {"batch": "dynamic", "program": ep,
                          "export_s": time.perf_counter() - t}
     for b in shapes.batch_buckets:
         progress(f"exporting decode for batch {b}")
         t = time.perf_counter()
         ep = export_decode(model, b, shapes.max_seq_len, device)
-        graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "gemv": b == 1, "window": "dynamic",
+        graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "window": "dynamic",
                                   "export_s": time.perf_counter() - t}
     return graphs
 
@@ -224,7 +225,9 @@ def _compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any],
         graph["so"] = f"{name}/{so_name}"
         return True
     package = job.workdir / f"{name}.pt2"
-    torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
+    # A copy: aoti_compile_and_package adds its own keys to the dict it is given, which would
+    # change the digest of every later graph compiled with the same options.
+    torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=dict(configs))
     graph["so"] = _extract_model(package, dest)
     # Publish into the tactic cache the way the store publishes engines: a private folder, then one
     # rename; a concurrent builder that lost the race just keeps its own copy.

@@ -141,10 +141,14 @@ class Attention(nn.Module):
         q = apply_rope(q.view(b, t, c.num_heads, c.head_dim), table).transpose(1, 2)
         k = apply_rope(k.view(b, t, c.num_kv_heads, c.head_dim), table).transpose(1, 2)
         v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        # In-place writes into the static cache (rows [:b] of it): export keeps these as buffer
-        # mutations, so the prefill and decode graphs share one cache.
-        k_cache[:b].index_copy_(2, pos, k)
-        v_cache[:b].index_copy_(2, pos, v)
+        # In-place writes into the static cache: export keeps these as buffer mutations, so the
+        # prefill and decode graphs share one cache. Indexed on the whole buffer, never through a
+        # slice of it: a write into `k_cache[:b]` with b < max_batch_size became a copy of the whole
+        # slice (measured on the H200: 2 x 3.5 us per layer for batch-1 decode, 13% of the step).
+        slot = (torch.arange(b, device=x.device)[:, None, None],
+                torch.arange(c.num_kv_heads, device=x.device)[None, :, None], pos[None, None, :])
+        k_cache.index_put_(slot, k)
+        v_cache.index_put_(slot, v)
         # A prompt that starts at position 0 only attends to itself: a causal fused kernel over t
         # tokens, not a masked pass over the whole cache.
         if from_start:
