@@ -14,6 +14,7 @@ import pytest
 
 from trtbuild.builder import build
 from trtbuild.recipe import load_recipe
+from trtbuild.runner import open_session
 from trtbuild.store import Store
 
 from .conftest import REPO, read_json_line, run_cli, tiny_recipe_doc, write_recipe
@@ -217,3 +218,27 @@ def test_unwritable_store_is_a_clear_input_error(tmp_path: Path) -> None:
     blocker.write_text("a file where the store should be")
     proc = run_cli("build", str(recipe), "--engines", str(blocker / "engines"))
     assert proc.returncode == 2 and "not writable" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_run_prefetches_the_most_recently_used_entry_of_its_recipe(published: dict[str, Any], tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before start-up, `open_session` starts reading the newest entry of the recipe's name (largest
+    file first); other names and older entries are left alone, and TRTBUILD_PREFETCH=0 turns it off."""
+    import trtbuild.store as store_module
+
+    store_dir = _copy_store(published, tmp_path / "engines")
+    src = store_dir / "v1" / published["entry"]
+    for i, (name, age_days) in enumerate([("rel", 5), ("other", 0)]):
+        dest = store_dir / "v1" / f"{name}-{str(i) * 16}"
+        shutil.copytree(src, dest)
+        manifest = json.loads((dest / "manifest.json").read_text())
+        manifest.update(key=str(i) * 64, name=name, last_used=manifest["last_used"] - age_days * 86400)
+        (dest / "manifest.json").write_text(json.dumps(manifest))
+    read: list[list[Path]] = []
+    monkeypatch.setattr(store_module, "_read_through", lambda files: read.append(files))
+    with open_session(load_recipe(published["recipe"]), store_dir, build=False):
+        pass
+    assert len(read) == 1 and read[0] and all(src in f.parents for f in read[0])
+    assert read[0][0].stat().st_size == max(f.stat().st_size for f in read[0])
+    monkeypatch.setenv("TRTBUILD_PREFETCH", "0")
+    assert Store(store_dir).prefetch("rel") is None

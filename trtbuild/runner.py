@@ -138,6 +138,7 @@ def open_session(recipe: Recipe, engines: str | os.PathLike[str] | None = None, 
                  progress: Progress = lambda message: None, verify: bool = False) -> Session:
     """Find (or build) the engine and return a Session; enter it to load the engine."""
     allow = build and not no_build_from_env()
+    Store(engines).prefetch(recipe.name)  # disk reads overlap importing torch and device start-up
     outcome = _build(recipe, engines, allow_build=allow, full_verify=verify, progress=progress)
     return Session(recipe, outcome, engines, allow_build=allow, progress=progress)
 

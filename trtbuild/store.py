@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -156,6 +157,24 @@ class Store:
             names = ", ".join(e.path.name for e in matches)
             raise InputError(f"{ref!r} matches several engines: {names}", hint="give the key prefix")
         return matches[0]
+
+    def prefetch(self, name: str) -> threading.Thread | None:
+        """Start reading the most recently used engine named `name` into the page cache, in the background.
+
+        A run imports its framework and initializes the device (seconds on a GPU host) before it
+        knows its key, and a cold disk takes about as long again to deliver the weights. The newest
+        entry of the recipe's name is nearly always the one the key then selects, so its files are
+        read meanwhile; a wrong guess costs one background read. TRTBUILD_PREFETCH=0 turns it off."""
+        if os.environ.get("TRTBUILD_PREFETCH", "1") == "0":
+            return None
+        candidates = [e for e in self.entries() if e.name == name]
+        if not candidates:
+            return None
+        entry = max(candidates, key=lambda e: e.manifest.get("last_used", 0))
+        files = sorted((p for p in entry.path.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)
+        thread = threading.Thread(target=_read_through, args=(files,), name="trtbuild-prefetch", daemon=True)
+        thread.start()
+        return thread
 
     # -- build side ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -343,3 +362,11 @@ def _pid_alive(pid: int) -> bool:
         return True
     return True
 
+
+def _read_through(files: list[Path]) -> None:
+    """Read files start to end (the kernel keeps them in the page cache); errors are the loader's to report."""
+    buf = bytearray(16 << 20)
+    for f in files:
+        with contextlib.suppress(OSError), open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
