@@ -103,25 +103,30 @@ def prefill_flops(cfg: Any, t: int) -> float:
 
 
 # -- variants -------------------------------------------------------------------------------------------
-def measure_peer(peer: Any, plan: Plan, batches: list[int], vocab: int) -> dict[str, Any]:
+def measure_peer(peer: Any, plan: Plan, batches: list[int], vocab: int, out: dict[str, Any],
+                 saved: Callable[[], None]) -> None:
+    """Fill `out` one figure at a time, calling `saved` after each: a peer that runs out of the
+    call's time (torch.compile's autotuning has) keeps the batch sizes and lengths it finished."""
     from trtbuild.runner import default_prompt
     from trtbuild.timing import percentiles
 
-    decode: dict[str, Any] = {}
+    out.update(label=peer.label, decode={}, prefill={}, complete=False)
     for b in batches:
         prompts = default_prompt(b, plan.prompt_len, vocab)
         for _ in range(plan.warmup):  # same shapes as the timed runs: compiles/captures happen here
             peer.generate(prompts, plan.new_tokens)
         steps = [s for _ in range(plan.decode_reps) for s in peer.generate(prompts, plan.new_tokens)[1]]
-        decode[str(b)] = {**percentiles(steps), "n": len(steps)}
-    prefill: dict[str, Any] = {}
+        out["decode"][str(b)] = {**percentiles(steps), "n": len(steps)}
+        out["label"] = peer.label  # some peers only know what ran after the first call
+        saved()
     for t in plan.prefill_lens:
         prompt = default_prompt(1, t, vocab)
         for _ in range(2):
             peer.generate(prompt, 1)
         samples = [peer.generate(prompt, 1)[0] for _ in range(plan.prefill_reps)]
-        prefill[str(t)] = {"p50": statistics.median(samples), "n": len(samples)}
-    return {"label": peer.label, "decode": decode, "prefill": prefill}
+        out["prefill"][str(t)] = {"p50": statistics.median(samples), "n": len(samples)}
+        saved()
+    out["complete"] = True
 
 
 def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: list[str]) -> Any:
@@ -158,19 +163,29 @@ def run_variants(ctx: dict[str, Any], args: argparse.Namespace, skipped: dict[st
         print(f"[bench] {ctx['recipe'].name}/{name} ...", flush=True)
         notes: list[str] = []
         t = time.perf_counter()
+        result: dict[str, Any] = {"notes": notes}
+        results[name] = result
+
+        def saved(result: dict[str, Any] = result, t: float = t) -> None:
+            for b, d in result.get("decode", {}).items():  # ratios at once, so a run cut short has them
+                d["x_floor"] = d["p50"] / ctx["floors"]["decode_s"][b]
+            for n, d in result.get("prefill", {}).items():
+                d["x_floor"] = d["p50"] / ctx["floors"]["prefill_s"][n]
+            result["wall_s"] = time.perf_counter() - t
+            save()
+
         peer = None
         try:
             peer = make_peer(name, ctx, args, notes)
-            results[name] = measure_peer(peer, ctx["plan"], batches, ctx["vocab"])
+            measure_peer(peer, ctx["plan"], batches, ctx["vocab"], result, saved)
         except Exception as exc:  # noqa: BLE001 - one failing peer must not cost the others' numbers
-            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
-            print(f"[bench]   failed: {results[name]['error']}", flush=True)
+            result["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            print(f"[bench]   failed: {result['error']}", flush=True)
         finally:
             if peer is not None:
                 peer.close()
             peers.free_device_memory()
-        results[name].update(notes=notes, wall_s=time.perf_counter() - t)
-        save()
+        saved()
 
 
 # -- restart and build (child processes) ------------------------------------------------------------
@@ -350,12 +365,7 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
         skipped["compile"] = "CUDA graphs (mode='max-autotune') need a GPU; --cpu-compile runs mode='default' on CPU"
     if "variants" in args.sections:
         res["variants"] = {}
-        run_variants(ctx, args, skipped, res["variants"], save)
-        for v in res["variants"].values():
-            for b, d in v.get("decode", {}).items():
-                d["x_floor"] = d["p50"] / res["floors"]["decode_s"][b]
-            for t, d in v.get("prefill", {}).items():
-                d["x_floor"] = d["p50"] / res["floors"]["prefill_s"][t]
+        run_variants(ctx | {"floors": res["floors"]}, args, skipped, res["variants"], save)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 # recipe (build / restart / variants), a retry under LD_PRELOAD if the engine did not load in a new
 # process, and the CLI report of a cache-hit run. At most 8 files under $OUT.
 #
-#   [PROFILE=0] [PROBE=1:cd,plain] [RESERVE=100] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
+#   [PROFILE=0] [PROBE=1:cd,plain] [RESERVE=100] [GPU_TESTS=1] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -69,5 +69,14 @@ if [ "$(left)" -gt 25 ]; then
   log "cli run (cache hit)"
   timeout $(( $(left) - 8 )) python3 -m trtbuild run "$RECIPE" --engines /tmp/bench-engines --no-build --iterations 3 \
     > "$OUT/run_cli.txt" 2>&1; log "rc $?"; tail -22 "$OUT/run_cli.txt"
+fi
+# -- 6. the GPU tests (GPU_TESTS=1): pytest is not on the device, so its wheels travel in .device-wheels
+#       (`pip download pytest -d .device-wheels` here, then carry [".device-wheels"]) ---------------------
+if [ "${GPU_TESTS:-0}" = 1 ] && [ "$(left)" -gt 60 ]; then
+  python3 -m pip install -q --no-index --find-links .device-wheels pytest > /dev/null 2>&1 \
+    || export PYTHONPATH=$PYTHONPATH:$(ls .device-wheels/*.whl 2>/dev/null | tr '\n' ':')
+  log "gpu tests"
+  timeout $(( $(left) - 5 )) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+  log "rc $?"; tail -15 "$OUT/gpu_tests.txt"
 fi
 log "done; FIX=$FIX"

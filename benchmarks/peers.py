@@ -254,8 +254,9 @@ def table(report: dict[str, Any]) -> str:
         rows = [["floor"] + [f"{fl['decode_s'][b] * 1e3:.3f}" for b in batches] + ["-"] * len(batches)
                 + [f"{fl['prefill_s'][t] * 1e3:.3f}" for t in lens]]
         for name, v in rec.get("variants", {}).items():
-            if "decode" not in v:
-                rows.append([name, v.get("skipped") and f"skipped: {v['skipped']}" or f"error: {v.get('error')}"])
+            if not v.get("decode"):
+                rows.append([name, v.get("skipped") and f"skipped: {v['skipped']}" or
+                             f"error: {v.get('error') or 'cut off before its first figure'}"])
                 continue
             d, p = v["decode"], v["prefill"]
             rows.append([name] + [_ms(d.get(b)) for b in batches] + [_ms(d.get(b), "p90") for b in batches]
@@ -266,9 +267,11 @@ def table(report: dict[str, Any]) -> str:
         for r in [head] + rows:
             lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths)) if len(r) > 2 else "  ".join(r))
         for name, v in rec.get("variants", {}).items():
-            if "label" in v:
-                n = v["decode"][batches[0]]["n"]
-                lines.append(f"  {name}: {v['label']} (n={n} steps per batch){'; ' + '; '.join(v['notes']) if v['notes'] else ''}")
+            if v.get("decode"):
+                n = next(iter(v["decode"].values()))["n"]
+                cut = "" if v.get("complete") else "; CUT OFF: the figures missing from its row were not measured"
+                lines.append(f"  {name}: {v['label']} (n={n} steps per batch){cut}"
+                             f"{'; ' + '; '.join(v['notes']) if v['notes'] else ''}")
         for cache in ("cold", "warm"):
             r = rec.get("restart", {}).get(cache)
             if r:
