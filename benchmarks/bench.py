@@ -338,8 +338,12 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
     if not outcome.cache_hit:
         build(recipe, args.engines)  # the first lookup after a publish hashes every file: keep it out of the restart
         if "build" not in args.sections:  # still worth keeping: a cold build, in-process
+            reused = outcome.entry.manifest.get("tactics", {}).get("compiled_graphs_reused", [])
             res["build"] = {"note": "build section skipped; this is the build the variants needed, in the benchmark "
-                            "process", "cold": {"build_s": outcome.build_s, "phases": outcome.phases, "cache_hit": False}}
+                            "process" + (f"; NOT cold: compiled graphs reused from the tactic cache: {reused}"
+                                         if reused else ""),
+                            "cold": {"build_s": outcome.build_s, "phases": outcome.phases, "cache_hit": False,
+                                     "compiled_graphs_reused": reused}}
             save()
     folder = outcome.model.materialize()
     _, cfg = read_config(folder)

@@ -3,7 +3,7 @@
 # recipe (build / restart / variants), a retry under LD_PRELOAD if the engine did not load in a new
 # process, and the CLI report of a cache-hit run. At most 8 files under $OUT.
 #
-#   [PROFILE=0] [PROBE=1:cd,plain] [RESERVE=100] [GPU_TESTS=1] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
+#   [PROFILE=0] [PROBE=1:cd,plain] [RESERVE=100] [GPU_TESTS=1] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,6 +33,12 @@ print(f'import torch {t1-t0:.2f} s, device name (CUDA init) {t2-t1:.2f} s, first
 FIX=none
 
 # -- 2. the benchmark of one recipe ------------------------------------------------------------------
+# SEED_TACTICS=DIR: compiled graphs an earlier call saved (DIR/tactics.tar.gz, carried), so this call's
+# build copies them instead of compiling (the benchmark's build record lists the graphs it reused).
+if [ -n "${SEED_TACTICS:-}" ] && [ -f "$SEED_TACTICS/tactics.tar.gz" ]; then
+  mkdir -p /tmp/bench-engines && tar -xzf "$SEED_TACTICS/tactics.tar.gz" -C /tmp/bench-engines
+  log "tactic cache seeded from $SEED_TACTICS: $(ls /tmp/bench-engines/tactics/torch/*/graphs | wc -l) compiled graphs"
+fi
 log "bench $RECIPE sections=$SECTIONS variants=$VARIANTS (time left $(left) s)"
 timeout $(( $(left) - ${RESERVE:-45} )) python3 benchmarks/bench.py "$RECIPE" --engines /tmp/bench-engines --out "$OUT" \
   --sections "$SECTIONS" --variants "$VARIANTS" > "$OUT/bench.log" 2>&1; log "bench rc $?"
@@ -40,6 +46,12 @@ timeout $(( $(left) - ${RESERVE:-45} )) python3 benchmarks/bench.py "$RECIPE" --
 # when the CLI run below started, on 2026-12-03): end them before timing anything else.
 pkill -f "bench.py --child" 2>/dev/null; sleep 1
 grep -v "^  File\|^DEBUG" "$OUT/bench.log" | tail -40
+
+# SAVE_TACTICS=1: the compiled graphs (not Inductor's caches) back as $OUT/tactics.tar.gz, to seed later calls.
+if [ "${SAVE_TACTICS:-0}" = 1 ] && [ -d /tmp/bench-engines/tactics ]; then
+  (cd /tmp/bench-engines && tar -czf "$OUT/tactics.tar.gz" tactics/torch/*/graphs)
+  log "tactics saved: $(du -h "$OUT/tactics.tar.gz" | cut -f1) (files over 16 MiB do not come back)"
+fi
 
 # -- 3. if the engine did not load in a new process, once more with LD_PRELOAD (the known workaround) ----
 if python3 -c "import json,sys; r=list(json.load(open('$OUT/bench.json'))['recipes'].values())[0]; sys.exit(0 if 'error' in r['restart']['cold']['engine'] else 1)" 2>/dev/null \

@@ -284,7 +284,9 @@ def table(report: dict[str, Any]) -> str:
             def one(x: dict[str, Any]) -> str:
                 return (f"{x['build_s']:.1f} s " + str({k: round(v, 1) for k, v in x["phases"].items()})
                         if "error" not in x else x["error"][:160])
-            lines.append(f"  build cold: {one(b['cold'])}")
+            reused = b["cold"].get("compiled_graphs_reused")
+            lines.append(f"  build {'with graphs reused from the tactic cache ' + str(reused) if reused else 'cold'}: "
+                         f"{one(b['cold'])}")
             if "rebuild_kept_tactics" in b:
                 lines.append(f"  rebuild (engine deleted, tactics kept): {one(b['rebuild_kept_tactics'])}; "
                              f"ratio {b.get('ratio', float('nan')):.2f}")
