@@ -1,10 +1,11 @@
 """Running an AOTInductor entry: weights and KV cache handed to the packages, decode in a CUDA graph.
 
 On CUDA each decode bucket is captured as CUDA graphs whose replay does the whole step on the
-device (forward, argmax, write the token, advance the position), so a token costs one replay and
-no host work beyond picking the graph: one per cache window (`decode_windows`), since attention
-reads only as many cache slots as the window holds. The packages are loaded with `run_single_threaded=True`; without it capture fails and
-poisons the process.
+device (forward and argmax in the compiled graph, write the token, advance the position), so a
+token costs one replay and no host work beyond picking the graph: one per cache window
+(`decode_windows`), since attention reads only as many cache slots as the window holds. The
+packages are loaded with `run_single_threaded=True`; without it capture fails and poisons the
+process.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class TorchEngine:
         clock = StepClock(self.device)
         with torch.no_grad():
             clock.mark()
-            first = self._packages["prefill"](tokens, positions).argmax(-1)
+            first = self._packages["prefill"](tokens, positions)[:, 0]  # the graphs return greedy tokens
             decoder.start(first, t)
             clock.mark()
             for _ in range(max_new_tokens - 1):
@@ -206,7 +207,7 @@ class _Decoder:
         raise InputError(f"decode position {self.next_pos} is past the engine's max_seq_len {self.windows[-1]}")
 
     def _step(self, window: int) -> None:
-        nxt = self.package(self.tok, self.pos, self.spans[window]).argmax(-1, keepdim=True)
+        nxt = self.package(self.tok, self.pos, self.spans[window])  # (B, 1) greedy token ids
         self.out.index_copy_(1, self.pos, nxt)
         self.tok.copy_(nxt)
         self.pos.add_(1)

@@ -251,7 +251,9 @@ class Step(nn.Module):
 
     Both wrap the same module, so their constants carry the same names ("model.<param>") and one set
     of weight and cache tensors serves every package. A decode step takes a third input, the span of
-    cache slots to attend over, whose length is the graph's one dynamic dimension.
+    cache slots to attend over, whose length is the graph's one dynamic dimension. Both return the
+    greedy next token (B, 1): the argmax is compiled into the graph (ATen's argmax over a 128K
+    vocabulary took 35 us of every H200 decode step as a separate kernel).
     """
 
     def __init__(self, model: Transformer, from_start: bool) -> None:
@@ -260,7 +262,7 @@ class Step(nn.Module):
         self.from_start = from_start
 
     def forward(self, tokens: Tensor, input_pos: Tensor, span: Tensor | None = None) -> Tensor:
-        return self.model(tokens, input_pos, from_start=self.from_start, span=span)
+        return self.model(tokens, input_pos, from_start=self.from_start, span=span).argmax(-1, keepdim=True)
 
 
 def convert_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
