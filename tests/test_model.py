@@ -121,7 +121,7 @@ def test_greedy_decode_matches_full_recompute(pair: tuple[Any, Path], from_start
     last = ours(seq, torch.arange(PROMPT_LEN), from_start=from_start)
     for step in range(DECODE_STEPS):
         want = hf_logits(hf, seq)[:, -1]
-        torch.testing.assert_close(last, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"decode step {step}: {m}")
+        torch.testing.assert_close(last, want, atol=ATOL, rtol=RTOL, msg=lambda m, step=step: f"decode step {step}: {m}")
         # HF's choice drives both, so one near-tie cannot send the two down different paths
         nxt = want.argmax(-1, keepdim=True)
         seq = torch.cat([seq, nxt], dim=1)
@@ -140,7 +140,7 @@ def test_decode_matches_hf_kv_cache_generation(pair: tuple[Any, Path]) -> None:
     seq = out.sequences
     last = ours(tokens, torch.arange(PROMPT_LEN), from_start=True)
     for step, want in enumerate(out.logits):
-        torch.testing.assert_close(last, want, atol=ATOL, rtol=RTOL, msg=lambda m: f"decode step {step}: {m}")
+        torch.testing.assert_close(last, want, atol=ATOL, rtol=RTOL, msg=lambda m, step=step: f"decode step {step}: {m}")
         pos = PROMPT_LEN + step
         last = ours(seq[:, pos:pos + 1], torch.tensor([pos]))
 

@@ -216,7 +216,7 @@ def cache_ls(engines: str | None, as_json: bool) -> None:
     from trtbuild.store import Store
 
     entries = Store(engines).entries()
-    rows = [{"name": e.name, "backend": e.manifest.get("backend"), "precision": e.manifest.get("precision"),
+    rows: list[dict[str, Any]] = [{"name": e.name, "backend": e.manifest.get("backend"), "precision": e.manifest.get("precision"),
              "size": e.size(), "created": e.manifest.get("created"), "last_used": e.manifest.get("last_used"),
              "key": e.key, "path": str(e.path)} for e in entries]
     if as_json:

@@ -11,7 +11,6 @@ import contextlib
 import os
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 from trtbuild import backends

@@ -37,7 +37,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from trtbuild.errors import InputError, TrtbuildError
+from trtbuild.errors import InputError
 from trtbuild.tactics import write_atomic
 
 SCHEMA = "v1"  # the key schema and layout version; part of every key
@@ -213,7 +213,7 @@ class Store:
 
     def clean_stale_workdirs(self) -> list[Path]:
         """Remove build folders whose builder process on this host no longer exists."""
-        removed = []
+        removed: list[Path] = []
         if not self.tmp_dir.is_dir():
             return removed
         host = socket.gethostname()

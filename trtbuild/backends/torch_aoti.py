@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trtbuild.backends import BuildJob, BuildOutput, Generation
+from trtbuild.backends import BuildJob, BuildOutput
 from trtbuild.errors import TrtbuildError
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -159,7 +159,6 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[
     from trtbuild.models.llama import Step
 
     graphs: dict[str, dict[str, Any]] = {}
-    long = dict(dtype=torch.long, device=device)
     # Example sizes of 2 avoid export's 0/1 specialization; a dimension with max 1 stays static.
     batch = Dim("batch", min=1, max=shapes.max_batch_size) if shapes.max_batch_size > 1 else None
     seq = Dim("seq", min=1, max=shapes.max_input_len) if shapes.max_input_len > 1 else None
@@ -168,7 +167,8 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[
     t = time.perf_counter()
     with torch.no_grad():
         ep = torch.export.export(Step(model, from_start=True),
-                                 (torch.zeros(ex_b, ex_t, **long), torch.arange(ex_t, device=device)),
+                                 (torch.zeros(ex_b, ex_t, dtype=torch.long, device=device),
+                                  torch.arange(ex_t, device=device)),
                                  dynamic_shapes=({0: batch, 1: seq}, {0: seq}),
                                  # guards export cannot prove become runtime asserts, not failures
                                  prefer_deferred_runtime_asserts_over_guards=True)
@@ -192,10 +192,10 @@ def export_decode(model: Any, batch: int, max_seq_len: int, device: str) -> Any:
     from trtbuild.models.llama import Step
 
     window = {0: Dim("window", min=2, max=max_seq_len)} if max_seq_len > 2 else None
-    long = dict(dtype=torch.long, device=device)
     with torch.no_grad():
         return torch.export.export(Step(model, from_start=False),
-                                   (torch.zeros(batch, 1, **long), torch.ones(1, **long),
+                                   (torch.zeros(batch, 1, dtype=torch.long, device=device),
+                                    torch.ones(1, dtype=torch.long, device=device),
                                     torch.arange(max_seq_len, device=device)),
                                    dynamic_shapes=(None, None, window),
                                    prefer_deferred_runtime_asserts_over_guards=True)

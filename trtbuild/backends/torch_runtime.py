@@ -155,7 +155,9 @@ class _Model:
         if device.startswith("cuda"):
             torch.zeros(1, device=device)  # a CUDA context on this device before the runner's constructor
             try:
-                self.runner = aoti.AOTIModelContainerRunnerCuda(str(so), 1, device, str(so.parent), True)
+                # (model .so, containers, device, cubin dir, run_single_threaded): newer than the stubs
+                self.runner = aoti.AOTIModelContainerRunnerCuda(str(so), 1, device, str(so.parent),  # type: ignore[call-overload]
+                                                                True)
             except TypeError:  # an older binding without run_single_threaded: no graph capture then
                 self.runner = aoti.AOTIModelContainerRunnerCuda(str(so), 1, device, str(so.parent))
                 self.graph_safe = False

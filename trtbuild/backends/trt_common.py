@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trtbuild.errors import TrtbuildError
 from trtbuild.tactics import TacticCache, write_atomic
 
 TIMING_CACHE = "timing.cache"

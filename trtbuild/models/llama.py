@@ -222,6 +222,8 @@ class Transformer(nn.Module):
     the prompt alone; the KV cache is filled either way.
     """
 
+    rope: Tensor  # a registered buffer
+
     def __init__(self, cfg: LlamaConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.cfg = cfg
