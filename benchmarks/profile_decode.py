@@ -36,6 +36,7 @@ def profile_bucket(engine: Any, batch: int, prompt_len: int, steps: int) -> dict
 def profile_steps(decoder: Any, batch: int, prompt_len: int, steps: int, device: str) -> dict[str, Any]:
     """Time `steps` decode steps from position prompt_len, then profile as many again."""
     first = torch.ones(decoder.tok.shape[0], dtype=torch.long, device=device)
+    decoder.prepare(prompt_len, prompt_len + steps)  # captures the graphs these steps replay
     decoder.start(first, prompt_len)
     sync(device)
     t = time.perf_counter()
@@ -62,7 +63,7 @@ def profile_steps(decoder: Any, batch: int, prompt_len: int, steps: int, device:
             kernels.append({"name": e.key, "per_step": e.count / steps, "us_per_step": device_us / steps})
     kernels.sort(key=lambda k: -k["us_per_step"])
     return {"batch": batch, "bucket": decoder.tok.shape[0], "prompt_len": prompt_len, "steps": steps,
-            "window": min(w for w in decoder.windows if w > prompt_len),  # at the first step
+            "window": decoder.window_for(prompt_len),  # at the first step
             "wall_us_per_step": wall * 1e6,
             "kernel_us_per_step": sum(k["us_per_step"] for k in kernels),
             "launches_per_step": sum(k["per_step"] for k in kernels), "kernels": kernels}

@@ -26,6 +26,8 @@ def test_cuda_engine_matches_eager_and_replays_decode_in_a_cuda_graph(tmp_path: 
     assert outcome.entry.manifest["key_material"]["device"]["kind"] == "cuda"
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
+        session.generate(prompts, 1)  # the first token comes from prefill: no decode graph is captured
+        assert not any(d.graphs for d in session.engine._decoders.values())
         got = session.generate(prompts, 24)  # positions 8..30: the 24-slot window, then the 48-slot one
         assert all(sorted(d.graphs) == d.windows == [24, 48] for d in session.engine._decoders.values())
         report = run_report(session, batch_size=1, input_len=8, output_len=8, iterations=2)

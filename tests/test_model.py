@@ -198,3 +198,15 @@ def test_decode_windows_cover_every_position_and_halve_down_to_16() -> None:
     assert decode_windows(48) == [24, 48]
     assert decode_windows(20) == [20]
     assert decode_windows(8) == [8]
+
+
+def test_a_generation_prepares_only_the_windows_its_positions_decode_in() -> None:
+    from trtbuild.backends.torch_runtime import windows_between
+
+    windows = [128, 256, 512, 1024, 2048, 4096]
+    assert windows_between(windows, 128, 255) == [256]  # the benchmark's 128-token prompt, 128 new tokens
+    assert windows_between(windows, 100, 300) == [128, 256, 512]
+    assert windows_between(windows, 127, 129) == [128, 256]
+    assert windows_between(windows, 4000, 4095) == [4096]
+    assert windows_between(windows, 10, 10) == []  # one new token: no decode step, nothing to capture
+

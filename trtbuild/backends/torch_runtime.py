@@ -98,6 +98,7 @@ class TorchEngine:
         tokens = torch.tensor(rows, dtype=torch.long, device=self.device).contiguous()
         positions = torch.arange(t, device=self.device)
         decoder = self._decoder(bucket)
+        decoder.prepare(t, t + max_new_tokens - 1)  # graph capture, before the prefill and untimed
         clock = StepClock(self.device)
         with torch.no_grad():
             clock.mark()
@@ -184,6 +185,20 @@ def decode_windows(max_seq_len: int) -> list[int]:
     return sorted({max_seq_len >> k for k in range(6) if max_seq_len >> k >= 16} | {max_seq_len})
 
 
+def windows_between(windows: list[int], first: int, last: int) -> list[int]:
+    """The windows that decode positions first..last-1 run in (window w serves the positions from
+    the previous window up to w - 1)."""
+    need: list[int] = []
+    lower = 0
+    if last <= first:
+        return need
+    for w in windows:
+        if lower < last and w > first:
+            need.append(w)
+        lower = w
+    return need
+
+
 class _Decoder:
     """One decode bucket: static buffers, and on CUDA one captured graph of the whole step per
     cache window (the graphs share one memory pool: they never run at the same time)."""
@@ -198,15 +213,24 @@ class _Decoder:
         self.windows = decode_windows(max_seq_len)
         self.spans = {w: torch.arange(w, device=device) for w in self.windows}
         self.next_pos = 0  # the position the next step writes, mirrored on the host to pick a window
+        self.capturable = device.startswith("cuda") and getattr(package, "graph_safe", True)
         self.graphs: dict[int, Any] = {}
-        if device.startswith("cuda") and getattr(package, "graph_safe", True):
-            self._capture()
+        self._pool: Any = None
 
-    def _window(self) -> int:
+    def window_for(self, pos: int) -> int:
         for w in self.windows:
-            if w > self.next_pos:
+            if w > pos:
                 return w
-        raise InputError(f"decode position {self.next_pos} is past the engine's max_seq_len {self.windows[-1]}")
+        raise InputError(f"decode position {pos} is past the engine's max_seq_len {self.windows[-1]}")
+
+    def prepare(self, first: int, last: int) -> None:
+        """Capture the graphs of the windows that positions first..last-1 will decode in, if not yet
+        captured: a generation captures only what it needs (a restart's first token, no decode step,
+        captures nothing; on the H200 all six windows of a bucket took ~0.4 s to capture). Only
+        before a prefill: the warm-up steps write cache slot 0 and `out`, which the prompt overwrites."""
+        need = [w for w in windows_between(self.windows, first, last) if w not in self.graphs]
+        if self.capturable and need:
+            self._capture(need)
 
     def _step(self, window: int) -> None:
         nxt = self.package(self.tok, self.pos, self.spans[window])  # (B, 1) greedy token ids
@@ -214,25 +238,24 @@ class _Decoder:
         self.tok.copy_(nxt)
         self.pos.add_(1)
 
-    def _capture(self) -> None:
-        # Runs before any prefill: the steps below write cache slot 0 and `out`, which the prompt
-        # then overwrites.
+    def _capture(self, windows: list[int]) -> None:
         import torch
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # The first calls allocate and load kernels: keep that out of the graphs (twice, the first time).
+        warmups = windows if self.graphs else [windows[0], *windows]
         with torch.cuda.stream(stream), torch.no_grad():
-            for w in [self.windows[0], *self.windows]:  # first calls allocate and load kernels: not in a graph
+            for w in warmups:
                 self.pos.zero_()
                 self._step(w)
         torch.cuda.current_stream().wait_stream(stream)
-        pool = None
-        for w in self.windows:
+        for w in windows:
             graph = torch.cuda.CUDAGraph()
             self.pos.zero_()
-            with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+            with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
                 self._step(w)
-            pool = graph.pool()
+            self._pool = graph.pool()
             self.graphs[w] = graph
         sync(self.device)
 
@@ -245,9 +268,10 @@ class _Decoder:
         self.next_pos = prompt_len
 
     def step(self) -> None:
-        window = self._window()
-        if self.graphs:
-            self.graphs[window].replay()
-        else:
+        window = self.window_for(self.next_pos)
+        graph = self.graphs.get(window)
+        if graph is not None:
+            graph.replay()
+        else:  # the CPU, or a window not prepared (correct, only slower)
             self._step(window)
         self.next_pos += 1
