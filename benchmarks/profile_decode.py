@@ -29,8 +29,7 @@ from trtbuild.timing import sync  # noqa: E402
 def profile_bucket(engine: Any, batch: int, prompt_len: int, steps: int) -> dict[str, Any]:
     prompts = [[(7 * i + r) % 100 + 1 for i in range(prompt_len)] for r in range(batch)]
     engine.generate(prompts, 8)  # captures the graphs and fills the cache up to the prompt
-    r = profile_steps(engine._decoder(engine.bucket_for(batch)), batch, prompt_len, steps, engine.device)
-    return r
+    return profile_steps(engine._decoder(engine.bucket_for(batch)), batch, prompt_len, steps, engine.device)
 
 
 def profile_steps(decoder: Any, batch: int, prompt_len: int, steps: int, device: str) -> dict[str, Any]:

@@ -216,9 +216,10 @@ def cache_ls(engines: str | None, as_json: bool) -> None:
     from trtbuild.store import Store
 
     entries = Store(engines).entries()
-    rows: list[dict[str, Any]] = [{"name": e.name, "backend": e.manifest.get("backend"), "precision": e.manifest.get("precision"),
-             "size": e.size(), "created": e.manifest.get("created"), "last_used": e.manifest.get("last_used"),
-             "key": e.key, "path": str(e.path)} for e in entries]
+    rows: list[dict[str, Any]] = [
+        {"name": e.name, "backend": e.manifest.get("backend"), "precision": e.manifest.get("precision"),
+         "size": e.size(), "created": e.manifest.get("created"), "last_used": e.manifest.get("last_used"),
+         "key": e.key, "path": str(e.path)} for e in entries]
     if as_json:
         click.echo(json.dumps(rows))
         return

@@ -92,7 +92,7 @@ class TorchAOTIBackend:
         graphs = _export_graphs(model, shapes, device, job.progress)
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
-        configs = inductor_configs(recipe.tactics_level, device)
+        configs = inductor_configs(recipe.tactics_level)
         tuned: list[dict[str, Any]] = []
         t = time.perf_counter()
         with _inductor_caches(job.tactics.path), _record_autotuning(tuned):
@@ -130,8 +130,8 @@ class TorchAOTIBackend:
         return TorchEngine(entry)
 
 
-def inductor_configs(level: str, device: str) -> dict[str, Any]:
-    """Inductor options per tactics level. Keys starting with '_' are trtbuild's own switches.
+def inductor_configs(level: str) -> dict[str, Any]:
+    """Inductor options per tactics level.
 
     none: no kernel benchmarking at all (fastest build). default: Inductor's defaults (cuBLAS for
     every matmul). max: max-autotune (GEMM templates benchmarked against ATen) and coordinate

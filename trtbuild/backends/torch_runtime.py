@@ -157,8 +157,8 @@ class _Model:
             torch.zeros(1, device=device)  # a CUDA context on this device before the runner's constructor
             try:
                 # (model .so, containers, device, cubin dir, run_single_threaded): newer than the stubs
-                self.runner = aoti.AOTIModelContainerRunnerCuda(str(so), 1, device, str(so.parent),  # type: ignore[call-overload]
-                                                                True)
+                runner_cls: Any = aoti.AOTIModelContainerRunnerCuda
+                self.runner = runner_cls(str(so), 1, device, str(so.parent), True)
             except TypeError:  # an older binding without run_single_threaded: no graph capture then
                 self.runner = aoti.AOTIModelContainerRunnerCuda(str(so), 1, device, str(so.parent))
                 self.graph_safe = False
@@ -188,10 +188,10 @@ def decode_windows(max_seq_len: int) -> list[int]:
 def windows_between(windows: list[int], first: int, last: int) -> list[int]:
     """The windows that decode positions first..last-1 run in (window w serves the positions from
     the previous window up to w - 1)."""
+    if last <= first:
+        return []
     need: list[int] = []
     lower = 0
-    if last <= first:
-        return need
     for w in windows:
         if lower < last and w > first:
             need.append(w)
@@ -228,8 +228,10 @@ class _Decoder:
         captured: a generation captures only what it needs (a restart's first token, no decode step,
         captures nothing; on the H200 all six windows of a bucket took ~0.4 s to capture). Only
         before a prefill: the warm-up steps write cache slot 0 and `out`, which the prompt overwrites."""
+        if not self.capturable:
+            return
         need = [w for w in windows_between(self.windows, first, last) if w not in self.graphs]
-        if self.capturable and need:
+        if need:
             self._capture(need)
 
     def _step(self, window: int) -> None:
