@@ -3,7 +3,7 @@
 # recipe (build / restart / variants), a retry under LD_PRELOAD if the engine did not load in a new
 # process, and the CLI report of a cache-hit run. At most 8 files under $OUT.
 #
-#   [PROFILE=0] [PROBE=1:cd,plain] [RESERVE=100] [GPU_TESTS=1] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
+#   [PROFILE=0] [PROBE=1:cd,plain] [RESERVE=100] [GPU_TESTS=1] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [BUDGET=545] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -35,8 +35,8 @@ FIX=none
 # -- 2. the benchmark of one recipe ------------------------------------------------------------------
 # SEED_TACTICS=DIR: compiled graphs an earlier call saved (DIR/tactics.tar.gz, carried), so this call's
 # build copies them instead of compiling (the benchmark's build record lists the graphs it reused).
-if [ -n "${SEED_TACTICS:-}" ] && [ -f "$SEED_TACTICS/tactics.tar.gz" ]; then
-  mkdir -p /tmp/bench-engines && tar -xzf "$SEED_TACTICS/tactics.tar.gz" -C /tmp/bench-engines
+if [ -n "${SEED_TACTICS:-}" ] && ls "$SEED_TACTICS"/tactics.tar.gz* > /dev/null 2>&1; then
+  mkdir -p /tmp/bench-engines && cat "$SEED_TACTICS"/tactics.tar.gz* | tar -xz -C /tmp/bench-engines
   log "tactic cache seeded from $SEED_TACTICS: $(ls /tmp/bench-engines/tactics/torch/*/graphs | wc -l) compiled graphs"
 fi
 log "bench $RECIPE sections=$SECTIONS variants=$VARIANTS (time left $(left) s)"
@@ -47,10 +47,22 @@ timeout $(( $(left) - ${RESERVE:-45} )) python3 benchmarks/bench.py "$RECIPE" --
 pkill -f "bench.py --child" 2>/dev/null; sleep 1
 grep -v "^  File\|^DEBUG" "$OUT/bench.log" | tail -40
 
-# SAVE_TACTICS=1: the compiled graphs (not Inductor's caches) back as $OUT/tactics.tar.gz, to seed later calls.
+# SAVE_TACTICS=1: the compiled graphs (not Inductor's caches) back as $OUT/tactics.tar.gz.part-*, in
+# pieces under the 16 MiB a returned file may have, to seed later calls (cat the parts | tar -xz).
 if [ "${SAVE_TACTICS:-0}" = 1 ] && [ -d /tmp/bench-engines/tactics ]; then
-  (cd /tmp/bench-engines && tar -czf "$OUT/tactics.tar.gz" tactics/torch/*/graphs)
-  log "tactics saved: $(du -h "$OUT/tactics.tar.gz" | cut -f1) (files over 16 MiB do not come back)"
+  (cd /tmp/bench-engines && tar -cz tactics/torch/*/graphs | split -b 15m - "$OUT/tactics.tar.gz.part-")
+  log "tactics saved: $(du -ch "$OUT"/tactics.tar.gz.part-* | tail -1 | cut -f1) in $(ls "$OUT"/tactics.tar.gz.part-* | wc -l) part(s)"
+fi
+
+# -- the GPU tests (GPU_TESTS=1), right after the benchmark so a long one cannot crowd them out: pytest
+#    is not on the device, so its wheels travel in .device-wheels (`pip download pytest -d .device-wheels`
+#    here, then carry [".device-wheels"]) -------------------------------------------------------------
+if [ "${GPU_TESTS:-0}" = 1 ] && [ "$(left)" -gt 60 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device-wheels/*.whl \
+    > /dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  log "gpu tests"
+  timeout $(( $(left) - 30 )) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+  log "rc $?"; tail -15 "$OUT/gpu_tests.txt"
 fi
 
 # -- 3. if the engine did not load in a new process, once more with LD_PRELOAD (the known workaround) ----
@@ -81,14 +93,5 @@ if [ "$(left)" -gt 25 ]; then
   log "cli run (cache hit)"
   timeout $(( $(left) - 8 )) python3 -m trtbuild run "$RECIPE" --engines /tmp/bench-engines --no-build --iterations 3 \
     > "$OUT/run_cli.txt" 2>&1; log "rc $?"; tail -22 "$OUT/run_cli.txt"
-fi
-# -- 6. the GPU tests (GPU_TESTS=1): pytest is not on the device, so its wheels travel in .device-wheels
-#       (`pip download pytest -d .device-wheels` here, then carry [".device-wheels"]) ---------------------
-if [ "${GPU_TESTS:-0}" = 1 ] && [ "$(left)" -gt 60 ]; then
-  python3 -m pip install -q --no-index --find-links .device-wheels pytest > /dev/null 2>&1 \
-    || export PYTHONPATH=$PYTHONPATH:$(ls .device-wheels/*.whl 2>/dev/null | tr '\n' ':')
-  log "gpu tests"
-  timeout $(( $(left) - 5 )) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
-  log "rc $?"; tail -15 "$OUT/gpu_tests.txt"
 fi
 log "done; FIX=$FIX"
