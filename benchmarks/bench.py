@@ -334,7 +334,12 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
         print(f"[bench] {recipe.name}: build (cold, then rebuild with tactics kept) ...", flush=True)
         res["build"] = measure_build({"recipe": recipe}, args)
         save()
-    outcome = build(recipe, args.engines)  # a hit after the build section; builds here otherwise
+    t_build = time.perf_counter()
+
+    def progress(message: str) -> None:  # a call cut off mid-build still shows how far it got
+        print(f"[bench]   +{time.perf_counter() - t_build:6.1f} s {message}", flush=True)
+
+    outcome = build(recipe, args.engines, progress=progress)  # a hit after the build section; builds here otherwise
     if not outcome.cache_hit:
         build(recipe, args.engines)  # the first lookup after a publish hashes every file: keep it out of the restart
         if "build" not in args.sections:  # still worth keeping: a cold build, in-process
