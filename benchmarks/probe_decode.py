@@ -61,7 +61,7 @@ def main() -> None:
     t = time.perf_counter()
     program = torch_aoti.export_decode(model, args.batch, recipe.shapes.max_seq_len, device)
     export_s = time.perf_counter() - t
-    base = torch_aoti.inductor_configs("default")  # the backend's base options, Inductor's defaults otherwise
+    base = torch_aoti.inductor_configs("default", device)  # the backend's base options, Inductor's defaults otherwise
     results: dict[str, Any] = {"recipe": args.recipe, "batch": args.batch, "export_s": export_s, "options": {}}
     for name in args.options.split(","):
         t = time.perf_counter()

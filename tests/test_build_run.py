@@ -223,3 +223,22 @@ def test_a_process_whose_libstdcxx_is_shadowed_gets_a_clear_error_not_a_crash(bu
     assert proc.returncode > 0, (proc.returncode, proc.stderr[-2000:])  # an error exit, not a signal
     assert "libshadow.so" in proc.stderr and "LD_PRELOAD" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+
+def test_tactics_max_on_the_cpu_builds_an_engine_that_loads_and_matches_eager(tmp_path: Path) -> None:
+    """`max` on the CPU once built graphs that could not load: Inductor's C++ GEMM template packs the
+    weights into new constants at compile time, and weights are handed in at load. It keeps ATen's
+    matmuls there, never rewrites batch-1 matmuls as GEMVs (no coordinate descent), and gives the eager
+    model's tokens. (Which GEMM kernels `max` picks and records on CUDA: tests/test_gpu.py.)"""
+    doc = tiny_recipe_doc(shapes={"max_batch_size": 1, "max_input_len": 16, "max_seq_len": 32, "batch_buckets": [1]},
+                          tactics={"level": "max"})
+    recipe = load_recipe(write_recipe(tmp_path, doc))
+    outcome = build(recipe, tmp_path / "store")
+    configs = outcome.entry.manifest["tactics"]["inductor_configs"]
+    assert configs["max_autotune"] is True and configs["coordinate_descent_tuning"] is False
+    assert configs["max_autotune_gemm_backends"] == "ATEN"
+    prompts = [[5, 3, 9, 1, 7, 2]]
+    with open_session(recipe, tmp_path / "store", build=False) as session:
+        got = session.generate(prompts, 12)
+    assert got == eager_greedy(outcome.model.materialize(), prompts, 12, 32)

@@ -164,14 +164,18 @@ class Store:
         A run imports its framework and initializes the device (seconds on a GPU host) before it
         knows its key, and a cold disk takes about as long again to deliver the weights. The newest
         entry of the recipe's name is nearly always the one the key then selects, so its files are
-        read meanwhile; a wrong guess costs one background read. TRTBUILD_PREFETCH=0 turns it off."""
+        read meanwhile; a wrong guess costs one background read. TRTBUILD_PREFETCH=0 turns it off.
+
+        Smallest files first: the compiled graphs and their kernel files (a few MB) are read from disk
+        when the first token runs, and behind a 15 GB weight file they would still be cold then (on
+        the H200, 2026-12-03, the 8B's first prefill after a restart took 0.84 s cold, 0.19 s warm)."""
         if os.environ.get("TRTBUILD_PREFETCH", "1") == "0":
             return None
         candidates = [e for e in self.entries() if e.name == name]
         if not candidates:
             return None
         entry = max(candidates, key=lambda e: e.manifest.get("last_used", 0))
-        files = sorted((p for p in entry.path.rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size)
+        files = sorted((p for p in entry.path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
         thread = threading.Thread(target=_read_through, args=(files,), name="trtbuild-prefetch", daemon=True)
         thread.start()
         return thread

@@ -92,7 +92,7 @@ class TorchAOTIBackend:
         graphs = _export_graphs(model, shapes, device, job.progress)
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
-        configs = inductor_configs(recipe.tactics_level)
+        configs = inductor_configs(recipe.tactics_level, device)
         tuned: list[dict[str, Any]] = []
         t = time.perf_counter()
         with _inductor_caches(job.tactics.path), _record_autotuning(tuned):
@@ -130,16 +130,21 @@ class TorchAOTIBackend:
         return TorchEngine(entry)
 
 
-def inductor_configs(level: str) -> dict[str, Any]:
+def inductor_configs(level: str, device: str) -> dict[str, Any]:
     """Inductor options per tactics level.
 
     none: no kernel benchmarking at all (fastest build). default: Inductor's defaults (cuBLAS for
-    every matmul). max: max-autotune (GEMM templates benchmarked against ATen) and coordinate
-    descent everywhere.
+    every matmul; Triton configs of the other kernels benchmarked). max: also max-autotune, which
+    benchmarks Triton GEMM templates against cuBLAS for every matmul shape and keeps the faster.
 
-    Coordinate descent is not in `default`: it turns batch-1 matmuls into Triton GEMV reductions,
-    which on the H200 (2026-12-03, 1B shape) ran at 2.1-3.5 TB/s against cuBLAS's 2.7-4.3 at batch 8,
-    cost most of a 282 s build, and made the batch-1 step slower than the batch-8 one (1.55 vs 1.26 ms).
+    Coordinate descent is in neither: with it on, Inductor rewrites every batch-1 matmul as a Triton
+    GEMV reduction, and on the H200 (2026-12-03, 1B shape) those ran at 2.1-3.5 TB/s against cuBLAS's
+    2.7-4.3, made the batch-1 decode step slower than the batch-8 one (1.55 vs 1.26 ms) and cost most
+    of a 282 s build. max-autotune keeps cuBLAS wherever cuBLAS measures faster.
+
+    On the CPU, `max` keeps ATen's matmuls: Inductor's C++ GEMM template packs constant weights into
+    new constants at compile time, which a graph whose weights are handed in at load never receives
+    (the engine then refuses to load, naming the missing constants).
     """
     base: dict[str, Any] = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
     from trtbuild.backends import cxx
@@ -149,7 +154,8 @@ def inductor_configs(level: str) -> dict[str, Any]:
         return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
     if level == "default":
         return base
-    return base | {"max_autotune": True, "coordinate_descent_tuning": True}
+    tuned = base | {"max_autotune": True, "coordinate_descent_tuning": False}
+    return tuned if device.startswith("cuda") else tuned | {"max_autotune_gemm_backends": "ATEN"}
 
 
 def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[str, dict[str, Any]]:
@@ -289,8 +295,19 @@ def _inductor_caches(path: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _record_autotuning(out: list[dict[str, Any]]) -> Iterator[None]:
-    """Collect every GEMM selection Inductor benchmarks: the candidates, their times, the winner."""
+    """Collect every GEMM selection Inductor benchmarks: the candidates, their times, the winner.
+
+    Inductor also prints each selection's table to stderr (pages of them for a model at tactics
+    `max`); the manifest keeps the same facts, so the tables are shown only with TRTBUILD_DEBUG=1.
+    """
+    from torch._inductor import config
     from torch._inductor import select_algorithm as sa
+
+    quiet = os.environ.get("TRTBUILD_DEBUG") != "1"
+    was_printing = getattr(sa, "PRINT_AUTOTUNE", None)
+    if quiet and was_printing is not None:
+        sa.PRINT_AUTOTUNE = False
+    stats = {"max_autotune_report_choices_stats": False} if quiet and hasattr(config, "max_autotune_report_choices_stats") else {}
 
     def saver(timings: dict[Any, float], name: str, *rest: Any) -> None:
         ranked = sorted(((getattr(c, "name", str(c)), float(t)) for c, t in timings.items()), key=lambda x: x[1])
@@ -300,6 +317,9 @@ def _record_autotuning(out: list[dict[str, Any]]) -> Iterator[None]:
 
     sa.add_feedback_saver(saver)
     try:
-        yield
+        with config.patch(stats):
+            yield
     finally:
         sa.clear_feedback_savers()
+        if was_printing is not None:
+            sa.PRINT_AUTOTUNE = was_printing
