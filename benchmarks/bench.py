@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # trtbuild, run
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers
 import trtbuild  # noqa: E402,F401  - before torch: one libstdc++ for the compiled graphs (backends/cxx.py)
 
+import targets  # noqa: E402
+
 VARIANTS = ("engine", "eager", "compile", "hf")
 SECTIONS = ("build", "restart", "variants")
 CHILD_TIMEOUT_S = int(os.environ.get("BENCH_CHILD_TIMEOUT_S", "1800"))
@@ -410,6 +412,8 @@ def main() -> None:
                               "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
                               "torch": torch.__version__, "plan": asdict(plan), "ceilings": ceilings, "recipes": {}}
     def save() -> None:
+        for rec in report["recipes"].values():  # verdicts kept current, so a run cut short has them too
+            rec["targets"] = targets.check(rec)
         (out_dir / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
 
     for path in args.recipes:
@@ -420,6 +424,7 @@ def main() -> None:
 
     print(plot(report, out_dir / "bench.png"))
     print(table(report))
+    print(targets.table(report))
 
 
 if __name__ == "__main__":

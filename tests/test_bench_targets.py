@@ -1,0 +1,53 @@
+"""The benchmark's own verdicts on the issue's targets (benchmarks/targets.py), from a report's figures."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import targets  # noqa: E402
+
+
+def _fig(ms: float, x_floor: float | None = None) -> dict[str, Any]:
+    return {"p50": ms / 1e3, **({"x_floor": x_floor} if x_floor is not None else {})}
+
+
+def _by_target(verdicts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {v["target"]: v for v in verdicts}
+
+
+def test_ratios_are_judged_against_the_recipes_limits_and_missing_figures_are_unknown() -> None:
+    rec = {"recipe": "llama-3.1-8b",
+           "variants": {"engine": {"decode": {"1": _fig(4.0, 1.11), "8": _fig(5.0, 1.38)},
+                                   "prefill": {"2048": _fig(49.0, 1.29)}}},
+           "restart": {"cold": {"engine": {}, "ratio_to_floor": 1.46},
+                       "warm": {"engine": {"error": "child died"}, "ratio_to_floor": 0.1}},
+           "build": {"ratio": 0.6}}
+    v = _by_target(targets.check(rec))
+    assert v["decode batch 1 <= 1.12x floor"]["met"] is True
+    assert v["decode batch 8 <= 1.30x floor"]["met"] is False
+    assert v["prefill 2048 tokens <= 1.67x floor"]["met"] is True
+    assert v["restart (cold page cache) <= 2.0x reading the weights"]["met"] is True
+    # a restart whose engine failed has no ratio to trust, whatever the number says
+    assert v["restart (warm page cache) <= 2.0x reading the weights"]["met"] is None
+    assert v["rebuild with the tactic cache <= 0.5x the cold build"]["met"] is False
+    assert v["ahead of every peer in the same run"] == {"target": "ahead of every peer in the same run",
+                                                        "measured": "no peer measured", "met": None}
+
+
+def test_ahead_means_faster_than_every_peer_on_that_row_and_a_tie_is_not_a_lead() -> None:
+    rec = {"recipe": "llama-3.2-1b",
+           "variants": {"engine": {"decode": {"1": _fig(1.30)}, "prefill": {"2048": _fig(49.44), "128": _fig(6.0)}},
+                        "compile": {"decode": {"1": _fig(1.50)}, "prefill": {"2048": _fig(49.31)}},
+                        "eager": {"decode": {"1": _fig(20.0)}, "prefill": {"2048": _fig(65.0), "128": _fig(25.0)}},
+                        "hf": {"error": "cut off before its first figure"}}}
+    v = _by_target(targets.check(rec))
+    decode = v["decode batch 1: ahead of compile, eager"]
+    assert decode["met"] is True and "compile" in decode["measured"] and "slower" in decode["measured"]
+    tie = v["prefill 2048 tokens: ahead of compile, eager"]
+    assert tie["met"] is False and "compile 0.3% faster" in tie["measured"]
+    assert v["prefill 128 tokens: ahead of eager"]["met"] is True  # only the peers that measured the row
+    assert "restart (cold page cache) <= 2.0x reading the weights" not in v  # not a 1B target
+    assert "== targets, llama-3.2-1b" in targets.table({"recipes": {"r": {**rec, "targets": list(v.values())}}})
