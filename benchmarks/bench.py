@@ -292,13 +292,17 @@ def measure_build(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, An
 
     main = Store(args.engines)
     root = main.root
-    note = "cold build in the benchmark's store (no engine yet)"
-    if explain(ctx["recipe"], args.engines)["hit"]:
+    note = "cold build in the benchmark's store (no engine, no tactic cache yet)"
+    tactics = main.tactics_dir
+    # Cold means nothing to reuse: with an engine cached or a tactic cache present (an earlier build, or
+    # one seeded from another call), the cold build goes to a fresh store.
+    if explain(ctx["recipe"], args.engines)["hit"] or (tactics.is_dir() and any(tactics.iterdir())):
         root = Path(str(main.root) + "-buildbench")  # a fresh store (fresh tactic cache), same model files
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
         (root / "models").symlink_to(main.root / "models")
-        note = f"engine already cached: cold build in a fresh store {root} (models/ linked, tactics/ empty)"
+        note = (f"engine or tactic cache already in the benchmark's store: cold build in a fresh store {root} "
+                "(models/ linked, tactics/ empty)")
     tactics_before = sum(1 for _ in (Store(root).tactics_dir).rglob("*")) if Store(root).tactics_dir.is_dir() else 0
     cold = child("build", args.recipe_path, str(root), [])
     out: dict[str, Any] = {"note": note, "tactic_cache_files_before_cold": tactics_before, "cold": cold}

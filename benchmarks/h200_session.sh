@@ -3,7 +3,7 @@
 # recipe (build / restart / variants), a retry under LD_PRELOAD if the engine did not load in a new
 # process, and the CLI report of a cache-hit run. At most 8 files under $OUT.
 #
-#   [PROFILE=0] [PROBE=1:cd,plain] [RESERVE=100] [GPU_TESTS=1] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [BUDGET=545] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
+#   [PROFILE=0] [PROBE="--graph decode --batch 8 --options plain,autotune"] [RESERVE=100] [GPU_TESTS=1] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [BUDGET=545] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -75,8 +75,9 @@ if python3 -c "import json,sys; r=list(json.load(open('$OUT/bench.json'))['recip
   tail -12 "$OUT/preload/bench.log"
 fi
 
-# -- 4. where a decode step's time goes (PROFILE=0 skips), and an A/B of Inductor options for one decode
-#       graph (PROBE="BATCH:OPTIONS", e.g. "1:cd,plain"; empty skips) ----------------------------------
+# -- 4. where a decode step's time goes (PROFILE=0 skips), and an A/B of Inductor options for one graph
+#       (PROBE = benchmarks/probe.py's arguments, e.g. "--graph prefill --options plain,autotune
+#       --example-lens 2,2048"; empty skips) --------------------------------------------------------------
 if [ "${PROFILE:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then
   log "decode profile"
   timeout $(( $(left) - 40 )) python3 benchmarks/profile_decode.py "$RECIPE" --engines /tmp/bench-engines \
@@ -84,7 +85,8 @@ if [ "${PROFILE:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then
 fi
 if [ -n "${PROBE:-}" ] && [ "$(left)" -gt 90 ]; then
   log "probe ${PROBE}"
-  timeout $(( $(left) - 30 )) python3 benchmarks/probe_decode.py "$RECIPE" --batch "${PROBE%%:*}" --options "${PROBE#*:}" \
+  # shellcheck disable=SC2086  # PROBE is a list of arguments
+  timeout $(( $(left) - 30 )) python3 benchmarks/probe.py "$RECIPE" $PROBE \
     --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1; log "rc $?"; grep -v "^USDT\|Warning\|return cls" "$OUT/probe.txt" | head -80
 fi
 

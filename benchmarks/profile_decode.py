@@ -53,19 +53,24 @@ def profile_steps(decoder: Any, batch: int, prompt_len: int, steps: int, device:
         for _ in range(steps):
             decoder.step()
         sync(device)
+    kernels = kernels_of(prof, steps)
+    return {"batch": batch, "bucket": decoder.tok.shape[0], "prompt_len": prompt_len, "steps": steps,
+            "window": decoder.window_for(prompt_len),  # at the first step
+            "wall_us_per_step": wall * 1e6,
+            "kernel_us_per_step": sum(k["us_per_step"] for k in kernels),
+            "launches_per_step": sum(k["per_step"] for k in kernels), "kernels": kernels}
+
+
+def kernels_of(prof: Any, calls: int) -> list[dict[str, Any]]:
+    """Device kernels a profile saw, per call of what was profiled (`calls` of them), slowest first."""
     kernels = []
     for e in prof.key_averages():
         device_us = getattr(e, "self_device_time_total", None)
         if device_us is None:
             device_us = getattr(e, "self_cuda_time_total", 0)
         if device_us and "CUDA" in str(e.device_type):
-            kernels.append({"name": e.key, "per_step": e.count / steps, "us_per_step": device_us / steps})
-    kernels.sort(key=lambda k: -k["us_per_step"])
-    return {"batch": batch, "bucket": decoder.tok.shape[0], "prompt_len": prompt_len, "steps": steps,
-            "window": decoder.window_for(prompt_len),  # at the first step
-            "wall_us_per_step": wall * 1e6,
-            "kernel_us_per_step": sum(k["us_per_step"] for k in kernels),
-            "launches_per_step": sum(k["per_step"] for k in kernels), "kernels": kernels}
+            kernels.append({"name": e.key, "per_step": e.count / calls, "us_per_step": device_us / calls})
+    return sorted(kernels, key=lambda k: -k["us_per_step"])
 
 
 def show(r: dict[str, Any], top: int) -> str:

@@ -159,27 +159,11 @@ def inductor_configs(level: str, device: str) -> dict[str, Any]:
 
 
 def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[str, dict[str, Any]]:
-    import torch
-    from torch.export import Dim
-
-    from trtbuild.models.llama import Step
-
     graphs: dict[str, dict[str, Any]] = {}
-    # Example sizes of 2 avoid export's 0/1 specialization; a dimension with max 1 stays static.
-    batch = Dim("batch", min=1, max=shapes.max_batch_size) if shapes.max_batch_size > 1 else None
-    seq = Dim("seq", min=1, max=shapes.max_input_len) if shapes.max_input_len > 1 else None
-    ex_b, ex_t = min(2, shapes.max_batch_size), min(2, shapes.max_input_len)
     progress("exporting prefill")
     t = time.perf_counter()
-    with torch.no_grad():
-        ep = torch.export.export(Step(model, from_start=True),
-                                 (torch.zeros(ex_b, ex_t, dtype=torch.long, device=device),
-                                  torch.arange(ex_t, device=device)),
-                                 dynamic_shapes=({0: batch, 1: seq}, {0: seq}),
-                                 # guards export cannot prove become runtime asserts, not failures
-                                 prefer_deferred_runtime_asserts_over_guards=True)
-    graphs["prefill"] = {"batch": "dynamic", "program": ep,
-                         "export_s": time.perf_counter() - t}
+    ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
+    graphs["prefill"] = {"batch": "dynamic", "program": ep, "export_s": time.perf_counter() - t}
     for b in shapes.batch_buckets:
         progress(f"exporting decode for batch {b}")
         t = time.perf_counter()
@@ -187,6 +171,27 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[
         graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "window": "dynamic",
                                   "export_s": time.perf_counter() - t}
     return graphs
+
+
+def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: str, example_len: int = 2) -> Any:
+    """The prompt step: batch and prompt length dynamic. Example sizes of 2 avoid export's 0/1
+    specialization (a dimension with max 1 stays static). Inductor tunes the graph's kernels at the
+    example sizes; `example_len` lets benchmarks/probe.py compare other lengths."""
+    import torch
+    from torch.export import Dim
+
+    from trtbuild.models.llama import Step
+
+    batch = Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else None
+    seq = Dim("seq", min=1, max=max_input_len) if max_input_len > 1 else None
+    ex_b, ex_t = min(2, max_batch_size), min(max(2, example_len), max_input_len)
+    with torch.no_grad():
+        return torch.export.export(Step(model, from_start=True),
+                                   (torch.zeros(ex_b, ex_t, dtype=torch.long, device=device),
+                                    torch.arange(ex_t, device=device)),
+                                   dynamic_shapes=({0: batch, 1: seq}, {0: seq}),
+                                   # guards export cannot prove become runtime asserts, not failures
+                                   prefer_deferred_runtime_asserts_over_guards=True)
 
 
 def export_decode(model: Any, batch: int, max_seq_len: int, device: str) -> Any:
