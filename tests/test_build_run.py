@@ -242,3 +242,25 @@ def test_tactics_max_on_the_cpu_builds_an_engine_that_loads_and_matches_eager(tm
     with open_session(recipe, tmp_path / "store", build=False) as session:
         got = session.generate(prompts, 12)
     assert got == eager_greedy(outcome.model.materialize(), prompts, 12, 32)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_gemm_selections_are_recorded_and_inductors_tables_shown_only_when_debugging(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, debug: bool) -> None:
+    """What max-autotune benchmarks goes into the manifest's tactics (here a CPU GEMM template against
+    ATen, for a graph whose weight is inside it); Inductor's own tables reach stderr only with
+    TRTBUILD_DEBUG=1."""
+    import torch
+
+    from trtbuild.backends.torch_aoti import _record_autotuning
+
+    if debug:
+        monkeypatch.setenv("TRTBUILD_DEBUG", "1")
+    program = torch.export.export(torch.nn.Linear(64, 32).eval(), (torch.randn(8, 64),))
+    tuned: list[dict[str, Any]] = []
+    with _record_autotuning(tuned):
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "m.pt2"),
+                                                 inductor_configs={"max_autotune": True, "force_disable_caches": True})
+    assert len(tuned) == 1 and tuned[0]["num_candidates"] >= 2
+    assert tuned[0]["winner"] == tuned[0]["candidates"][0]["choice"]
+    assert ("AUTOTUNE" in capfd.readouterr().err) is debug
