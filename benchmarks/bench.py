@@ -231,12 +231,29 @@ def read_to_device(files: list[Path], device: str, chunk: int = 64 << 20) -> dic
     return {"s": s, "bytes": size, "Bps": size / s}
 
 
-def child(kind: str, recipe_path: str, engines: str, extra: list[str]) -> dict[str, Any]:
+def read_with_threads(files: list[Path], device: str, threads: int) -> dict[str, float]:
+    """The same floor through trtbuild's threaded reader (TRTBUILD_LOAD_THREADS): the faster of the
+    two readers is the floor, so an engine that loads with this one is not judged against a slower one."""
+    from trtbuild.backends.weights_reader import read_safetensors
+    from trtbuild.timing import sync
+
+    sync(device)
+    t = time.perf_counter()
+    for f in files:
+        read_safetensors(f, device, threads)
+    sync(device)
+    size = sum(f.stat().st_size for f in files)  # as the one-thread floor counts: the whole files
+    s = time.perf_counter() - t
+    return {"s": s, "bytes": size, "Bps": size / s, "threads": threads}
+
+
+def child(kind: str, recipe_path: str, engines: str, extra: list[str],
+          env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `bench.py --child KIND` in a new process; its last stdout line is JSON."""
     t0 = time.time()
     try:
         p = subprocess.run([sys.executable, __file__, "--child", kind, recipe_path, "--engines", engines, *extra],
-                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired:
         return {"error": f"child timed out after {CHILD_TIMEOUT_S} s", "returncode": None}
     wall = time.time() - t0
@@ -273,16 +290,36 @@ def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, 
     files = sorted(p for p in entry.rglob("*") if p.is_file())
     weights = [entry / "weights.safetensors"] if (entry / "weights.safetensors").is_file() else files
     out: dict[str, Any] = {"weight_files": [str(w) for w in weights], "engine_files": len(files)}
+    threads = args.load_threads if (entry / "weights.safetensors").is_file() else 0
     for cache in ("cold", "warm"):
         note = drop_page_cache(files) if cache == "cold" else "files just read (warm page cache)"
-        r = child("restart", args.recipe_path, args.engines, ["--prompt-len", str(ctx["plan"].prompt_len)])
-        if "error" not in r:
-            r["start_to_first_token_s"] = r["t_first_token"] - r["t_spawn"]
+
+        def restart(env: dict[str, str]) -> dict[str, Any]:
+            if cache == "cold":
+                drop_page_cache(files)
+            r = child("restart", args.recipe_path, args.engines, ["--prompt-len", str(ctx["plan"].prompt_len)], env)
+            if "error" not in r:
+                r["start_to_first_token_s"] = r["t_first_token"] - r["t_spawn"]
+            return r
+
+        r = restart({"TRTBUILD_LOAD_THREADS": "0"})
         if cache == "cold":
             drop_page_cache(weights)
-        floor = read_to_device(weights, ctx["device"])
-        ratio = r.get("start_to_first_token_s", float("nan")) / floor["s"]
-        out[cache] = {"page_cache": note, "engine": r, "read_weights_to_device": floor, "ratio_to_floor": ratio}
+        floors = {"one_thread": read_to_device(weights, ctx["device"])}
+        rec: dict[str, Any] = {"page_cache": note, "engine": r}
+        if threads:
+            rec["engine_load_threads"] = restart({"TRTBUILD_LOAD_THREADS": str(threads)})
+            if cache == "cold":
+                drop_page_cache(weights)
+            floors[f"threads_{threads}"] = read_with_threads(weights, ctx["device"], threads)
+        fastest = min(floors, key=lambda k: floors[k]["s"])
+        rec["read_weights_to_device"] = floors[fastest] | {"reader": fastest}
+        rec["floors"] = floors
+        rec["ratio_to_floor"] = r.get("start_to_first_token_s", float("nan")) / floors[fastest]["s"]
+        if threads:
+            rec["ratio_to_floor_load_threads"] = (rec["engine_load_threads"].get("start_to_first_token_s", float("nan"))
+                                                  / floors[fastest]["s"])
+        out[cache] = rec
     return out
 
 
@@ -394,6 +431,8 @@ def main() -> None:
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")
     ap.add_argument("--cpu-compile", action="store_true", help="run the torch.compile peer on CPU (mode='default')")
+    ap.add_argument("--load-threads", type=int, default=0,
+                    help="restart: also time the engine with TRTBUILD_LOAD_THREADS=N and the floor with that reader")
     ap.add_argument("--child", choices=("restart", "build"), help=argparse.SUPPRESS)
     ap.add_argument("--prompt-len", type=int, default=128, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -277,8 +277,15 @@ def table(report: dict[str, Any]) -> str:
             if r:
                 e, f = r["engine"], r["read_weights_to_device"]
                 got = f"{e['start_to_first_token_s']:.2f} s" if "error" not in e else e["error"][:160]
+                reader = f", {f['reader']}" if "reader" in f else ""
                 lines.append(f"  restart ({cache} page cache): start -> first token {got}; read weights to device "
-                             f"{f['s']:.3f} s ({f['Bps'] / 1e9:.2f} GB/s); ratio {r['ratio_to_floor']:.2f}")
+                             f"{f['s']:.3f} s ({f['Bps'] / 1e9:.2f} GB/s{reader}); ratio {r['ratio_to_floor']:.2f}")
+                t = r.get("engine_load_threads")
+                if t:
+                    got = f"{t['start_to_first_token_s']:.2f} s" if "error" not in t else t["error"][:160]
+                    lines.append(f"    with TRTBUILD_LOAD_THREADS: start -> first token {got}; load "
+                                 f"{t.get('phases', {}).get('load_s', float('nan')):.2f} s; ratio "
+                                 f"{r['ratio_to_floor_load_threads']:.2f}")
         b = rec.get("build")
         if b:
             def one(x: dict[str, Any]) -> str:

@@ -92,6 +92,27 @@ def test_engine_tokens_match_the_eager_model(built: dict[str, Any], batch: int) 
     assert again == want
 
 
+def test_weights_read_with_threads_give_the_same_tokens(built: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRTBUILD_LOAD_THREADS=N loads the engine's weights with the threaded reader: same tokens."""
+    from trtbuild.backends import weights_reader
+
+    calls: list[int] = []
+    original = weights_reader.read_safetensors
+
+    def spy(path: Path, device: str, threads: int = 8, chunk_bytes: int = 32 << 20) -> dict[str, Any]:
+        calls.append(threads)
+        return original(path, device, threads, chunk_bytes=4096)  # small chunks: many per tensor
+
+    monkeypatch.setattr(weights_reader, "read_safetensors", spy)
+    monkeypatch.setenv("TRTBUILD_LOAD_THREADS", "3")
+    recipe = load_recipe(built["recipe"])
+    prompts = [[(5 * i + 2) % 128 for i in range(9)]]
+    with open_session(recipe, built["store"], build=False) as session:
+        got = session.generate(prompts, 10)
+    assert calls == [3]
+    assert got == eager_greedy(_folder(built["recipe"], built["store"]), prompts, 10, 48)
+
+
 def test_batch_padded_to_a_bucket_and_sliced_prompts_stay_correct(built: dict[str, Any]) -> None:
     """A batch of 1 in the batch-2 bucket, and prompts of another length, still match eager."""
     recipe = load_recipe(built["recipe"])

@@ -11,6 +11,7 @@ process.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,17 @@ class TorchEngine:
         import torch
         from safetensors.torch import load_file
 
+        from trtbuild.backends.weights_reader import read_safetensors
         from trtbuild.models.llama import LlamaConfig, kv_cache_shape, rope_table
 
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise TrtbuildError(f"{self.entry} was built for CUDA and this process sees no GPU")
         self.cfg = LlamaConfig.from_hf(self.spec["hf_config"])
-        weights = load_file(str(self.entry / "weights.safetensors"), device=self.device)
+        threads = load_threads()
+        if threads:
+            weights = read_safetensors(self.entry / "weights.safetensors", self.device, threads)
+        else:
+            weights = load_file(str(self.entry / "weights.safetensors"), device=self.device)
         if self.spec["tied_output"]:
             weights["output.weight"] = weights["tok_embeddings.weight"]
         # Bytes a decode step must read: every weight but the embedding table (a decode step
@@ -176,6 +182,15 @@ class _Model:
 
     def __call__(self, *inputs: Any) -> Any:
         return self.runner.run([t.contiguous() for t in inputs])[0]
+
+
+def load_threads() -> int:
+    """TRTBUILD_LOAD_THREADS=N reads the weights with N threads (weights_reader.py); unset or 0 keeps
+    safetensors' own loader, the default until the threaded one is measured on a GPU."""
+    raw = os.environ.get("TRTBUILD_LOAD_THREADS", "0").strip() or "0"
+    if not raw.isdigit() or int(raw) > 64:
+        raise InputError(f"TRTBUILD_LOAD_THREADS: expected a number of threads from 0 to 64, got {raw!r}")
+    return int(raw)
 
 
 def decode_windows(max_seq_len: int) -> list[int]:

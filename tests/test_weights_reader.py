@@ -1,0 +1,68 @@
+"""The threaded safetensors reader (TRTBUILD_LOAD_THREADS): the same tensors as safetensors' own
+loader, and a clear error for a damaged file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from trtbuild.backends.torch_runtime import load_threads
+from trtbuild.backends.weights_reader import _contiguous_groups, read_safetensors
+from trtbuild.errors import InputError, TrtbuildError
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "big.bf16": torch.randn(300, 257, generator=g).to(torch.bfloat16),  # spans many 1 KB chunks
+        "mid.f32": torch.randn(33, 7, generator=g),
+        "ids.i64": torch.arange(-50, 50),
+        "flag.bool": torch.tensor([True, False, True]),
+        "scalar.f16": torch.tensor(1.5, dtype=torch.float16),
+        "empty.f32": torch.zeros(0, 4),
+    }
+    path = tmp_path / "weights.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_threaded_read_gives_the_same_tensors_as_safetensors(weights: Path, threads: int) -> None:
+    want = load_file(str(weights))
+    got = read_safetensors(weights, "cpu", threads=threads, chunk_bytes=1000)
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name], t), name
+
+
+def test_each_thread_reads_one_contiguous_range_of_about_equal_size() -> None:
+    jobs = [(offset, 100, None, 0) for offset in range(0, 1000, 100)]
+    groups = _contiguous_groups(list(reversed(jobs)), 3)
+    assert [len(g) for g in groups] == [4, 3, 3]
+    assert [j[0] for g in groups for j in g] == sorted(j[0] for j in jobs)
+    assert _contiguous_groups([], 4) == []
+
+
+def test_a_truncated_or_garbled_file_is_a_clear_error_naming_it(weights: Path) -> None:
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-100])
+    with pytest.raises(TrtbuildError, match="weights.safetensors.*past the end of the file"):
+        read_safetensors(weights, "cpu", threads=2)
+    weights.write_bytes(b"\xff" * 64)
+    with pytest.raises(TrtbuildError, match="weights.safetensors: not a readable safetensors file"):
+        read_safetensors(weights, "cpu")
+
+
+def test_load_threads_comes_from_the_environment_and_refuses_nonsense(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRTBUILD_LOAD_THREADS", raising=False)
+    assert load_threads() == 0
+    monkeypatch.setenv("TRTBUILD_LOAD_THREADS", "6")
+    assert load_threads() == 6
+    monkeypatch.setenv("TRTBUILD_LOAD_THREADS", "many")
+    with pytest.raises(InputError, match="TRTBUILD_LOAD_THREADS"):
+        load_threads()
