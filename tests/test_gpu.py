@@ -60,3 +60,21 @@ def test_cuda_tactics_max_records_each_gemm_selection_quietly_and_matches_eager(
     want = eager_greedy(outcome.model.materialize(), prompts, 12, 32, device="cuda")
     # Triton's GEMMs sum in another order than cuBLAS: the leading tokens must agree
     assert [row[:6] for row in got] == [row[:6] for row in want]
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_threaded_reader_puts_the_same_tensors_on_the_gpu(tmp_path: Path, threads: int) -> None:
+    """TRTBUILD_LOAD_THREADS's reader on CUDA (pinned staging buffers, one stream per thread) against
+    safetensors' loader, with chunks small enough that each buffer is reused many times."""
+    from safetensors.torch import load_file, save_file
+
+    from trtbuild.backends.weights_reader import read_safetensors
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"a": torch.randn(1000, 517, generator=g).to(torch.bfloat16), "b": torch.randn(3, 5, generator=g),
+               "c": torch.arange(77), "d": torch.zeros(0, 3)}
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    want = load_file(str(tmp_path / "w.safetensors"), device="cuda")
+    got = read_safetensors(tmp_path / "w.safetensors", "cuda:0", threads, chunk_bytes=4096)
+    assert got.keys() == want.keys()
+    assert all(got[k].is_cuda and got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
