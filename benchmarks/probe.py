@@ -44,6 +44,10 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "cd": {"coordinate_descent_tuning": True},  # batch-1 matmuls become tuned Triton GEMV reductions
     "autotune": {"max_autotune": True},  # GEMM templates benchmarked against cuBLAS (tactics `max`)
     "autotune_cd": {"max_autotune": True, "coordinate_descent_tuning": True},
+    # independent small kernels (rope of q, rope + cache write of k, cache write of v) horizontally
+    # fused into one launch each: a decode step is ~15 launches per layer, many of them ~1 us
+    "combo": {"combo_kernels": True},
+    "autotune_combo": {"max_autotune": True, "combo_kernels": True},
 }
 
 
