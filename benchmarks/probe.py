@@ -48,6 +48,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # fused into one launch each: a decode step is ~15 launches per layer, many of them ~1 us
     "combo": {"combo_kernels": True},
     "autotune_combo": {"max_autotune": True, "combo_kernels": True},
+    # every Triton GEMM config Inductor knows instead of its short list (skinny decode GEMMs are far
+    # from the shapes the short list was chosen for); compiles for many minutes on a large model
+    "autotune_exhaustive": {"max_autotune": True, "max_autotune_gemm_search_space": "EXHAUSTIVE"},
 }
 
 
