@@ -312,7 +312,8 @@ def _record_autotuning(out: list[dict[str, Any]]) -> Iterator[None]:
     was_printing = getattr(sa, "PRINT_AUTOTUNE", None)
     if quiet and was_printing is not None:
         sa.PRINT_AUTOTUNE = False
-    stats = {"max_autotune_report_choices_stats": False} if quiet and hasattr(config, "max_autotune_report_choices_stats") else {}
+    stats_flag = "max_autotune_report_choices_stats"  # its "Autotune Choices Stats" lines (not in every torch)
+    stats = {stats_flag: False} if quiet and hasattr(config, stats_flag) else {}
 
     def saver(timings: dict[Any, float], name: str, *rest: Any) -> None:
         ranked = sorted(((getattr(c, "name", str(c)), float(t)) for c, t in timings.items()), key=lambda x: x[1])

@@ -1,8 +1,8 @@
 """Reading a safetensors file into device memory with several threads at once.
 
-safetensors' `load_file(device="cuda")` reads with one thread through pageable memory: on the H200
-host (2026-12-03) that took the 8B engine's 15 GB about 2.9 s from a warm page cache and 7 s cold,
-the largest part of a restart. Here each thread reads its own contiguous range of the file with
+safetensors' `load_file(device="cuda")` moves one tensor at a time, on one thread, from the
+memory-mapped file: on the H200 host (2026-12-03) that took the 8B engine's 15 GB about 2.9 s from a
+warm page cache and 7 s cold, the largest part of a restart. Here each thread reads its own contiguous range of the file with
 `preadv` (no GIL held, the kernel's read-ahead sees one sequential stream per thread) into its own
 pinned staging buffers, and copies them to the destination tensors on its own CUDA stream while it
 reads the next chunk. On the CPU the bytes are read straight into the destination tensors.
