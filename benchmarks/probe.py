@@ -120,32 +120,45 @@ def main() -> None:
     def save() -> None:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
+    def decode_run(name: str, program: Any) -> dict[str, Any]:
+        graph, compile_s = compile_graph(program, name, work, device, consts)
+        decoder = _Decoder(graph, args.batch, shapes.max_seq_len, device)
+        r = profile_steps(decoder, args.batch, args.prompt_len, args.steps, device)
+        print(f"[probe] decode b{args.batch} {name}: compile {compile_s:.1f} s\n{show(r, args.top)}", flush=True)
+        return r | {"compile_s": compile_s}
+
+    def prefill_run(name: str, program: Any, example_len: int) -> dict[str, Any]:
+        graph, compile_s = compile_graph(program, name, work / str(example_len), device, consts)
+        runs = [time_prefill(graph, t, args.reps, model.cfg.vocab_size, device) for t in lengths]
+        print(f"[probe] prefill {name}@{example_len}: compile {compile_s:.1f} s; "
+              + ", ".join(f"{r['length']} tokens {r['p50_ms']:.3f} ms" for r in runs), flush=True)
+        for k in runs[-1]["kernels"][:args.top]:
+            print(f"  {k['us_per_step']:10.1f} us {k['per_step']:6.0f}x  {k['name'][:110]}")
+        return {"example_len": example_len, "compile_s": compile_s, "lengths": runs}
+
+    def attempt(label: str, name: str, run: Any) -> None:
+        """One option set; a failure (an option this torch's AOTInductor cannot compile) is recorded
+        and the probe goes on with the next."""
+        try:
+            results["runs"][label] = {"inductor_options": OPTIONS[name]} | run()
+        except Exception as exc:  # noqa: BLE001 - the A/B of the other option sets still counts
+            results["runs"][label] = {"inductor_options": OPTIONS[name], "error": f"{type(exc).__name__}: {exc}"[:800]}
+            print(f"[probe] {label}: failed: {results['runs'][label]['error']}", flush=True)
+        save()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    lengths = [min(int(x), shapes.max_input_len) for x in args.lengths.split(",")]
     try:
         if args.graph == "decode":
             program = torch_aoti.export_decode(model, args.batch, shapes.max_seq_len, device)
             for name in args.options.split(","):
-                graph, compile_s = compile_graph(program, name, work, device, consts)
-                decoder = _Decoder(graph, args.batch, shapes.max_seq_len, device)
-                r = profile_steps(decoder, args.batch, args.prompt_len, args.steps, device)
-                results["runs"][name] = r | {"inductor_options": OPTIONS[name], "compile_s": compile_s}
-                print(f"[probe] decode b{args.batch} {name}: compile {compile_s:.1f} s\n{show(r, args.top)}", flush=True)
-                save()
+                attempt(name, name, lambda name=name: decode_run(name, program))
             return
-        lengths = [min(int(x), shapes.max_input_len) for x in args.lengths.split(",")]
         for example_len in (int(x) for x in args.example_lens.split(",")):
             program = torch_aoti.export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device, example_len)
             for name in args.options.split(","):
-                label = f"{name}@{example_len}"
-                graph, compile_s = compile_graph(program, name, work / str(example_len), device, consts)
-                runs = [time_prefill(graph, t, args.reps, model.cfg.vocab_size, device) for t in lengths]
-                results["runs"][label] = {"inductor_options": OPTIONS[name], "example_len": example_len,
-                                          "compile_s": compile_s, "lengths": runs}
-                print(f"[probe] prefill {label}: compile {compile_s:.1f} s; "
-                      + ", ".join(f"{r['length']} tokens {r['p50_ms']:.3f} ms" for r in runs), flush=True)
-                for k in runs[-1]["kernels"][:args.top]:
-                    print(f"  {k['us_per_step']:10.1f} us {k['per_step']:6.0f}x  {k['name'][:110]}")
-                save()
-                del graph
+                attempt(f"{name}@{example_len}", name, lambda name=name: prefill_run(name, program, example_len))
     finally:
         save()
         shutil.rmtree(work, ignore_errors=True)
