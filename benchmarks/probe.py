@@ -153,12 +153,13 @@ def main() -> None:
         if args.graph == "decode":
             program = torch_aoti.export_decode(model, args.batch, shapes.max_seq_len, device)
             for name in args.options.split(","):
-                attempt(name, name, lambda name=name: decode_run(name, program))
+                attempt(name, name, lambda name=name, program=program: decode_run(name, program))
             return
         for example_len in (int(x) for x in args.example_lens.split(",")):
             program = torch_aoti.export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device, example_len)
             for name in args.options.split(","):
-                attempt(f"{name}@{example_len}", name, lambda name=name: prefill_run(name, program, example_len))
+                attempt(f"{name}@{example_len}", name,
+                        lambda name=name, program=program, n=example_len: prefill_run(name, program, n))
     finally:
         save()
         shutil.rmtree(work, ignore_errors=True)
