@@ -291,34 +291,39 @@ def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, 
     weights = [entry / "weights.safetensors"] if (entry / "weights.safetensors").is_file() else files
     out: dict[str, Any] = {"weight_files": [str(w) for w in weights], "engine_files": len(files)}
     threads = args.load_threads if (entry / "weights.safetensors").is_file() else 0
+    # (reader, the engine's TRTBUILD_LOAD_THREADS, the floor read the same way): each engine restart
+    # is followed by its floor, both from a dropped page cache in the cold round.
+    readers: list[tuple[str, int, Callable[[], dict[str, float]]]] = [
+        ("one_thread", 0, lambda: read_to_device(weights, ctx["device"]))]
+    if threads:
+        readers.append((f"threads_{threads}", threads, lambda: read_with_threads(weights, ctx["device"], threads)))
     for cache in ("cold", "warm"):
-        note = drop_page_cache(files) if cache == "cold" else "files just read (warm page cache)"
-
-        def restart(env: dict[str, str]) -> dict[str, Any]:
-            if cache == "cold":
-                drop_page_cache(files)
-            r = child("restart", args.recipe_path, args.engines, ["--prompt-len", str(ctx["plan"].prompt_len)], env)
+        cold = cache == "cold"
+        note = "files just read (warm page cache)"
+        starts: dict[str, dict[str, Any]] = {}
+        floors: dict[str, dict[str, float]] = {}
+        for reader, n, read_floor in readers:
+            if cold:
+                note = drop_page_cache(files)
+            r = child("restart", args.recipe_path, args.engines, ["--prompt-len", str(ctx["plan"].prompt_len)],
+                      {"TRTBUILD_LOAD_THREADS": str(n)})
             if "error" not in r:
                 r["start_to_first_token_s"] = r["t_first_token"] - r["t_spawn"]
-            return r
-
-        r = restart({"TRTBUILD_LOAD_THREADS": "0"})
-        if cache == "cold":
-            drop_page_cache(weights)
-        floors = {"one_thread": read_to_device(weights, ctx["device"])}
-        rec: dict[str, Any] = {"page_cache": note, "engine": r}
-        if threads:
-            rec["engine_load_threads"] = restart({"TRTBUILD_LOAD_THREADS": str(threads)})
-            if cache == "cold":
+            starts[reader] = r
+            if cold:
                 drop_page_cache(weights)
-            floors[f"threads_{threads}"] = read_with_threads(weights, ctx["device"], threads)
+            floors[reader] = read_floor()
         fastest = min(floors, key=lambda k: floors[k]["s"])
-        rec["read_weights_to_device"] = floors[fastest] | {"reader": fastest}
-        rec["floors"] = floors
-        rec["ratio_to_floor"] = r.get("start_to_first_token_s", float("nan")) / floors[fastest]["s"]
+
+        def ratio(r: dict[str, Any], floor_s: float = floors[fastest]["s"]) -> float:
+            return r.get("start_to_first_token_s", float("nan")) / floor_s
+
+        rec: dict[str, Any] = {"page_cache": note, "engine": starts["one_thread"],
+                               "read_weights_to_device": floors[fastest] | {"reader": fastest}, "floors": floors,
+                               "ratio_to_floor": ratio(starts["one_thread"])}
         if threads:
-            rec["ratio_to_floor_load_threads"] = (rec["engine_load_threads"].get("start_to_first_token_s", float("nan"))
-                                                  / floors[fastest]["s"])
+            rec["engine_load_threads"] = starts[f"threads_{threads}"]
+            rec["ratio_to_floor_load_threads"] = ratio(starts[f"threads_{threads}"])
         out[cache] = rec
     return out
 

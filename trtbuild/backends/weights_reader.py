@@ -2,10 +2,10 @@
 
 safetensors' `load_file(device="cuda")` moves one tensor at a time, on one thread, from the
 memory-mapped file: on the H200 host (2026-12-03) that took the 8B engine's 15 GB about 2.9 s from a
-warm page cache and 7 s cold, the largest part of a restart. Here each thread reads its own contiguous range of the file with
-`preadv` (no GIL held, the kernel's read-ahead sees one sequential stream per thread) into its own
-pinned staging buffers, and copies them to the destination tensors on its own CUDA stream while it
-reads the next chunk. On the CPU the bytes are read straight into the destination tensors.
+warm page cache and 7 s cold, the largest part of a restart. Here each thread reads its own
+contiguous range of the file with `preadv` (no GIL held, the kernel's read-ahead sees one sequential
+stream per thread) into its own pinned staging buffers, and copies them to the destination tensors
+on its own CUDA stream while it reads the next chunk. On the CPU the bytes are read straight into the destination tensors.
 
 Opt-in (`TRTBUILD_LOAD_THREADS=N`) until it has been measured against `load_file` on a GPU.
 """
@@ -56,7 +56,8 @@ def read_safetensors(path: Path, device: str, threads: int = 8, chunk_bytes: int
     groups = _contiguous_groups(jobs, max(1, threads))
     cuda = device.startswith("cuda")
     with ThreadPoolExecutor(max_workers=len(groups) or 1, thread_name_prefix="trtbuild-load") as pool:
-        done = [pool.submit(_read_group_cuda if cuda else _read_group, path, g, device, chunk_bytes) for g in groups]
+        done = [pool.submit(_read_group_cuda, path, g, device, chunk_bytes) if cuda else pool.submit(_read_group, path, g)
+                for g in groups]
         for d in done:
             d.result()  # re-raises a reader's error here
     return tensors
@@ -106,7 +107,7 @@ def _open(path: Path) -> int:
     return fd
 
 
-def _read_group(path: Path, jobs: list[Job], device: str, chunk_bytes: int) -> None:
+def _read_group(path: Path, jobs: list[Job]) -> None:
     """CPU: straight into the destination tensors' memory."""
     fd = _open(path)
     try:
