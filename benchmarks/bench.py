@@ -138,6 +138,8 @@ def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: l
     shapes = recipe.shapes
     if name == "engine":
         return peers.EnginePeer(recipe, args.engines)
+    if name.startswith("engine@"):  # the same recipe at another tactics level: an A/B, not a peer
+        return engine_at_level(recipe, name.split("@", 1)[1], args.engines, notes)
     if name in ("eager", "compile"):
         model = peers.load_transformer(folder, dtype, device, shapes.max_batch_size, shapes.max_seq_len)
         return peers.TransformerPeer(model, device, compiled=name == "compile")
@@ -149,6 +151,30 @@ def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: l
         notes.append("hf: static cache is compiled only on accelerators; on CPU the eager mode ran")
     peer, hf_notes = peers.hf_peer(folder, dtype, device, hf_mode, probe, ctx["plan"].new_tokens)
     notes.extend(hf_notes)
+    return peer
+
+
+def engine_at_level(recipe: Any, level: str, engines: str, notes: list[str]) -> Any:
+    """The recipe's engine with `tactics.level` replaced (built here if the store has none; its own
+    key, so it never shadows the recipe's engine), for an A/B of tactic levels in one run."""
+    import dataclasses
+
+    import peers
+    from trtbuild.builder import build
+
+    variant = dataclasses.replace(recipe, tactics_level=level)
+    t0 = time.perf_counter()
+    outcome = build(variant, engines, progress=lambda m: print(
+        f"[bench]   +{time.perf_counter() - t0:6.1f} s {m}", flush=True))
+    tactics = outcome.entry.manifest.get("tactics", {})
+    notes.append(f"tactics level {level}: " + ("cache hit" if outcome.cache_hit else
+                 f"built in {outcome.build_s:.1f} s {({k: round(v, 1) for k, v in outcome.phases.items()})}, "
+                 f"{tactics.get('benchmarked', 0)} GEMM candidates benchmarked, compiled graphs reused "
+                 f"{tactics.get('compiled_graphs_reused', [])}"))
+    if not outcome.cache_hit:
+        build(variant, engines)  # the first lookup after a publish hashes every file: not in the timings
+    peer = peers.EnginePeer(variant, engines)
+    peer.label += f", tactics level {level}"
     return peer
 
 
@@ -432,7 +458,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (smoke test)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma list of {', '.join(VARIANTS)}, engine@LEVEL (the recipe at tactics level LEVEL)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")
     ap.add_argument("--cpu-compile", action="store_true", help="run the torch.compile peer on CPU (mode='default')")
@@ -450,6 +477,11 @@ def main() -> None:
     device = ("cuda:0" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     device = "cuda:0" if device == "cuda" else device
     args.variants = [v for v in args.variants.split(",") if v]
+    from trtbuild.recipe import TACTIC_LEVELS
+
+    known = [*VARIANTS, *(f"engine@{level}" for level in TACTIC_LEVELS)]
+    if unknown := [v for v in args.variants if v not in known]:
+        ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     args.sections = [s for s in args.sections.split(",") if s]
     plan = QUICK if args.quick or device == "cpu" else FULL
     out_dir = Path(args.out)

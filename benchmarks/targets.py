@@ -68,7 +68,9 @@ def _ahead_of_peers(variants: dict[str, Any]) -> list[Verdict]:
     """One verdict per figure the engine and at least one peer both measured: strictly faster than
     every peer (a tie is not a lead), with the closest peer and the margin named."""
     engine = variants.get(ENGINE, {})
-    peers = {name: v for name, v in variants.items() if name != ENGINE and (v.get("decode") or v.get("prefill"))}
+    # engine@LEVEL is trtbuild itself at another tactics level: an A/B, never a peer to beat
+    peers = {name: v for name, v in variants.items()
+             if name.split("@")[0] != ENGINE and (v.get("decode") or v.get("prefill"))}
     if not peers:
         return [_verdict("ahead of every peer in the same run", "no peer measured", None)]
     out = []

@@ -257,8 +257,12 @@ def test_tactics_max_on_the_cpu_builds_an_engine_that_loads_and_matches_eager(tm
     recipe = load_recipe(write_recipe(tmp_path, doc))
     outcome = build(recipe, tmp_path / "store")
     configs = outcome.entry.manifest["tactics"]["inductor_configs"]
-    assert configs["max_autotune"] is True and configs["coordinate_descent_tuning"] is False
-    assert configs["max_autotune_gemm_backends"] == "ATEN"
+    assert set(configs) == {"prefill", "decode_b1"}
+    decode = configs["decode_b1"]
+    assert decode["max_autotune"] is True and decode["coordinate_descent_tuning"] is False
+    assert decode["max_autotune_gemm_backends"] == "ATEN"
+    # prefill's rows are dynamic: tuned at the example's 4 rows, a template would then run 2048-row prompts
+    assert "max_autotune" not in configs["prefill"]
     prompts = [[5, 3, 9, 1, 7, 2]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
         got = session.generate(prompts, 12)

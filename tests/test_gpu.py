@@ -50,7 +50,9 @@ def test_cuda_tactics_max_records_each_gemm_selection_quietly_and_matches_eager(
     recipe = load_recipe(write_recipe(tmp_path, doc))
     outcome = build(recipe, tmp_path / "store")
     tactics = outcome.entry.manifest["tactics"]
-    assert tactics["inductor_configs"]["coordinate_descent_tuning"] is False
+    assert tactics["inductor_configs"]["decode_b1"]["coordinate_descent_tuning"] is False
+    assert tactics["inductor_configs"]["decode_b1"]["max_autotune"] is True
+    assert "max_autotune" not in tactics["inductor_configs"]["prefill"]
     assert tactics["selections"] and all(s["winner"] == s["candidates"][0]["choice"] and s["num_candidates"] >= 2
                                          for s in tactics["selections"])
     assert "AUTOTUNE" not in capfd.readouterr().err

@@ -92,14 +92,14 @@ class TorchAOTIBackend:
         graphs = _export_graphs(model, shapes, device, job.progress)
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
-        configs = inductor_configs(recipe.tactics_level, device)
+        configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
         tuned: list[dict[str, Any]] = []
         t = time.perf_counter()
         with _inductor_caches(job.tactics.path), _record_autotuning(tuned):
             for name, graph in graphs.items():
                 job.progress(f"compiling {name} with AOTInductor (tactics: {recipe.tactics_level})")
                 g0 = time.perf_counter()
-                graph["reused"] = _compile_or_reuse(graph, name, configs, job)
+                graph["reused"] = _compile_or_reuse(graph, name, configs[name], job)
                 graph["compile_s"] = time.perf_counter() - g0
                 del graph["program"]
         phases["compile_s"] = time.perf_counter() - t
@@ -130,12 +130,17 @@ class TorchAOTIBackend:
         return TorchEngine(entry)
 
 
-def inductor_configs(level: str, device: str) -> dict[str, Any]:
-    """Inductor options per tactics level.
+def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str, Any]:
+    """Inductor options per tactics level, for one graph (`prefill` or a `decode_b<N>`).
 
     none: no kernel benchmarking at all (fastest build). default: Inductor's defaults (cuBLAS for
-    every matmul; Triton configs of the other kernels benchmarked). max: also max-autotune, which
-    benchmarks Triton GEMM templates against cuBLAS for every matmul shape and keeps the faster.
+    every matmul; Triton configs of the other kernels benchmarked). max: also max-autotune for the
+    decode graphs, which benchmarks Triton GEMM templates against cuBLAS for every matmul shape and
+    keeps the faster. Their GEMM shapes are exact (the batch is static; a weight is N x K), so what
+    is measured at build is what runs. The prefill graph keeps `default` at every level above none:
+    its rows (batch x prompt length) are dynamic, and Inductor would benchmark the templates at the
+    export's example size (4 rows) and keep that winner for 2048-row prompts, where cuBLAS picks its
+    kernel per call.
 
     Coordinate descent is in neither: with it on, Inductor rewrites every batch-1 matmul as a Triton
     GEMV reduction, and on the H200 (2026-12-03, 1B shape) those ran at 2.1-3.5 TB/s against cuBLAS's
@@ -152,7 +157,7 @@ def inductor_configs(level: str, device: str) -> dict[str, Any]:
     base["cpp.cxx"] = (None, cxx.compiler().path)  # exactly the compiler the key records
     if level == "none":
         return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
-    if level == "default":
+    if level == "default" or graph == "prefill":
         return base
     tuned = base | {"max_autotune": True, "coordinate_descent_tuning": False}
     return tuned if device.startswith("cuda") else tuned | {"max_autotune_gemm_backends": "ATEN"}
