@@ -5,10 +5,10 @@ recipe's weight matrices for every layer (distinct tensors, so no call finds its
 L2 cache left by the previous one, as in a real step), and for each weight shape and batch size times,
 inside one CUDA graph per candidate (no launch overhead, as in the engine):
   - cuBLAS through `F.linear` (what the compiled graphs call at tactics `default`),
-  - every candidate launch configuration of `trtbuild.backends.decode_matmul`,
+  - every candidate launch configuration of `trtbuild.models.decode_matmul` (the build's own
+    selection, `decode_matmul.select`),
 then the whole step's matmuls in layer order (QKV, output, gate/up, down per layer, then the LM head)
-with cuBLAS only, with the Triton kernel's best configuration per shape, and with the faster of the
-two per shape. Bandwidth is weight bytes read / time (the copy rate of bench.py counts read + write).
+with cuBLAS only and with what the selection chose per shape. Bandwidth is weight bytes read / time (the copy rate of bench.py counts read + write).
 A probe for choosing a default, not a benchmark of the engine (bench.py is that). Needs CUDA + Triton.
 
     python benchmarks/matmul_probe.py recipes/llama-3.1-8b.yaml recipes/llama-3.2-1b.yaml --out $OUT
@@ -28,15 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from trtbuild.backends.decode_matmul import MatmulConfig, decode_matmul  # noqa: E402
+from trtbuild.models.decode_matmul import MatmulConfig, decode_matmul, graph_seconds, select  # noqa: E402
 from trtbuild.models.llama import LlamaConfig  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 
-ONE_ROW = [MatmulConfig(n, k, w, s) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (4,) for s in (1, 3)] + [
-    MatmulConfig(n, 1024, 8, s) for n in (16, 32) for s in (1, 3)]
 DEVICE = "cuda"  # a module constant so the probe's bookkeeping can be dry-run on the CPU (Triton's interpreter)
-ROWS = [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 4)] + [
-    MatmulConfig(64, k, 8, s) for k in (256, 512) for s in (3, 4)]
 
 
 def weight_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
@@ -44,30 +40,6 @@ def weight_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return {"qkv": (q + 2 * kv, cfg.hidden_size), "o": (cfg.hidden_size, q),
             "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size)}
-
-
-def graph_time(calls: Callable[[], None], reps: int) -> float:
-    """Seconds per replay of one CUDA graph holding `calls`, median of `reps` event-timed replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()  # compiles / warms outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def probe_recipe(path: str, batches: list[int], reps: int) -> dict[str, Any]:
@@ -84,64 +56,34 @@ def probe_recipe(path: str, batches: list[int], reps: int) -> dict[str, Any]:
     weights = {name: [weight(*shape) for _ in range(cfg.num_layers)] for name, shape in shapes.items()}
     weights["head"] = [weight(cfg.vocab_size, cfg.hidden_size)]
     shapes["head"] = (cfg.vocab_size, cfg.hidden_size)
-    out: dict[str, Any] = {"recipe": recipe.name, "layers": cfg.num_layers, "shapes": {}, "step": {}}
+    total = sum(w.numel() * w.element_size() for ws in weights.values() for w in ws)
+    out: dict[str, Any] = {"recipe": recipe.name, "layers": cfg.num_layers, "weight_bytes": total, "shapes": {}, "step": {}}
     for m in batches:
-        candidates = ONE_ROW if m == 1 else ROWS
-        best: dict[str, MatmulConfig] = {}
-        faster: dict[str, str] = {}
+        choice: dict[str, str] = {}
         for name, (n, k) in shapes.items():
-            ws = weights[name]
-            x = torch.randn(m, k, device=dev, dtype=dtype, generator=gen)
-            ys = [torch.empty(m, n, device=dev, dtype=dtype) for _ in ws]
-            nbytes = sum(w.numel() * w.element_size() for w in ws)
-            ref = F.linear(x, ws[0]).float()
-            row: dict[str, Any] = {"n": n, "k": k, "calls": len(ws), "bytes_per_call": nbytes // len(ws)}
-            def cublas_calls() -> None:
-                for w in ws:
-                    F.linear(x, w)
-
-            t = graph_time(cublas_calls, reps)
-            row["cublas_us"], row["cublas_TBps"] = t / len(ws) * 1e6, nbytes / t / 1e12
-            results = {}
-            for c in candidates:
-                try:
-                    y0 = decode_matmul(x, ws[0], c, out=ys[0])
-                    err = ((y0.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-                    if err > 2e-2:
-                        results[c.name] = {"error": f"wrong result: max relative error {err:.3g}"}
-                        continue
-                    def triton_calls() -> None:
-                        for w, y in zip(ws, ys):
-                            decode_matmul(x, w, c, out=y)  # noqa: B023 - timed before the loop moves on
-
-                    t = graph_time(triton_calls, reps)
-                    results[c.name] = {"us": t / len(ws) * 1e6, "TBps": nbytes / t / 1e12, "rel_err": err}
-                except Exception as e:  # a config that does not compile (shared memory) is a result too
-                    results[c.name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-            timed = {k2: v for k2, v in results.items() if "us" in v}
-            if timed:
-                name_best = min(timed, key=lambda k2: timed[k2]["us"])
-                best[name] = next(c for c in candidates if c.name == name_best)
-                row["triton_best"] = {"config": name_best, **timed[name_best]}
-                faster[name] = "triton" if timed[name_best]["us"] < row["cublas_us"] else "cublas"
-            else:
-                faster[name] = "cublas"
-            row["candidates"] = results
+            row = {"n": n, "k": k, "calls": len(weights[name])} | select(weights[name], m, reps)
+            nbytes = n * k * 2
+            row["cublas_TBps"] = nbytes / row["cublas_us"] / 1e6
+            timed = {c: us for c, us in row["candidates"].items() if isinstance(us, float)}
+            best = min(timed, key=timed.__getitem__) if timed else None
+            row["triton_best"] = {"config": best, "us": timed[best], "TBps": nbytes / timed[best] / 1e6} if best else None
+            choice[name] = row["choice"]
             out["shapes"].setdefault(str(m), {})[name] = row
-            tb = row.get("triton_best", {})
+            tb = row["triton_best"] or {}
             print(f"[probe] {recipe.name} b{m} {name:8s} [{n}x{k}] cublas {row['cublas_us']:8.2f} us "
                   f"{row['cublas_TBps']:.2f} TB/s | triton {tb.get('us', float('nan')):8.2f} us "
-                  f"{tb.get('TBps', float('nan')):.2f} TB/s {tb.get('config', '-')}", flush=True)
+                  f"{tb.get('TBps', float('nan')):.2f} TB/s {tb.get('config', '-')} | "
+                  f"{sum(1 for v in row['candidates'].values() if isinstance(v, str))} refused/failed", flush=True)
 
-        def step(choice: dict[str, str]) -> Callable[[], None]:
+        def step(plan: dict[str, str]) -> Callable[[], None]:
             xs = {name: torch.randn(m, shapes[name][1], device=dev, dtype=dtype, generator=gen) for name in shapes}
             ys = {name: torch.empty(m, shapes[name][0], device=dev, dtype=dtype) for name in shapes}
 
             def one(name: str, w: torch.Tensor) -> None:
-                if choice[name] == "triton":
-                    decode_matmul(xs[name], w, best[name], out=ys[name])
-                else:
+                if plan[name] == "cublas":
                     F.linear(xs[name], w)
+                else:
+                    decode_matmul(xs[name], w, MatmulConfig.parse(plan[name]), out=ys[name])
 
             def calls() -> None:
                 for layer in range(cfg.num_layers):
@@ -150,16 +92,12 @@ def probe_recipe(path: str, batches: list[int], reps: int) -> dict[str, Any]:
                 one("head", weights["head"][0])
             return calls
 
-        total = sum(w.numel() * w.element_size() for ws in weights.values() for w in ws)
-        plans = {"cublas": {n: "cublas" for n in shapes}, "faster_per_shape": faster}
-        if len(best) == len(shapes):
-            plans["triton"] = {n: "triton" for n in shapes}
-        for plan, choice in plans.items():
-            t = graph_time(step(choice), reps)
-            out["step"].setdefault(str(m), {})[plan] = {"ms": t * 1e3, "TBps": total / t / 1e12, "choice": choice}
-            print(f"[probe] {recipe.name} b{m} whole step's matmuls, {plan:16s} {t * 1e3:7.3f} ms "
-                  f"{total / t / 1e12:.2f} TB/s", flush=True)
-        out["step"][str(m)]["best_configs"] = {n: c.name for n, c in best.items()}
+        plans = {"cublas": {n: "cublas" for n in shapes}, "selected": choice}
+        for plan, chosen in plans.items():
+            t = graph_seconds(step(chosen), reps)
+            out["step"].setdefault(str(m), {})[plan] = {"ms": t * 1e3, "TBps": total / t / 1e12, "choice": chosen}
+            print(f"[probe] {recipe.name} b{m} whole step's matmuls, {plan:9s} {t * 1e3:7.3f} ms "
+                  f"{total / t / 1e12:.2f} TB/s {chosen if plan == 'selected' else ''}", flush=True)
     del weights
     torch.cuda.empty_cache()
     return out
