@@ -138,8 +138,8 @@ def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: l
     shapes = recipe.shapes
     if name == "engine":
         return peers.EnginePeer(recipe, args.engines)
-    if name.startswith("engine@"):  # the same recipe at another tactics level: an A/B, not a peer
-        return engine_at_level(recipe, name.split("@", 1)[1], args.engines, notes)
+    if name.startswith("engine@"):  # the same recipe built another way: an A/B, not a peer
+        return engine_variant(recipe, name.split("@", 1)[1], args.engines, notes)
     if name in ("eager", "compile"):
         model = peers.load_transformer(folder, dtype, device, shapes.max_batch_size, shapes.max_seq_len)
         return peers.TransformerPeer(model, device, compiled=name == "compile")
@@ -154,15 +154,24 @@ def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: l
     return peer
 
 
-def engine_at_level(recipe: Any, level: str, engines: str, notes: list[str]) -> Any:
-    """The recipe's engine with `tactics.level` replaced (built here if the store has none; its own
-    key, so it never shadows the recipe's engine), for an A/B of tactic levels in one run."""
+ENGINE_VARIANTS = {"cublas": "options.decode_matmul cublas (no trtbuild decode kernel)",
+                   "kernel": "options.decode_matmul kernel (trtbuild's decode kernel for every matmul)"}
+
+
+def engine_variant(recipe: Any, spec: str, engines: str, notes: list[str]) -> Any:
+    """The recipe's engine built another way: `spec` is a tactics level, or a key of ENGINE_VARIANTS
+    (options.decode_matmul). Built here if the store has none; its own key, so it never shadows the
+    recipe's engine. For A/B runs inside one benchmark."""
     import dataclasses
 
     import peers
     from trtbuild.builder import build
 
-    variant = dataclasses.replace(recipe, tactics_level=level)
+    if spec in ENGINE_VARIANTS:
+        variant = dataclasses.replace(recipe, options={**recipe.options, "decode_matmul": spec})
+        level = f"{recipe.tactics_level}, {ENGINE_VARIANTS[spec]}"
+    else:
+        variant, level = dataclasses.replace(recipe, tactics_level=spec), spec
     t0 = time.perf_counter()
     outcome = build(variant, engines, progress=lambda m: print(
         f"[bench]   +{time.perf_counter() - t0:6.1f} s {m}", flush=True))
@@ -459,7 +468,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (smoke test)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma list of {', '.join(VARIANTS)}, engine@LEVEL (the recipe at tactics level LEVEL)")
+                    help=f"comma list of {', '.join(VARIANTS)}, engine@LEVEL (the recipe at tactics level LEVEL), "
+                         "engine@cublas / engine@kernel (options.decode_matmul)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")
     ap.add_argument("--cpu-compile", action="store_true", help="run the torch.compile peer on CPU (mode='default')")
@@ -479,7 +489,7 @@ def main() -> None:
     args.variants = [v for v in args.variants.split(",") if v]
     from trtbuild.recipe import TACTIC_LEVELS
 
-    known = [*VARIANTS, *(f"engine@{level}" for level in TACTIC_LEVELS)]
+    known = [*VARIANTS, *(f"engine@{spec}" for spec in (*TACTIC_LEVELS, *ENGINE_VARIANTS))]
     if unknown := [v for v in args.variants if v not in known]:
         ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     args.sections = [s for s in args.sections.split(",") if s]

@@ -43,6 +43,8 @@ class EnginePeer:
 
         self.session = open_session(recipe, engines, build=False).__enter__()
         self.label = f"trtbuild {recipe.backend} engine (cache hit, open_session(build=False))"
+        if kernels := decode_kernels(self.session.outcome.entry.manifest):
+            self.label += f"; {kernels}"
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> Timings:
         gen = self.session.engine.generate(prompts, new_tokens)
@@ -51,6 +53,18 @@ class EnginePeer:
     def close(self) -> None:
         self.session.__exit__(None, None, None)
         free_device_memory()
+
+
+def decode_kernels(manifest: dict[str, Any]) -> str:
+    """Which decode matmuls the engine runs through trtbuild's kernel, from its manifest, in a few words."""
+    record = manifest.get("tactics", {}).get("decode_matmuls") or {}
+    parts = []
+    for graph, shapes in sorted(record.items()):
+        if isinstance(shapes, dict) and "note" not in shapes:
+            routed = sorted(shape for shape, r in shapes.items() if r.get("used", "cublas") != "cublas")
+            parts.append(f"{graph}: decode kernel for {len(routed)} of {len(shapes)} weight shapes"
+                         + (f" ({', '.join(routed)})" if routed else ""))
+    return "; ".join(parts) or str(record.get("note", ""))
 
 
 # -- (2) eager PyTorch and (3) torch.compile on the same model code -----------------------------------

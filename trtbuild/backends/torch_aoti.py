@@ -27,13 +27,23 @@ from trtbuild.errors import TrtbuildError
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WEIGHTS = "weights.safetensors"
 ENGINE_JSON = "engine.json"
+# options.decode_matmul: auto = trtbuild's decode kernel where it measures faster than cuBLAS (per weight
+# shape and batch bucket); cublas = never; kernel = always (its fastest configuration), for A/B runs.
+DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
 
 
 class TorchAOTIBackend:
     name = "torch"
 
     def check(self, recipe: Any) -> list[str]:
-        problems = [f"options.{k}: unknown option for backend torch" for k in recipe.options]
+        problems = [f"options.{k}: unknown option for backend torch (known: decode_matmul)"
+                    for k in recipe.options if k != "decode_matmul"]
+        mode = recipe.options.get("decode_matmul", "auto")
+        if mode not in DECODE_MATMUL_MODES:
+            problems.append(f"options.decode_matmul: expected one of {', '.join(DECODE_MATMUL_MODES)}, got {mode!r}")
+        elif mode == "kernel" and recipe.tactics_level == "none":
+            problems.append("options.decode_matmul: 'kernel' picks its configuration by timing, which tactics "
+                            "level none turns off; use level default, or decode_matmul auto/cublas")
         if recipe.model.kind == "onnx":
             problems.append("model.source: the torch backend takes a Hugging Face model, not ONNX")
         return problems
@@ -89,7 +99,13 @@ class TorchAOTIBackend:
         model.eval().requires_grad_(False)
         del state
 
-        graphs = _export_graphs(model, shapes, device, job.progress)
+        t = time.perf_counter()
+        with _inductor_caches(job.tactics.path):
+            plan, matmuls = _decode_matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
+                                                recipe.options.get("decode_matmul", "auto"), device, job)
+        phases["select_matmuls_s"] = time.perf_counter() - t
+
+        graphs = _export_graphs(model, shapes, device, job.progress, plan)
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
@@ -119,6 +135,7 @@ class TorchAOTIBackend:
         (job.workdir / ENGINE_JSON).write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
         tactics = {"level": recipe.tactics_level, "inductor_configs": configs,
                    "selections": tuned, "benchmarked": sum(s["num_candidates"] for s in tuned),
+                   "decode_matmuls": matmuls,
                    "cache": str(job.tactics.path), "compiled_graphs_reused": reused}
         if recipe.tactics_level == "max" and not tuned:
             tactics["note"] = "no GEMM benchmarking ran: every choice came from the tactic cache"
@@ -163,7 +180,88 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
     return tuned if device.startswith("cuda") else tuned | {"max_autotune_gemm_backends": "ATEN"}
 
 
-def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[str, dict[str, Any]]:
+def _decode_matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str,
+                        job: BuildJob) -> tuple[dict[int, dict[tuple[int, int], Any]], dict[str, Any]]:
+    """Which decode matmuls go through trtbuild's Triton kernel, measured per batch bucket and weight shape.
+
+    For every weight shape of the model (QKV, output, gate/up, down, LM head) `decode_matmul.select`
+    times cuBLAS and each candidate configuration over the model's own weights of that shape, in a
+    CUDA graph; the kernel is used only where it measured faster. Each measurement is kept in the
+    tactic cache under the shape, batch, dtype, layer count, candidate list and kernel source, so a
+    rebuild (or another recipe of the same shapes) measures nothing. Returns the plan per bucket
+    ({(out, in): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul.
+    """
+    if mode == "kernel" and not device.startswith("cuda"):
+        raise TrtbuildError("options.decode_matmul: 'kernel' is a CUDA kernel, and this build is for the CPU")
+    if mode == "cublas" or level == "none" or not device.startswith("cuda"):
+        why = ("options.decode_matmul is cublas" if mode == "cublas" else
+               "tactics level none" if level == "none" else "a CPU build")
+        return {}, {"note": f"cuBLAS (ATen) for every matmul: {why}"}
+    try:
+        from trtbuild.models import decode_matmul as dm
+    except ImportError as e:  # torch's CUDA wheels bring Triton; a source build may not
+        if mode == "kernel":
+            raise TrtbuildError(f"options.decode_matmul: 'kernel' needs Triton, which does not import here ({e})") from e
+        return {}, {"note": f"cuBLAS for every matmul: the decode kernel needs Triton ({e})"}
+    import hashlib
+
+    from trtbuild.models.llama import Linear
+    from trtbuild.tactics import write_atomic
+
+    by_shape: dict[tuple[int, int], list[Any]] = {}
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            same = by_shape.setdefault((mod.out_features, mod.in_features), [])
+            if all(w is not mod.weight for w in same):  # a tied LM head is the embedding, counted once
+                same.append(mod.weight)
+    plan: dict[int, dict[tuple[int, int], Any]] = {}
+    record: dict[str, Any] = {}
+    for rows in buckets:
+        if rows > dm.MAX_ROWS:
+            if mode == "kernel":
+                raise TrtbuildError(f"options.decode_matmul: 'kernel' takes batch buckets of at most {dm.MAX_ROWS} "
+                                    f"rows; shapes.batch_buckets has {rows}")
+            record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
+            continue
+        for (n, k), weights in by_shape.items():
+            identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
+                        "kernel": dm.source_digest(), "candidates": [c.name for c in dm.candidates(rows)]}
+            digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+            cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
+            if cached.is_file():
+                result = json.loads(cached.read_text()) | {"reused": True}
+            else:
+                job.progress(f"timing decode matmuls for batch {rows}, {n}x{k} ({len(weights)} matrices): "
+                             f"cuBLAS and {len(dm.candidates(rows))} kernel configurations")
+                result = dm.select(weights, rows)
+                write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
+            choice = dm.fastest_kernel(result) if mode == "kernel" else result["choice"]
+            if choice is None:
+                raise TrtbuildError(f"options.decode_matmul: 'kernel', but no configuration of the kernel ran "
+                                    f"correctly for batch {rows} and a {n}x{k} weight: {result['candidates']}")
+            record.setdefault(f"decode_b{rows}", {})[f"{n}x{k}"] = result | {"used": choice}
+            if choice != "cublas":
+                plan.setdefault(rows, {})[(n, k)] = dm.MatmulConfig.parse(choice)
+    return plan, record
+
+
+@contextlib.contextmanager
+def _routed(model: Any, configs: dict[tuple[int, int], Any]) -> Iterator[None]:
+    """Point each Linear whose weight shape is in `configs` at the decode kernel, for one export."""
+    from trtbuild.models.llama import Linear
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in linears:
+        m.decode_config = configs.get((m.out_features, m.in_features))
+    try:
+        yield
+    finally:
+        for m in linears:
+            m.decode_config = None
+
+
+def _export_graphs(model: Any, shapes: Any, device: str, progress: Any,
+                   plan: dict[int, dict[tuple[int, int], Any]] | None = None) -> dict[str, dict[str, Any]]:
     graphs: dict[str, dict[str, Any]] = {}
     progress("exporting prefill")
     t = time.perf_counter()
@@ -172,8 +270,11 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any) -> dict[
     for b in shapes.batch_buckets:
         progress(f"exporting decode for batch {b}")
         t = time.perf_counter()
-        ep = export_decode(model, b, shapes.max_seq_len, device)
+        routed = (plan or {}).get(b, {})
+        with _routed(model, routed):
+            ep = export_decode(model, b, shapes.max_seq_len, device)
         graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "window": "dynamic",
+                                  "matmuls": {f"{n}x{k}": c.name for (n, k), c in sorted(routed.items())},
                                   "export_s": time.perf_counter() - t}
     return graphs
 
@@ -232,7 +333,13 @@ def _compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any],
     import torch
 
     program = graph["program"]
-    digest = hashlib.sha256((str(program) + "\0" + json.dumps(configs, sort_keys=True, default=str)).encode()).hexdigest()
+    text = str(program)
+    if "trtbuild.decode_matmul" in text:
+        # the op's configuration is in the program's text, the kernel's source is not
+        from trtbuild.models.decode_matmul import source_digest
+
+        text += "\0decode_matmul " + source_digest()
+    digest = hashlib.sha256((text + "\0" + json.dumps(configs, sort_keys=True, default=str)).encode()).hexdigest()
     cached = job.tactics.path / "graphs" / digest[:32]
     dest = job.workdir / name
     if (cached / "COMPLETE").is_file():

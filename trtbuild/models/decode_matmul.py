@@ -62,6 +62,9 @@ ROWS = [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) 
     MatmulConfig(64, k, 8, s) for k in (256, 512) for s in (3, 4)]
 
 
+MAX_ROWS = 16  # the dot path pads the rows to 16; a larger batch is a GEMM, cuBLAS's ground
+
+
 def candidates(rows: int) -> list[MatmulConfig]:
     return ONE_ROW if rows == 1 else ROWS
 
@@ -112,7 +115,7 @@ def uses_dot(rows: int) -> bool:
 def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig) -> None:
     m, k = x.shape
     n = w.shape[0]
-    if m > 16 or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
+    if m > MAX_ROWS or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"decode_matmul takes x [<=16, K] and w [N, K] with contiguous rows, got {tuple(x.shape)}, {tuple(w.shape)}")
     dot = uses_dot(m)
     kernel[(triton.cdiv(n, config.block_n),)](
@@ -203,3 +206,9 @@ def select(weights: Sequence[Tensor], rows: int, reps: int = 15) -> dict[str, An
             best, best_us = config.name, us
     result["choice"] = best
     return result
+
+
+def fastest_kernel(result: dict[str, Any]) -> str | None:
+    """The fastest configuration that ran correctly in a `select` result, whether or not it beat cuBLAS."""
+    timed = {name: us for name, us in result["candidates"].items() if isinstance(us, float)}
+    return min(timed, key=timed.__getitem__) if timed else None

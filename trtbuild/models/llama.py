@@ -113,6 +113,27 @@ def kv_cache_shape(cfg: LlamaConfig, max_batch_size: int, max_seq_len: int) -> t
     return (max_batch_size, cfg.num_kv_heads, max_seq_len + 1, cfg.head_dim)
 
 
+class Linear(nn.Linear):
+    """nn.Linear that a decode graph can route through trtbuild's decode matmul kernel.
+
+    `decode_config` (a `decode_matmul.MatmulConfig`, None by default) is set by the backend only
+    while it exports a decode graph, for the weight shapes where the build's tactic selection measured
+    the kernel faster than cuBLAS; prefill and every CPU build keep F.linear. The weight stays the
+    module's own parameter, so the state dict and the runtime constants are unchanged."""
+
+    decode_config: Any = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.decode_config is None:
+            return super().forward(x)
+        from trtbuild.models.decode_matmul import decode_matmul_op  # needs Triton: CUDA builds only
+
+        c = self.decode_config
+        y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, c.block_n, c.block_k, c.warps, c.stages)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -129,8 +150,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.wqkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+        self.wqkv = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
+        self.wo = Linear(q, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(self, x: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
                 from_start: bool, span: Tensor | None) -> Tensor:
@@ -191,8 +212,8 @@ def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span
 class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -230,7 +251,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.output = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("rope", rope_table(cfg, max_seq_len), persistent=False)
         shape = kv_cache_shape(cfg, max_batch_size, max_seq_len)
         for i in range(cfg.num_layers):
