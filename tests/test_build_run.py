@@ -263,10 +263,25 @@ def test_tactics_max_on_the_cpu_builds_an_engine_that_loads_and_matches_eager(tm
     assert decode["max_autotune_gemm_backends"] == "ATEN"
     # prefill's rows are dynamic: tuned at the example's 4 rows, a template would then run 2048-row prompts
     assert "max_autotune" not in configs["prefill"]
+    # trtbuild's decode kernel is Triton (CUDA): a CPU build keeps ATen's matmuls and says so
+    assert outcome.entry.manifest["tactics"]["decode_matmuls"] == {"note": "cuBLAS (ATen) for every matmul: a CPU build"}
     prompts = [[5, 3, 9, 1, 7, 2]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
         got = session.generate(prompts, 12)
     assert got == eager_greedy(outcome.model.materialize(), prompts, 12, 32)
+
+
+def test_decode_kernel_asked_for_on_the_cpu_is_a_clear_error_and_leaves_no_entry(tmp_path: Path) -> None:
+    """options.decode_matmul 'kernel' asks for a CUDA kernel: a CPU build refuses with the field named,
+    and the store keeps neither an entry nor a half-written build folder."""
+    from trtbuild.errors import TrtbuildError
+
+    doc = tiny_recipe_doc(tactics={"level": "default"}, options={"decode_matmul": "kernel"})
+    recipe = load_recipe(write_recipe(tmp_path, doc))
+    with pytest.raises(TrtbuildError, match="options.decode_matmul: 'kernel' is a CUDA kernel"):
+        build(recipe, tmp_path / "store")
+    store = Store(tmp_path / "store")
+    assert store.entries() == [] and list(store.tmp_dir.iterdir()) == []
 
 
 @pytest.mark.parametrize("debug", [False, True])

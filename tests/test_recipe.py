@@ -219,7 +219,15 @@ def test_unknown_backend() -> None:
 
 
 def test_backend_checks_its_own_options() -> None:
-    assert "options.workspace: unknown option for backend torch" in problems_of(tiny_recipe_doc(options={"workspace": 1}))
+    assert ("options.workspace: unknown option for backend torch (known: decode_matmul)"
+            in problems_of(tiny_recipe_doc(options={"workspace": 1})))
+    assert ("options.decode_matmul: expected one of auto, cublas, kernel, got 'triton'"
+            in problems_of(tiny_recipe_doc(options={"decode_matmul": "triton"})))
+    # `kernel` chooses its launch configuration by timing, which level none turns off
+    assert any(p.startswith("options.decode_matmul: 'kernel' picks its configuration by timing")
+               for p in problems_of(tiny_recipe_doc(options={"decode_matmul": "kernel"}, tactics={"level": "none"})))
+    for mode in ("auto", "cublas", "kernel"):
+        parse_recipe(tiny_recipe_doc(options={"decode_matmul": mode}, tactics={"level": "default"}), Path("r.yaml"))
 
 
 @pytest.mark.parametrize("mutate, expected", [
