@@ -37,7 +37,7 @@ FIX=none
 # build copies them instead of compiling (the benchmark's build record lists the graphs it reused).
 if [ -n "${SEED_TACTICS:-}" ] && ls "$SEED_TACTICS"/tactics.tar.gz* > /dev/null 2>&1; then
   mkdir -p /tmp/bench-engines && cat "$SEED_TACTICS"/tactics.tar.gz* | tar -xz -C /tmp/bench-engines
-  log "tactic cache seeded from $SEED_TACTICS: $(ls /tmp/bench-engines/tactics/torch/*/graphs | wc -l) compiled graphs"
+  log "tactic cache seeded from $SEED_TACTICS: $(ls /tmp/bench-engines/tactics/torch/*/graphs | wc -l) compiled graphs, $(ls /tmp/bench-engines/tactics/torch/*/decode_matmul 2>/dev/null | wc -l) decode-matmul timings"
 fi
 log "bench $RECIPE sections=$SECTIONS variants=$VARIANTS (time left $(left) s)"
 timeout $(( $(left) - ${RESERVE:-45} )) python3 benchmarks/bench.py "$RECIPE" --engines /tmp/bench-engines --out "$OUT" \
@@ -50,7 +50,7 @@ grep -v "^  File\|^DEBUG" "$OUT/bench.log" | tail -40
 # SAVE_TACTICS=1: the compiled graphs (not Inductor's caches) back as $OUT/tactics.tar.gz.part-*, in
 # pieces under the 16 MiB a returned file may have, to seed later calls (cat the parts | tar -xz).
 if [ "${SAVE_TACTICS:-0}" = 1 ] && [ -d /tmp/bench-engines/tactics ]; then
-  (cd /tmp/bench-engines && tar -cz tactics/torch/*/graphs | split -b 15m - "$OUT/tactics.tar.gz.part-")
+  (cd /tmp/bench-engines && tar -cz tactics/torch/*/graphs $(ls -d tactics/torch/*/decode_matmul 2>/dev/null) | split -b 15m - "$OUT/tactics.tar.gz.part-")
   log "tactics saved: $(du -ch "$OUT"/tactics.tar.gz.part-* | tail -1 | cut -f1) in $(ls "$OUT"/tactics.tar.gz.part-* | wc -l) part(s)"
 fi
 

@@ -80,3 +80,37 @@ def test_threaded_reader_puts_the_same_tensors_on_the_gpu(tmp_path: Path, thread
     got = read_safetensors(tmp_path / "w.safetensors", "cuda:0", threads, chunk_bytes=4096)
     assert got.keys() == want.keys()
     assert all(got[k].is_cuda and got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+
+
+def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_reused(tmp_path: Path) -> None:
+    """options.decode_matmul kernel: every decode matmul goes through trtbuild's Triton kernel (chosen
+    by timing its configurations over the model's weights), AOTInductor compiles it into the decode
+    packages, the tokens are the eager model's, and a rebuild takes the timings from the tactic cache."""
+    import json
+
+    from trtbuild.store import Store
+
+    doc = tiny_recipe_doc(precision="bf16", tactics={"level": "default"}, options={"decode_matmul": "kernel"},
+                          shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
+    recipe = load_recipe(write_recipe(tmp_path, doc))
+    outcome = build(recipe, tmp_path / "store")
+    record = outcome.entry.manifest["tactics"]["decode_matmuls"]
+    assert sorted(record) == ["decode_b1", "decode_b2"]
+    for shapes in record.values():
+        assert shapes and all(r["used"] != "cublas" and r.get("reused") is not True and r["cublas_us"] > 0
+                              for r in shapes.values())
+    engine = json.loads((outcome.entry.path / "engine.json").read_text())
+    assert all(len(engine["graphs"][g]["matmuls"]) == len(record[g]) for g in record)
+    assert engine["graphs"]["prefill"].get("matmuls") is None  # prefill keeps cuBLAS
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
+    with open_session(recipe, tmp_path / "store", build=False) as session:
+        got = session.generate(prompts, 16)
+        one = session.generate(prompts[:1], 16)
+    want = eager_greedy(outcome.model.materialize(), prompts, 16, 48, dtype=torch.bfloat16, device="cuda")
+    assert [row[:4] for row in got] == [row[:4] for row in want]  # bf16 sums in another order than cuBLAS
+    assert one[0][:4] == want[0][:4]
+
+    Store(tmp_path / "store").remove(outcome.entry)
+    again = build(recipe, tmp_path / "store")
+    assert all(r["reused"] is True for shapes in again.entry.manifest["tactics"]["decode_matmuls"].values()
+               for r in shapes.values())
