@@ -304,3 +304,20 @@ def test_gemm_selections_are_recorded_and_inductors_tables_shown_only_when_debug
     assert len(tuned) == 1 and tuned[0]["num_candidates"] >= 2
     assert tuned[0]["winner"] == tuned[0]["candidates"][0]["choice"]
     assert ("AUTOTUNE" in capfd.readouterr().err) is debug
+
+
+def test_compiled_graph_key_ignores_source_locations_but_not_shapes() -> None:
+    """The compiled-graph cache is keyed by the exported program's text without the "# File: ...:LINE"
+    comments export writes above each node: a checkout in another folder, or an edit that only moves
+    lines, reuses identical graphs; a change of shape still changes the key."""
+    import torch
+
+    from trtbuild.backends.torch_aoti import program_text
+
+    def export(rows: int) -> Any:
+        return torch.export.export(torch.nn.Linear(64, 32).eval(), (torch.randn(rows, 64),))
+
+    raw, text = str(export(8)), program_text(export(8))
+    assert "# File:" in raw and "# File:" not in text
+    assert "f32[8, 64]" in text and "aten.linear" in text
+    assert text == program_text(export(8)) != program_text(export(4))

@@ -318,6 +318,14 @@ def export_decode(model: Any, batch: int, max_seq_len: int, device: str) -> Any:
                                    prefer_deferred_runtime_asserts_over_guards=True)
 
 
+def program_text(program: Any) -> str:
+    """An exported program as text for the compiled-graph cache's key: its operations, shapes, dtypes,
+    strides, literals and signature, without the source-location comments export adds to each node.
+    Those name the file and line of the model code that made the node, so a trtbuild installed in another
+    folder, or an edit that only moved lines, would otherwise miss a cache of identical graphs."""
+    return "\n".join(line for line in str(program).splitlines() if not line.lstrip().startswith("#"))
+
+
 def _compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], job: BuildJob) -> bool:
     """Compile one exported graph into `workdir/<name>/`, or copy the compiled folder that an
     earlier build left in the tactic cache for exactly this graph. True when reused.
@@ -333,7 +341,7 @@ def _compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any],
     import torch
 
     program = graph["program"]
-    text = str(program)
+    text = program_text(program)
     if "trtbuild.decode_matmul" in text:
         # the op's configuration is in the program's text, the kernel's source is not
         from trtbuild.models.decode_matmul import source_digest
