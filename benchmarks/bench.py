@@ -154,8 +154,10 @@ def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: l
     return peer
 
 
-ENGINE_VARIANTS = {"cublas": "options.decode_matmul cublas (no trtbuild decode kernel)",
-                   "kernel": "options.decode_matmul kernel (trtbuild's decode kernel for every matmul)"}
+# engine@SPEC: one recipe option changed, for A/B runs of trtbuild's own kernels
+ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode matmul kernel"),
+                   "kernel": ("decode_matmul", "kernel", "trtbuild's decode matmul kernel for every matmul"),
+                   "aten-attention": ("decode_attention", "aten", "no trtbuild decode attention kernel")}
 
 
 def engine_variant(recipe: Any, spec: str, engines: str, notes: list[str]) -> Any:
@@ -168,8 +170,9 @@ def engine_variant(recipe: Any, spec: str, engines: str, notes: list[str]) -> An
     from trtbuild.builder import build
 
     if spec in ENGINE_VARIANTS:
-        variant = dataclasses.replace(recipe, options={**recipe.options, "decode_matmul": spec})
-        level = f"{recipe.tactics_level}, {ENGINE_VARIANTS[spec]}"
+        option, value, what = ENGINE_VARIANTS[spec]
+        variant = dataclasses.replace(recipe, options={**recipe.options, option: value})
+        level = f"{recipe.tactics_level}, options.{option} {value} ({what})"
     else:
         variant, level = dataclasses.replace(recipe, tactics_level=spec), spec
     t0 = time.perf_counter()
@@ -469,7 +472,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (smoke test)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma list of {', '.join(VARIANTS)}, engine@LEVEL (the recipe at tactics level LEVEL), "
-                         "engine@cublas / engine@kernel (options.decode_matmul)")
+                         "engine@cublas / engine@kernel (options.decode_matmul), engine@aten-attention (options.decode_attention)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")
     ap.add_argument("--cpu-compile", action="store_true", help="run the torch.compile peer on CPU (mode='default')")

@@ -3,7 +3,7 @@
 # recipe (build / restart / variants), a retry under LD_PRELOAD if the engine did not load in a new
 # process, and the CLI report of a cache-hit run. At most 8 files under $OUT.
 #
-#   [PROFILE=0] [PROBE="--graph decode --batch 8 --options plain,autotune"] [RESERVE=100] [GPU_TESTS=1] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [LOAD_THREADS=8] [BUDGET=545] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
+#   [PROFILE=0] [PROBE="--graph decode --batch 8 --options plain,autotune"] [RESERVE=100] [GPU_TESTS=1 [GPU_TESTS_K=expr]] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [LOAD_THREADS=8] [BUDGET=545] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -61,7 +61,9 @@ if [ "${GPU_TESTS:-0}" = 1 ] && [ "$(left)" -gt 60 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .device-wheels/*.whl \
     > /dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
   log "gpu tests"
-  timeout $(( $(left) - 30 )) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+  # GPU_TESTS_K: a pytest -k expression, to run only the tests a change needs when time is short
+  timeout $(( $(left) - 30 )) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
+    > "$OUT/gpu_tests.txt" 2>&1
   log "rc $?"; tail -15 "$OUT/gpu_tests.txt"
 fi
 

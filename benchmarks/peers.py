@@ -64,6 +64,9 @@ def decode_kernels(manifest: dict[str, Any]) -> str:
             routed = sorted(shape for shape, r in shapes.items() if r.get("used", "cublas") != "cublas")
             parts.append(f"{graph}: decode kernel for {len(routed)} of {len(shapes)} weight shapes"
                          + (f" ({', '.join(routed)})" if routed else ""))
+    attention = manifest.get("tactics", {}).get("decode_attention", {}).get("used")
+    if attention:
+        parts.append(f"decode attention: {'trtbuild kernel' if attention == 'kernel' else 'aten'}")
     return "; ".join(parts) or str(record.get("note", ""))
 
 

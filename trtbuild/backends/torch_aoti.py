@@ -30,18 +30,23 @@ ENGINE_JSON = "engine.json"
 # options.decode_matmul: auto = trtbuild's decode kernel where it measures faster than cuBLAS (per weight
 # shape and batch bucket); cublas = never; kernel = always (its fastest configuration), for A/B runs.
 DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
+# options.decode_attention: auto = trtbuild's decode attention kernel where it can serve the model (a CUDA
+# build of a 16-bit model, head_dim a power of two); aten = the masked attention Inductor compiles from
+# the model code; kernel = the kernel, or a recipe error where it cannot serve.
+DECODE_ATTENTION_MODES = ("auto", "aten", "kernel")
+OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES}
 
 
 class TorchAOTIBackend:
     name = "torch"
 
     def check(self, recipe: Any) -> list[str]:
-        problems = [f"options.{k}: unknown option for backend torch (known: decode_matmul)"
-                    for k in recipe.options if k != "decode_matmul"]
-        mode = recipe.options.get("decode_matmul", "auto")
-        if mode not in DECODE_MATMUL_MODES:
-            problems.append(f"options.decode_matmul: expected one of {', '.join(DECODE_MATMUL_MODES)}, got {mode!r}")
-        elif mode == "kernel" and recipe.tactics_level == "none":
+        problems = [f"options.{k}: unknown option for backend torch (known: {', '.join(OPTIONS)})"
+                    for k in recipe.options if k not in OPTIONS]
+        for name, modes in OPTIONS.items():
+            if recipe.options.get(name, "auto") not in modes:
+                problems.append(f"options.{name}: expected one of {', '.join(modes)}, got {recipe.options[name]!r}")
+        if recipe.options.get("decode_matmul") == "kernel" and recipe.tactics_level == "none":
             problems.append("options.decode_matmul: 'kernel' picks its configuration by timing, which tactics "
                             "level none turns off; use level default, or decode_matmul auto/cublas")
         if recipe.model.kind == "onnx":
@@ -104,8 +109,9 @@ class TorchAOTIBackend:
             plan, matmuls = _decode_matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
                                                 recipe.options.get("decode_matmul", "auto"), device, job)
         phases["select_matmuls_s"] = time.perf_counter() - t
+        attention = _decode_attention_plan(cfg, dtype, recipe.options.get("decode_attention", "auto"), device)
 
-        graphs = _export_graphs(model, shapes, device, job.progress, plan)
+        graphs = _export_graphs(model, shapes, device, job.progress, plan, attention["used"] == "kernel")
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
@@ -135,7 +141,7 @@ class TorchAOTIBackend:
         (job.workdir / ENGINE_JSON).write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
         tactics = {"level": recipe.tactics_level, "inductor_configs": configs,
                    "selections": tuned, "benchmarked": sum(s["num_candidates"] for s in tuned),
-                   "decode_matmuls": matmuls,
+                   "decode_matmuls": matmuls, "decode_attention": attention,
                    "cache": str(job.tactics.path), "compiled_graphs_reused": reused}
         if recipe.tactics_level == "max" and not tuned:
             tactics["note"] = "no GEMM benchmarking ran: every choice came from the tactic cache"
@@ -245,23 +251,49 @@ def _decode_matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: 
     return plan, record
 
 
+def _decode_attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, str]:
+    """Whether the decode graphs use trtbuild's decode attention kernel: {"used": "kernel" | "aten", "note"}."""
+    if mode == "aten":
+        return {"used": "aten", "note": "options.decode_attention is aten"}
+    why = None if device.startswith("cuda") else "a CPU build"
+    if why is None:
+        try:
+            from trtbuild.models import decode_attention
+        except ImportError as e:  # torch's CUDA wheels bring Triton; a source build may not
+            why = f"the kernel needs Triton ({e})"
+        else:
+            why = decode_attention.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, dtype)
+    if why is None:
+        return {"used": "kernel", "note": f"options.decode_attention is {mode}"}
+    if mode == "kernel":
+        raise TrtbuildError(f"options.decode_attention: 'kernel' cannot serve this build: {why}")
+    return {"used": "aten", "note": f"aten: {why}"}
+
+
 @contextlib.contextmanager
-def _routed(model: Any, configs: dict[tuple[int, int], Any]) -> Iterator[None]:
-    """Point each Linear whose weight shape is in `configs` at the decode kernel, for one export."""
-    from trtbuild.models.llama import Linear
+def _routed(model: Any, configs: dict[tuple[int, int], Any], attention_kernel: bool = False) -> Iterator[None]:
+    """Point each Linear whose weight shape is in `configs` at the decode matmul kernel, and each
+    Attention at the decode attention kernel if asked, for one export."""
+    from trtbuild.models.llama import Attention, Linear
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
     for m in linears:
         m.decode_config = configs.get((m.out_features, m.in_features))
+    for a in attentions:
+        a.decode_kernel = attention_kernel
     try:
         yield
     finally:
         for m in linears:
             m.decode_config = None
+        for a in attentions:
+            a.decode_kernel = False
 
 
 def _export_graphs(model: Any, shapes: Any, device: str, progress: Any,
-                   plan: dict[int, dict[tuple[int, int], Any]] | None = None) -> dict[str, dict[str, Any]]:
+                   plan: dict[int, dict[tuple[int, int], Any]] | None = None,
+                   attention_kernel: bool = False) -> dict[str, dict[str, Any]]:
     graphs: dict[str, dict[str, Any]] = {}
     progress("exporting prefill")
     t = time.perf_counter()
@@ -271,10 +303,11 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any,
         progress(f"exporting decode for batch {b}")
         t = time.perf_counter()
         routed = (plan or {}).get(b, {})
-        with _routed(model, routed):
+        with _routed(model, routed, attention_kernel):
             ep = export_decode(model, b, shapes.max_seq_len, device)
         graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "window": "dynamic",
                                   "matmuls": {f"{n}x{k}": c.name for (n, k), c in sorted(routed.items())},
+                                  "attention": "kernel" if attention_kernel else "aten",
                                   "export_s": time.perf_counter() - t}
     return graphs
 
@@ -342,11 +375,15 @@ def _compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any],
 
     program = graph["program"]
     text = program_text(program)
+    # A custom op's arguments are in the program's text, its kernel's source is not.
     if "trtbuild.decode_matmul" in text:
-        # the op's configuration is in the program's text, the kernel's source is not
-        from trtbuild.models.decode_matmul import source_digest
+        from trtbuild.models import decode_matmul
 
-        text += "\0decode_matmul " + source_digest()
+        text += "\0decode_matmul " + decode_matmul.source_digest()
+    if "trtbuild.decode_attention" in text:
+        from trtbuild.models import decode_attention
+
+        text += "\0decode_attention " + decode_attention.source_digest()
     digest = hashlib.sha256((text + "\0" + json.dumps(configs, sort_keys=True, default=str)).encode()).hexdigest()
     cached = job.tactics.path / "graphs" / digest[:32]
     dest = job.workdir / name

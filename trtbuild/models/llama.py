@@ -146,6 +146,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # Set by the backend only while it exports a decode graph that uses trtbuild's decode attention
+    # kernel (options.decode_attention); prefill, CPU builds and eager runs keep `_cached_attention`.
+    decode_kernel: bool = False
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -159,7 +163,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(b, t, c.num_heads, c.head_dim), table).transpose(1, 2)
+        # one line, so the exported program (and the compiled-graph cache's key) is unchanged for aten
+        q = (q_rows := apply_rope(q.view(b, t, c.num_heads, c.head_dim), table)).transpose(1, 2)  # q_rows (B, T, H, D)
         k = apply_rope(k.view(b, t, c.num_kv_heads, c.head_dim), table).transpose(1, 2)
         v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         # In-place writes into the static cache: export keeps these as buffer mutations, so the
@@ -177,6 +182,11 @@ class Attention(nn.Module):
             # repeat's view arithmetic on the dynamic prompt length, which export cannot discharge
             # on CUDA.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
+        elif self.decode_kernel:
+            from trtbuild.models.decode_attention import decode_attention_op  # needs Triton: CUDA builds only
+
+            # reads slots 0..pos of the whole cache buffer itself, so the window (span) is not needed
+            return self.wo(decode_attention_op(q_rows, k_cache, v_cache, pos).reshape(b, t, q_size))
         else:
             y = _cached_attention(q, k_cache[:b], v_cache[:b], pos, span)
         return self.wo(y.transpose(1, 2).reshape(b, t, q_size))

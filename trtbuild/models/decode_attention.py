@@ -1,0 +1,152 @@
+"""A Triton attention kernel for decode: one new query per sequence against the filled part of the cache.
+
+Why it exists: in the H200 profiles (benchmarks/RESULTS.md) a decode step's attention is three kernels
+per layer (a cuBLAS batched matmul for the scores, a Triton softmax over them in fp32, a second
+batched matmul for the values), 8-11 us per layer for a few hundred cache slots whose K and V are
+~0.1 MB: it is launch and ramp, not reading. This is split-KV decoding ("flash-decoding") in two
+launches. The first streams K and V once: each program owns one sequence, one KV head (with its
+query heads stacked, so grouped-query attention reads each cached row once) and one slice of the
+filled slots, and keeps an online softmax. The second merges the slices' partial results.
+
+The filled length is read from the position tensor on the device, not from the graph's shapes: the
+kernel reads exactly slots 0..pos, whatever window the runtime captured the step for.
+
+Registered as the custom op `trtbuild::decode_attention`, which AOTInductor compiles into the decode
+packages. Used for 16-bit models only: its dots run on tensor cores, which would round fp32 to tf32.
+Imported only where Triton and a GPU are present; lives with the model code because its source is
+part of every engine's key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+BLOCK_S = 32  # cache slots per loop step: a (16 x D) by (D x 32) dot, and K and V tiles of 32 rows
+TARGET_PROGRAMS = 256  # slices per step ~ two waves on the H200's 132 SMs, whatever the batch
+
+
+def source_digest() -> str:
+    """This file's content: a compiled graph that calls the kernel is only reusable with the same kernel."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def supports(head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> str | None:
+    """None when the kernel can serve this attention, else why not (recorded in the manifest)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{dtype} (the kernel's tensor-core dots would round fp32 to tf32)"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} (the kernel takes a power of two >= 16)"
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
+        return f"{num_heads} query heads over {num_kv_heads} KV heads (the kernel stacks at most 16 per KV head)"
+    return None
+
+
+def num_splits(batch: int, kv_heads: int) -> int:
+    """Slices of the cache per (sequence, KV head): a power of two (the merge sums over them as a block)."""
+    want = max(1, -(-TARGET_PROGRAMS // (batch * kv_heads)))
+    return min(32, triton.next_power_of_2(want))
+
+
+@triton.jit
+def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
+                    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                    REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                    SPLITS: tl.constexpr, SCALE: tl.constexpr):
+    bkv = tl.program_id(0)  # sequence * KV + KV head
+    split = tl.program_id(1)
+    b = bkv // KV
+    kv = bkv % KV
+    # The step's own K and V are already written at slot pos, so slots 0..pos are the ones to read.
+    filled = tl.load(pos_ptr) + 1
+    per = tl.cdiv(tl.cdiv(filled, SPLITS), BLOCK_S) * BLOCK_S
+    start = split * per
+    end = tl.minimum(start + per, filled)
+    r = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, D)
+    r_mask = r < REP
+    # query head kv * REP + r uses KV head kv (Hugging Face's repeat_kv order); rows past REP are
+    # padding for the tensor-core dot, masked to zero and never stored
+    q = tl.load(q_ptr + b * stride_qb + (kv * REP + r)[:, None] * stride_qh + d[None, :], mask=r_mask[:, None], other=0.0)
+    k_base = k_ptr + b * stride_kb + kv * stride_kh
+    v_base = v_ptr + b * stride_vb + kv * stride_vh
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = s < end
+        k = tl.load(k_base + s[:, None] * stride_ks + d[None, :], mask=s_mask[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * SCALE
+        scores = tl.where(s_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + s[:, None] * stride_vs + d[None, :], mask=s_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    # Partials, unnormalized: a slice past the filled length leaves m = -inf and total = 0, which the
+    # merge weighs by exp(-inf) = 0. Slice 0 always holds slot 0, so the merge's maximum is finite.
+    row = (bkv * SPLITS + split) * BLOCK_R + r
+    tl.store(o_ptr + row[:, None] * D + d[None, :], acc)
+    tl.store(ml_ptr + row * 2, m)
+    tl.store(ml_ptr + row * 2 + 1, total)
+
+
+@triton.jit
+def _merge_kernel(o_ptr, ml_ptr, y_ptr, KV, stride_yb, stride_yh,
+                  REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+    pid = tl.program_id(0)  # sequence * heads + head
+    b = pid // (KV * REP)
+    h = pid % (KV * REP)
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    row = ((b * KV + h // REP) * SPLITS + sp) * BLOCK_R + h % REP
+    m = tl.load(ml_ptr + row * 2)
+    total = tl.load(ml_ptr + row * 2 + 1)
+    weight = tl.exp(m - tl.max(m, 0))
+    o = tl.load(o_ptr + row[:, None] * D + d[None, :])
+    y = tl.sum(o * weight[:, None], 0) / tl.sum(total * weight, 0)
+    tl.store(y_ptr + b * stride_yb + h * stride_yh + d, y.to(y_ptr.dtype.element_ty))
+
+
+def _run(partial: object, merge: object, q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> Tensor:
+    b, t, h, d = q.shape
+    kv = k_cache.shape[1]
+    if t != 1 or q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or h % kv:
+        raise ValueError(f"decode_attention takes q [B, 1, H, D] and caches [B', KV, S, D] with contiguous rows, "
+                         f"got {tuple(q.shape)}, {tuple(k_cache.shape)}")
+    rep, splits = h // kv, num_splits(b, kv)
+    block_r = max(16, triton.next_power_of_2(rep))
+    o = torch.empty((b * kv, splits, block_r, d), dtype=torch.float32, device=q.device)
+    ml = torch.empty((b * kv, splits, block_r, 2), dtype=torch.float32, device=q.device)
+    y = torch.empty_like(q, memory_format=torch.contiguous_format)
+    partial[(b * kv, splits)](  # type: ignore[index]
+        q, k_cache, v_cache, pos, o, ml, kv,
+        q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        # the scale a compile-time constant: AOTInductor passes a float argument as fp64, which would
+        # promote the scores and the running maximum to fp64 (refused by Triton inside the loop)
+        REP=rep, BLOCK_R=block_r, D=d, BLOCK_S=BLOCK_S, SPLITS=splits, SCALE=d**-0.5, num_warps=4)
+    merge[(b * h,)](o, ml, y, kv, y.stride(0), y.stride(2), REP=rep, BLOCK_R=block_r, D=d, SPLITS=splits,  # type: ignore[index]
+                    num_warps=1)
+    return y
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> Tensor:
+    """Attention of q [B, 1, H, D] (after rope) at position pos[0] over the caches [B' >= B, KV, S, D],
+    reading slots 0..pos[0] of the first B sequences. Returns [B, 1, H, D]. An eager launch."""
+    return _run(_partial_kernel, _merge_kernel, q, k_cache, v_cache, pos)
+
+
+@triton_op("trtbuild::decode_attention", mutates_args=())
+def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> Tensor:
+    """The kernel as a custom op: what the decode graphs call (`Attention.decode_kernel`)."""
+    return _run(wrap_triton(_partial_kernel), wrap_triton(_merge_kernel), q, k_cache, v_cache, pos)
