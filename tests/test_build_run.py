@@ -265,6 +265,7 @@ def test_tactics_max_on_the_cpu_builds_an_engine_that_loads_and_matches_eager(tm
     assert "max_autotune" not in configs["prefill"]
     # trtbuild's decode kernel is Triton (CUDA): a CPU build keeps ATen's matmuls and says so
     assert outcome.entry.manifest["tactics"]["decode_matmuls"] == {"note": "cuBLAS (ATen) for every matmul: a CPU build"}
+    assert outcome.entry.manifest["tactics"]["decode_attention"] == {"used": "aten", "note": "aten: a CPU build"}
     prompts = [[5, 3, 9, 1, 7, 2]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
         got = session.generate(prompts, 12)
@@ -279,6 +280,16 @@ def test_decode_kernel_asked_for_on_the_cpu_is_a_clear_error_and_leaves_no_entry
     doc = tiny_recipe_doc(tactics={"level": "default"}, options={"decode_matmul": "kernel"})
     recipe = load_recipe(write_recipe(tmp_path, doc))
     with pytest.raises(TrtbuildError, match="options.decode_matmul: 'kernel' is a CUDA kernel"):
+        build(recipe, tmp_path / "store")
+    store = Store(tmp_path / "store")
+    assert store.entries() == [] and list(store.tmp_dir.iterdir()) == []
+
+
+def test_decode_attention_kernel_asked_for_on_the_cpu_is_a_clear_error_and_leaves_no_entry(tmp_path: Path) -> None:
+    from trtbuild.errors import TrtbuildError
+
+    recipe = load_recipe(write_recipe(tmp_path, tiny_recipe_doc(options={"decode_attention": "kernel"})))
+    with pytest.raises(TrtbuildError, match="options.decode_attention: 'kernel' cannot serve this build: a CPU build"):
         build(recipe, tmp_path / "store")
     store = Store(tmp_path / "store")
     assert store.entries() == [] and list(store.tmp_dir.iterdir()) == []

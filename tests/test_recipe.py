@@ -219,8 +219,10 @@ def test_unknown_backend() -> None:
 
 
 def test_backend_checks_its_own_options() -> None:
-    assert ("options.workspace: unknown option for backend torch (known: decode_matmul)"
+    assert ("options.workspace: unknown option for backend torch (known: decode_matmul, decode_attention)"
             in problems_of(tiny_recipe_doc(options={"workspace": 1})))
+    assert ("options.decode_attention: expected one of auto, aten, kernel, got 'flash'"
+            in problems_of(tiny_recipe_doc(options={"decode_attention": "flash"})))
     assert ("options.decode_matmul: expected one of auto, cublas, kernel, got 'triton'"
             in problems_of(tiny_recipe_doc(options={"decode_matmul": "triton"})))
     # `kernel` chooses its launch configuration by timing, which level none turns off
@@ -228,6 +230,8 @@ def test_backend_checks_its_own_options() -> None:
                for p in problems_of(tiny_recipe_doc(options={"decode_matmul": "kernel"}, tactics={"level": "none"})))
     for mode in ("auto", "cublas", "kernel"):
         parse_recipe(tiny_recipe_doc(options={"decode_matmul": mode}, tactics={"level": "default"}), Path("r.yaml"))
+    for mode in ("auto", "aten", "kernel"):
+        parse_recipe(tiny_recipe_doc(options={"decode_attention": mode}), Path("r.yaml"))
 
 
 @pytest.mark.parametrize("mutate, expected", [
