@@ -25,12 +25,11 @@ def test_decode_attention_matches_the_masked_attention_of_the_model(
     from trtbuild.models.decode_attention import decode_attention
     from trtbuild.models.llama import _cached_attention
 
-    device = DEVICE
     g = torch.Generator().manual_seed(pos)
-    q = torch.randn(batch, 1, heads, head_dim, generator=g).to(device)
-    k_cache, v_cache = (torch.randn(batch + 1, kv_heads, 300, head_dim, generator=g).to(device) for _ in range(2))
-    p = torch.tensor([pos], device=device)
+    q = torch.randn(batch, 1, heads, head_dim, generator=g).to(DEVICE)
+    k_cache, v_cache = (torch.randn(batch + 1, kv_heads, 300, head_dim, generator=g).to(DEVICE) for _ in range(2))
+    p = torch.tensor([pos], device=DEVICE)
     got = decode_attention(q, k_cache, v_cache, p)
     want = _cached_attention(q.transpose(1, 2), k_cache[:batch], v_cache[:batch], p,
-                             torch.arange(pos + 1, device=device)).transpose(1, 2)
+                             torch.arange(pos + 1, device=DEVICE)).transpose(1, 2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -21,29 +21,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trtbuild.backends import BuildJob, BuildOutput
+from trtbuild.backends import BuildJob, BuildOutput, decode_kernels
 from trtbuild.errors import TrtbuildError
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WEIGHTS = "weights.safetensors"
 ENGINE_JSON = "engine.json"
-# options.decode_matmul: auto = trtbuild's decode kernel where it measures faster than cuBLAS (per weight
-# shape and batch bucket); cublas = never; kernel = always (its fastest configuration), for A/B runs.
-DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
-# options.decode_attention: auto = trtbuild's decode attention kernel where it can serve the model (a CUDA
-# build of a 16-bit model, head_dim a power of two); aten = the masked attention Inductor compiles from
-# the model code; kernel = the kernel, or a recipe error where it cannot serve.
-DECODE_ATTENTION_MODES = ("auto", "aten", "kernel")
-OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES}
-
-
 class TorchAOTIBackend:
     name = "torch"
 
     def check(self, recipe: Any) -> list[str]:
-        problems = [f"options.{k}: unknown option for backend torch (known: {', '.join(OPTIONS)})"
-                    for k in recipe.options if k not in OPTIONS]
-        for name, modes in OPTIONS.items():
+        problems = [f"options.{k}: unknown option for backend torch (known: {', '.join(decode_kernels.OPTIONS)})"
+                    for k in recipe.options if k not in decode_kernels.OPTIONS]
+        for name, modes in decode_kernels.OPTIONS.items():
             if recipe.options.get(name, "auto") not in modes:
                 problems.append(f"options.{name}: expected one of {', '.join(modes)}, got {recipe.options[name]!r}")
         if recipe.options.get("decode_matmul") == "kernel" and recipe.tactics_level == "none":
@@ -106,10 +96,10 @@ class TorchAOTIBackend:
 
         t = time.perf_counter()
         with _inductor_caches(job.tactics.path):
-            plan, matmuls = _decode_matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
+            plan, matmuls = decode_kernels.matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
                                                 recipe.options.get("decode_matmul", "auto"), device, job)
         phases["select_matmuls_s"] = time.perf_counter() - t
-        attention = _decode_attention_plan(cfg, dtype, recipe.options.get("decode_attention", "auto"), device)
+        attention = decode_kernels.attention_plan(cfg, dtype, recipe.options.get("decode_attention", "auto"), device)
 
         graphs = _export_graphs(model, shapes, device, job.progress, plan, attention["used"] == "kernel")
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
@@ -186,111 +176,6 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
     return tuned if device.startswith("cuda") else tuned | {"max_autotune_gemm_backends": "ATEN"}
 
 
-def _decode_matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str,
-                        job: BuildJob) -> tuple[dict[int, dict[tuple[int, int], Any]], dict[str, Any]]:
-    """Which decode matmuls go through trtbuild's Triton kernel, measured per batch bucket and weight shape.
-
-    For every weight shape of the model (QKV, output, gate/up, down, LM head) `decode_matmul.select`
-    times cuBLAS and each candidate configuration over the model's own weights of that shape, in a
-    CUDA graph; the kernel is used only where it measured faster. Each measurement is kept in the
-    tactic cache under the shape, batch, dtype, layer count, candidate list and kernel source, so a
-    rebuild (or another recipe of the same shapes) measures nothing. Returns the plan per bucket
-    ({(out, in): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul.
-    """
-    if mode == "kernel" and not device.startswith("cuda"):
-        raise TrtbuildError("options.decode_matmul: 'kernel' is a CUDA kernel, and this build is for the CPU")
-    if mode == "cublas" or level == "none" or not device.startswith("cuda"):
-        why = ("options.decode_matmul is cublas" if mode == "cublas" else
-               "tactics level none" if level == "none" else "a CPU build")
-        return {}, {"note": f"cuBLAS (ATen) for every matmul: {why}"}
-    try:
-        from trtbuild.models import decode_matmul as dm
-    except ImportError as e:  # torch's CUDA wheels bring Triton; a source build may not
-        if mode == "kernel":
-            raise TrtbuildError(f"options.decode_matmul: 'kernel' needs Triton, which does not import here ({e})") from e
-        return {}, {"note": f"cuBLAS for every matmul: the decode kernel needs Triton ({e})"}
-    import hashlib
-
-    from trtbuild.models.llama import Linear
-    from trtbuild.tactics import write_atomic
-
-    by_shape: dict[tuple[int, int], list[Any]] = {}
-    for mod in model.modules():
-        if isinstance(mod, Linear):
-            same = by_shape.setdefault((mod.out_features, mod.in_features), [])
-            if all(w is not mod.weight for w in same):  # a tied LM head is the embedding, counted once
-                same.append(mod.weight)
-    plan: dict[int, dict[tuple[int, int], Any]] = {}
-    record: dict[str, Any] = {}
-    for rows in buckets:
-        if rows > dm.MAX_ROWS:
-            if mode == "kernel":
-                raise TrtbuildError(f"options.decode_matmul: 'kernel' takes batch buckets of at most {dm.MAX_ROWS} "
-                                    f"rows; shapes.batch_buckets has {rows}")
-            record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
-            continue
-        for (n, k), weights in by_shape.items():
-            identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
-                        "kernel": dm.source_digest(), "candidates": [c.name for c in dm.candidates(rows)]}
-            digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-            cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
-            if cached.is_file():
-                result = json.loads(cached.read_text()) | {"reused": True}
-            else:
-                job.progress(f"timing decode matmuls for batch {rows}, {n}x{k} ({len(weights)} matrices): "
-                             f"cuBLAS and {len(dm.candidates(rows))} kernel configurations")
-                result = dm.select(weights, rows)
-                write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
-            choice = dm.fastest_kernel(result) if mode == "kernel" else result["choice"]
-            if choice is None:
-                raise TrtbuildError(f"options.decode_matmul: 'kernel', but no configuration of the kernel ran "
-                                    f"correctly for batch {rows} and a {n}x{k} weight: {result['candidates']}")
-            record.setdefault(f"decode_b{rows}", {})[f"{n}x{k}"] = result | {"used": choice}
-            if choice != "cublas":
-                plan.setdefault(rows, {})[(n, k)] = dm.MatmulConfig.parse(choice)
-    return plan, record
-
-
-def _decode_attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, str]:
-    """Whether the decode graphs use trtbuild's decode attention kernel: {"used": "kernel" | "aten", "note"}."""
-    if mode == "aten":
-        return {"used": "aten", "note": "options.decode_attention is aten"}
-    why = None if device.startswith("cuda") else "a CPU build"
-    if why is None:
-        try:
-            from trtbuild.models import decode_attention
-        except ImportError as e:  # torch's CUDA wheels bring Triton; a source build may not
-            why = f"the kernel needs Triton ({e})"
-        else:
-            why = decode_attention.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, dtype)
-    if why is None:
-        return {"used": "kernel", "note": f"options.decode_attention is {mode}"}
-    if mode == "kernel":
-        raise TrtbuildError(f"options.decode_attention: 'kernel' cannot serve this build: {why}")
-    return {"used": "aten", "note": f"aten: {why}"}
-
-
-@contextlib.contextmanager
-def _routed(model: Any, configs: dict[tuple[int, int], Any], attention_kernel: bool = False) -> Iterator[None]:
-    """Point each Linear whose weight shape is in `configs` at the decode matmul kernel, and each
-    Attention at the decode attention kernel if asked, for one export."""
-    from trtbuild.models.llama import Attention, Linear
-
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    attentions = [m for m in model.modules() if isinstance(m, Attention)]
-    for m in linears:
-        m.decode_config = configs.get((m.out_features, m.in_features))
-    for a in attentions:
-        a.decode_kernel = attention_kernel
-    try:
-        yield
-    finally:
-        for m in linears:
-            m.decode_config = None
-        for a in attentions:
-            a.decode_kernel = False
-
-
 def _export_graphs(model: Any, shapes: Any, device: str, progress: Any,
                    plan: dict[int, dict[tuple[int, int], Any]] | None = None,
                    attention_kernel: bool = False) -> dict[str, dict[str, Any]]:
@@ -303,7 +188,7 @@ def _export_graphs(model: Any, shapes: Any, device: str, progress: Any,
         progress(f"exporting decode for batch {b}")
         t = time.perf_counter()
         routed = (plan or {}).get(b, {})
-        with _routed(model, routed, attention_kernel):
+        with decode_kernels.routed(model, routed, attention_kernel):
             ep = export_decode(model, b, shapes.max_seq_len, device)
         graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "window": "dynamic",
                                   "matmuls": {f"{n}x{k}": c.name for (n, k), c in sorted(routed.items())},
@@ -356,7 +241,7 @@ def program_text(program: Any) -> str:
     strides, literals and signature, without the source-location comments export adds to each node.
     Those name the file and line of the model code that made the node, so a trtbuild installed in another
     folder, or an edit that only moved lines, would otherwise miss a cache of identical graphs."""
-    return "\n".join(line for line in str(program).splitlines() if not line.lstrip().startswith("#"))
+    return "\n".join(line for line in str(program).splitlines() if line.strip() and not line.lstrip().startswith("#"))
 
 
 def _compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], job: BuildJob) -> bool:
@@ -375,15 +260,7 @@ def _compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any],
 
     program = graph["program"]
     text = program_text(program)
-    # A custom op's arguments are in the program's text, its kernel's source is not.
-    if "trtbuild.decode_matmul" in text:
-        from trtbuild.models import decode_matmul
-
-        text += "\0decode_matmul " + decode_matmul.source_digest()
-    if "trtbuild.decode_attention" in text:
-        from trtbuild.models import decode_attention
-
-        text += "\0decode_attention " + decode_attention.source_digest()
+    text += decode_kernels.sources_called(text)
     digest = hashlib.sha256((text + "\0" + json.dumps(configs, sort_keys=True, default=str)).encode()).hexdigest()
     cached = job.tactics.path / "graphs" / digest[:32]
     dest = job.workdir / name

@@ -163,8 +163,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        # one line, so the exported program (and the compiled-graph cache's key) is unchanged for aten
-        q = (q_rows := apply_rope(q.view(b, t, c.num_heads, c.head_dim), table)).transpose(1, 2)  # q_rows (B, T, H, D)
+        q_rows = apply_rope(q.view(b, t, c.num_heads, c.head_dim), table)  # (B, T, H, D)
+        q = q_rows.transpose(1, 2)
         k = apply_rope(k.view(b, t, c.num_kv_heads, c.head_dim), table).transpose(1, 2)
         v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         # In-place writes into the static cache: export keeps these as buffer mutations, so the

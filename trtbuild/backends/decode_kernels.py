@@ -1,0 +1,143 @@
+"""Which of trtbuild's own decode kernels a torch build compiles into its decode graphs.
+
+The kernels live with the model code (`trtbuild/models/decode_matmul.py`, `decode_attention.py`: their
+sources are part of the engine key); this module is the backend's side of them: the recipe options that
+choose them, the build-time plan (timed per weight shape for the matmuls, by what the attention kernel
+can serve), the switch that routes the model through them for one export, and their sources' part in
+the compiled-graph cache's key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from trtbuild.backends import BuildJob
+from trtbuild.errors import TrtbuildError
+
+# options.decode_matmul: auto = trtbuild's decode kernel where it measures faster than cuBLAS (per weight
+# shape and batch bucket); cublas = never; kernel = always (its fastest configuration), for A/B runs.
+DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
+# options.decode_attention: auto = trtbuild's decode attention kernel where it can serve the model (a CUDA
+# build of a 16-bit model, head_dim a power of two); aten = the masked attention Inductor compiles from
+# the model code; kernel = the kernel, or a recipe error where it cannot serve.
+DECODE_ATTENTION_MODES = ("auto", "aten", "kernel")
+OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES}
+
+# The custom op each kernel module registers, as it appears in an exported program's text.
+KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.models.decode_matmul",
+                  "trtbuild.decode_attention": "trtbuild.models.decode_attention"}
+
+
+def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str,
+                        job: BuildJob) -> tuple[dict[int, dict[tuple[int, int], Any]], dict[str, Any]]:
+    """Which decode matmuls go through trtbuild's Triton kernel, measured per batch bucket and weight shape.
+
+    For every weight shape of the model (QKV, output, gate/up, down, LM head) `decode_matmul.select`
+    times cuBLAS and each candidate configuration over the model's own weights of that shape, in a
+    CUDA graph; the kernel is used only where it measured faster. Each measurement is kept in the
+    tactic cache under the shape, batch, dtype, layer count, candidate list and kernel source, so a
+    rebuild (or another recipe of the same shapes) measures nothing. Returns the plan per bucket
+    ({(out, in): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul.
+    """
+    if mode == "kernel" and not device.startswith("cuda"):
+        raise TrtbuildError("options.decode_matmul: 'kernel' is a CUDA kernel, and this build is for the CPU")
+    if mode == "cublas" or level == "none" or not device.startswith("cuda"):
+        why = ("options.decode_matmul is cublas" if mode == "cublas" else
+               "tactics level none" if level == "none" else "a CPU build")
+        return {}, {"note": f"cuBLAS (ATen) for every matmul: {why}"}
+    try:
+        from trtbuild.models import decode_matmul as dm
+    except ImportError as e:  # torch's CUDA wheels bring Triton; a source build may not
+        if mode == "kernel":
+            raise TrtbuildError(f"options.decode_matmul: 'kernel' needs Triton, which does not import here ({e})") from e
+        return {}, {"note": f"cuBLAS for every matmul: the decode kernel needs Triton ({e})"}
+    from trtbuild.models.llama import Linear
+    from trtbuild.tactics import write_atomic
+
+    by_shape: dict[tuple[int, int], list[Any]] = {}
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            same = by_shape.setdefault((mod.out_features, mod.in_features), [])
+            if all(w is not mod.weight for w in same):  # a tied LM head is the embedding, counted once
+                same.append(mod.weight)
+    plan: dict[int, dict[tuple[int, int], Any]] = {}
+    record: dict[str, Any] = {}
+    for rows in buckets:
+        if rows > dm.MAX_ROWS:
+            if mode == "kernel":
+                raise TrtbuildError(f"options.decode_matmul: 'kernel' takes batch buckets of at most {dm.MAX_ROWS} "
+                                    f"rows; shapes.batch_buckets has {rows}")
+            record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
+            continue
+        for (n, k), weights in by_shape.items():
+            identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
+                        "kernel": dm.source_digest(), "candidates": [c.name for c in dm.candidates(rows)]}
+            digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+            cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
+            if cached.is_file():
+                result = json.loads(cached.read_text()) | {"reused": True}
+            else:
+                job.progress(f"timing decode matmuls for batch {rows}, {n}x{k} ({len(weights)} matrices): "
+                             f"cuBLAS and {len(dm.candidates(rows))} kernel configurations")
+                result = dm.select(weights, rows)
+                write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
+            choice = dm.fastest_kernel(result) if mode == "kernel" else result["choice"]
+            if choice is None:
+                raise TrtbuildError(f"options.decode_matmul: 'kernel', but no configuration of the kernel ran "
+                                    f"correctly for batch {rows} and a {n}x{k} weight: {result['candidates']}")
+            record.setdefault(f"decode_b{rows}", {})[f"{n}x{k}"] = result | {"used": choice}
+            if choice != "cublas":
+                plan.setdefault(rows, {})[(n, k)] = dm.MatmulConfig.parse(choice)
+    return plan, record
+
+
+def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, str]:
+    """Whether the decode graphs use trtbuild's decode attention kernel: {"used": "kernel" | "aten", "note"}."""
+    if mode == "aten":
+        return {"used": "aten", "note": "options.decode_attention is aten"}
+    why = None if device.startswith("cuda") else "a CPU build"
+    if why is None:
+        try:
+            from trtbuild.models import decode_attention
+        except ImportError as e:  # torch's CUDA wheels bring Triton; a source build may not
+            why = f"the kernel needs Triton ({e})"
+        else:
+            why = decode_attention.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, dtype)
+    if why is None:
+        return {"used": "kernel", "note": f"options.decode_attention is {mode}"}
+    if mode == "kernel":
+        raise TrtbuildError(f"options.decode_attention: 'kernel' cannot serve this build: {why}")
+    return {"used": "aten", "note": f"aten: {why}"}
+
+
+@contextlib.contextmanager
+def routed(model: Any, configs: dict[tuple[int, int], Any], attention_kernel: bool = False) -> Iterator[None]:
+    """Point each Linear whose weight shape is in `configs` at the decode matmul kernel, and each
+    Attention at the decode attention kernel if asked, for one export."""
+    from trtbuild.models.llama import Attention, Linear
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    for m in linears:
+        m.decode_config = configs.get((m.out_features, m.in_features))
+    for a in attentions:
+        a.decode_kernel = attention_kernel
+    try:
+        yield
+    finally:
+        for m in linears:
+            m.decode_config = None
+        for a in attentions:
+            a.decode_kernel = False
+
+
+def sources_called(program_text: str) -> str:
+    """The source digests of the kernels a program calls, for the compiled-graph cache's key: a custom
+    op's arguments are in the program's text, its kernel's source is not."""
+    return "".join(f"\0{op} {importlib.import_module(module).source_digest()}"
+                   for op, module in KERNEL_MODULES.items() if op in program_text)
