@@ -303,13 +303,13 @@ def test_gemm_selections_are_recorded_and_inductors_tables_shown_only_when_debug
     TRTBUILD_DEBUG=1."""
     import torch
 
-    from trtbuild.backends.torch_aoti import _record_autotuning
+    from trtbuild.backends.torch_aoti import record_autotuning
 
     if debug:
         monkeypatch.setenv("TRTBUILD_DEBUG", "1")
     program = torch.export.export(torch.nn.Linear(64, 32).eval(), (torch.randn(8, 64),))
     tuned: list[dict[str, Any]] = []
-    with _record_autotuning(tuned):
+    with record_autotuning(tuned):
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "m.pt2"),
                                                  inductor_configs={"max_autotune": True, "force_disable_caches": True})
     assert len(tuned) == 1 and tuned[0]["num_candidates"] >= 2
@@ -332,3 +332,50 @@ def test_compiled_graph_key_ignores_source_locations_but_not_shapes() -> None:
     assert "# File:" in raw and "# File:" not in text
     assert "f32[8, 64]" in text and "aten.linear" in text
     assert text == program_text(export(8)) != program_text(export(4))
+
+
+def test_graphs_compiled_in_worker_processes_are_the_serial_builds_graphs(
+        built: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With workers, the build compiles the prefill graph while two worker processes compile the decode
+    graphs from a model of their own with uninitialized weights. Their exports must be the build's
+    (same compiled-graph keys as the serial build of this recipe in `built`), they are recorded as
+    compiled, not reused, nothing of theirs is published with the engine, and the tokens are right."""
+    monkeypatch.setenv("TRTBUILD_COMPILE_WORKERS", "2")
+    recipe = load_recipe(built["recipe"])
+    outcome = build(recipe, tmp_path / "store")
+    entry = outcome.entry
+    assert entry.manifest["tactics"]["compile_workers"] == 2
+    assert entry.manifest["tactics"]["compiled_graphs_reused"] == []
+    graphs = json.loads((entry.path / "engine.json").read_text())["graphs"]
+    assert "worker" not in graphs["prefill"]
+    for name in ("decode_b1", "decode_b2"):
+        assert graphs[name]["worker"]["ok"] is True, graphs[name]["worker"]
+        assert graphs[name]["worker"]["compile_s"] > 0
+    serial = json.loads((Store(built["store"]).find("tiny").path / "engine.json").read_text())["graphs"]
+    assert {n: g["digest"] for n, g in graphs.items()} == {n: g["digest"] for n, g in serial.items()}
+    assert not any(".workers" in f for f in entry.manifest["files"])
+    prompts = [[4, 8, 15, 16, 23, 42]]
+    with open_session(recipe, tmp_path / "store", build=False) as session:
+        assert session.generate(prompts, 10) == eager_greedy(outcome.model.materialize(), prompts, 10, 48)
+
+
+def test_a_worker_whose_export_differs_is_not_trusted_and_the_build_compiles_that_graph_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build hands each worker the cache key it computed; a worker whose own export hashes to
+    another key compiles nothing, and the build compiles the graph itself (here the build's keys are
+    made to differ from any export's)."""
+    from trtbuild.backends import torch_aoti
+
+    real = torch_aoti.graph_digest
+    monkeypatch.setattr(torch_aoti, "graph_digest", lambda program, configs: real(program, configs)[::-1])
+    monkeypatch.setenv("TRTBUILD_COMPILE_WORKERS", "1")
+    doc = tiny_recipe_doc(shapes={"max_batch_size": 1, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1]})
+    recipe = load_recipe(write_recipe(tmp_path, doc))
+    outcome = build(recipe, tmp_path / "store")
+    graphs = json.loads((outcome.entry.path / "engine.json").read_text())["graphs"]
+    report = graphs["decode_b1"]["worker"]
+    assert report["ok"] is False and "cache key" in report["error"], report
+    assert graphs["decode_b1"]["reused"] is False
+    prompts = [[1, 2, 3, 5, 8]]
+    with open_session(recipe, tmp_path / "store", build=False) as session:
+        assert session.generate(prompts, 6) == eager_greedy(outcome.model.materialize(), prompts, 6, 48)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trtbuild.backends import BuildJob, BuildOutput, decode_kernels
+from trtbuild.backends import BuildJob, BuildOutput, compile_workers, decode_kernels
 from trtbuild.errors import TrtbuildError
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -68,7 +68,7 @@ class TorchAOTIBackend:
         import torch
 
         from trtbuild.models.checkpoint import load_weights, read_config
-        from trtbuild.models.llama import Transformer, convert_hf_state_dict
+        from trtbuild.models.llama import convert_hf_state_dict
 
         recipe, shapes = job.recipe, job.recipe.shapes
         dtype = getattr(torch, DTYPE_NAMES[recipe.precision])
@@ -88,32 +88,56 @@ class TorchAOTIBackend:
         save_file(stored, str(job.workdir / WEIGHTS))
         phases["write_weights_s"] = time.perf_counter() - t
 
-        with torch.device(device):
-            model = Transformer(cfg, shapes.max_batch_size, shapes.max_seq_len, dtype)
-        model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
-        model.eval().requires_grad_(False)
+        model = place_model(cfg, shapes, dtype, device, state)
         del state
 
         t = time.perf_counter()
-        with _inductor_caches(job.tactics.path):
+        with inductor_caches(job.tactics.path):
             plan, matmuls = decode_kernels.matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
                                                 recipe.options.get("decode_matmul", "auto"), device, job)
         phases["select_matmuls_s"] = time.perf_counter() - t
         attention = decode_kernels.attention_plan(cfg, dtype, recipe.options.get("decode_attention", "auto"), device)
 
-        graphs = _export_graphs(model, shapes, device, job.progress, plan, attention["used"] == "kernel")
+        graphs: dict[str, dict[str, Any]] = {}
+        for name in ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets)]:
+            job.progress(f"exporting {name}")
+            graphs[name] = export_graph(model, name, shapes, device, plan.get(_bucket(name), {}),
+                                        attention["used"] == "kernel")
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
+        for name, graph in graphs.items():
+            graph["digest"] = graph_digest(graph["program"], configs[name])
+        missing = [n for n, g in graphs.items() if not _cached(job.tactics.path, g["digest"]).is_file()]
+        workers_n = compile_workers.worker_count(len(missing), _model_bytes(model), device)
         tuned: list[dict[str, Any]] = []
         t = time.perf_counter()
-        with _inductor_caches(job.tactics.path), _record_autotuning(tuned):
+        spare = job.workdir / ".workers"  # removed before the entry is published
+        common = {"folder": str(folder), "precision": recipe.precision, "device": device,
+                  "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
+                  "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
+                  "attention_kernel": attention["used"] == "kernel"}
+        with inductor_caches(job.tactics.path), record_autotuning(tuned), \
+                compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers:
+            # The build compiles the first missing graph itself while workers compile the next ones.
+            for name in missing[1:1 + workers_n]:
+                routed = plan.get(_bucket(name), {})
+                workers.start(common | {"graph": name, "digest": graphs[name]["digest"], "workdir": str(spare / name),
+                                        "matmuls": {f"{n}x{k}": c.name for (n, k), c in routed.items()}})
             for name, graph in graphs.items():
-                job.progress(f"compiling {name} with AOTInductor (tactics: {recipe.tactics_level})")
+                where = " (in a worker process)" if name in workers.running else ""
+                job.progress(f"compiling {name} with AOTInductor (tactics: {recipe.tactics_level}){where}")
                 g0 = time.perf_counter()
-                graph["reused"] = _compile_or_reuse(graph, name, configs[name], job)
+                report = workers.wait(name)
+                graph["reused"] = compile_or_reuse(graph, name, configs[name], graph["digest"], job.tactics.path,
+                                                   job.workdir)
+                if report is not None:  # found in the cache because this build's worker put it there
+                    graph["reused"] = False
+                    graph["worker"] = {k: v for k, v in report.items() if k != "tuned"}
+                    tuned.extend(report.get("tuned", []))
                 graph["compile_s"] = time.perf_counter() - g0
                 del graph["program"]
+        shutil.rmtree(spare, ignore_errors=True)
         phases["compile_s"] = time.perf_counter() - t
         reused = [name for name, g in graphs.items() if g["reused"]]
 
@@ -132,7 +156,8 @@ class TorchAOTIBackend:
         tactics = {"level": recipe.tactics_level, "inductor_configs": configs,
                    "selections": tuned, "benchmarked": sum(s["num_candidates"] for s in tuned),
                    "decode_matmuls": matmuls, "decode_attention": attention,
-                   "cache": str(job.tactics.path), "compiled_graphs_reused": reused}
+                   "cache": str(job.tactics.path), "compiled_graphs_reused": reused,
+                   "compile_workers": workers_n}
         if recipe.tactics_level == "max" and not tuned:
             tactics["note"] = "no GEMM benchmarking ran: every choice came from the tactic cache"
         return BuildOutput(phases=phases, tactics=tactics, extra={"graphs": list(graphs)})
@@ -176,25 +201,48 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
     return tuned if device.startswith("cuda") else tuned | {"max_autotune_gemm_backends": "ATEN"}
 
 
-def _export_graphs(model: Any, shapes: Any, device: str, progress: Any,
-                   plan: dict[int, dict[tuple[int, int], Any]] | None = None,
-                   attention_kernel: bool = False) -> dict[str, dict[str, Any]]:
-    graphs: dict[str, dict[str, Any]] = {}
-    progress("exporting prefill")
+def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any]) -> Any:
+    """The model on `device` with `state`'s tensors (this module's fused layout) as its parameters."""
+    import torch
+
+    from trtbuild.models.llama import Transformer, rope_table
+
+    # Made on the meta device: every parameter is replaced by `state`'s next, and initializing them first
+    # would cost an 8B model 32 GB of random fp32 weights on the GPU (and seconds) for nothing.
+    with torch.device("meta"):
+        model = Transformer(cfg, shapes.max_batch_size, shapes.max_seq_len, dtype)
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
+    with torch.device(device):
+        model.rope = rope_table(cfg, shapes.max_seq_len)
+    for name, buf in list(model.named_buffers()):
+        if buf.is_meta:  # the KV caches
+            setattr(model, name, torch.zeros_like(buf, device=device))
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise TrtbuildError(f"model: no weight for {', '.join(missing[:4])} after conversion")
+    return model.eval().requires_grad_(False)
+
+
+def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[tuple[int, int], Any],
+                 attention_kernel: bool) -> dict[str, Any]:
+    """Export one graph: "prefill", or "decode_b<N>" with the decode kernels routed as planned."""
     t = time.perf_counter()
-    ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
-    graphs["prefill"] = {"batch": "dynamic", "program": ep, "export_s": time.perf_counter() - t}
-    for b in shapes.batch_buckets:
-        progress(f"exporting decode for batch {b}")
-        t = time.perf_counter()
-        routed = (plan or {}).get(b, {})
-        with decode_kernels.routed(model, routed, attention_kernel):
-            ep = export_decode(model, b, shapes.max_seq_len, device)
-        graphs[f"decode_b{b}"] = {"batch": b, "program": ep, "window": "dynamic",
-                                  "matmuls": {f"{n}x{k}": c.name for (n, k), c in sorted(routed.items())},
-                                  "attention": "kernel" if attention_kernel else "aten",
-                                  "export_s": time.perf_counter() - t}
-    return graphs
+    if name == "prefill":
+        ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
+        return {"batch": "dynamic", "program": ep, "export_s": time.perf_counter() - t}
+    with decode_kernels.routed(model, matmuls, attention_kernel):
+        ep = export_decode(model, _bucket(name), shapes.max_seq_len, device)
+    return {"batch": _bucket(name), "program": ep, "window": "dynamic",
+            "matmuls": {f"{n}x{k}": c.name for (n, k), c in sorted(matmuls.items())},
+            "attention": "kernel" if attention_kernel else "aten", "export_s": time.perf_counter() - t}
+
+
+def _bucket(graph: str) -> int:
+    return int(graph.removeprefix("decode_b")) if graph.startswith("decode_b") else 0
+
+
+def _model_bytes(model: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: str, example_len: int = 2) -> Any:
@@ -244,9 +292,23 @@ def program_text(program: Any) -> str:
     return "\n".join(line for line in str(program).splitlines() if line.strip() and not line.lstrip().startswith("#"))
 
 
-def _compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], job: BuildJob) -> bool:
+def graph_digest(program: Any, configs: dict[str, Any]) -> str:
+    """The compiled-graph cache's key for one exported program compiled with `configs`."""
+    import hashlib
+
+    text = program_text(program)
+    text += decode_kernels.sources_called(text)
+    return hashlib.sha256((text + "\0" + json.dumps(configs, sort_keys=True, default=str)).encode()).hexdigest()
+
+
+def _cached(tactics: Path, digest: str) -> Path:
+    return tactics / "graphs" / digest[:32] / "COMPLETE"
+
+
+def compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], digest: str, tactics: Path,
+                     workdir: Path) -> bool:
     """Compile one exported graph into `workdir/<name>/`, or copy the compiled folder that an
-    earlier build left in the tactic cache for exactly this graph. True when reused.
+    earlier build left in the tactic cache for exactly this graph (`digest`). True when reused.
 
     Weights are not inside the compiled graph (they are runtime constants, never folded), so the
     compiled code depends only on the exported program (operations, shapes, dtypes, literals such
@@ -254,25 +316,21 @@ def _compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any],
     already keyed by. A rebuild, or another recipe of the same architecture with other weights,
     then skips Inductor entirely.
     """
-    import hashlib
-
     import torch
 
-    program = graph["program"]
-    text = program_text(program)
-    text += decode_kernels.sources_called(text)
-    digest = hashlib.sha256((text + "\0" + json.dumps(configs, sort_keys=True, default=str)).encode()).hexdigest()
-    cached = job.tactics.path / "graphs" / digest[:32]
-    dest = job.workdir / name
+    cached = _cached(tactics, digest).parent
+    dest = workdir / name
     if (cached / "COMPLETE").is_file():
         shutil.copytree(cached, dest, ignore=shutil.ignore_patterns("COMPLETE"))
         so_name = (cached / "COMPLETE").read_text().strip()
         graph["so"] = f"{name}/{so_name}"
         return True
-    package = job.workdir / f"{name}.pt2"
+    package = workdir / f"{name}.pt2"
+    workdir.mkdir(parents=True, exist_ok=True)
     # A copy: aoti_compile_and_package adds its own keys to the dict it is given, which would
     # change the digest of every later graph compiled with the same options.
-    torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=dict(configs))
+    torch._inductor.aoti_compile_and_package(graph["program"], package_path=str(package),
+                                             inductor_configs=dict(configs))
     graph["so"] = _extract_model(package, dest)
     # Publish into the tactic cache the way the store publishes engines: a private folder, then one
     # rename; a concurrent builder that lost the race just keeps its own copy.
@@ -317,7 +375,7 @@ def _extract_model(package: Path, dest: Path) -> str:
 
 
 @contextlib.contextmanager
-def _inductor_caches(path: Path) -> Iterator[None]:
+def inductor_caches(path: Path) -> Iterator[None]:
     """Point Inductor's and Triton's caches (compiled kernels, autotune choices) at the tactic cache."""
     wanted = {"TORCHINDUCTOR_CACHE_DIR": str(path / "inductor"), "TRITON_CACHE_DIR": str(path / "triton")}
     saved = {k: os.environ.get(k) for k in wanted}
@@ -333,7 +391,7 @@ def _inductor_caches(path: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _record_autotuning(out: list[dict[str, Any]]) -> Iterator[None]:
+def record_autotuning(out: list[dict[str, Any]]) -> Iterator[None]:
     """Collect every GEMM selection Inductor benchmarks: the candidates, their times, the winner.
 
     Inductor also prints each selection's table to stderr (pages of them for a model at tactics

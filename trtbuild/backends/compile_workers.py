@@ -1,0 +1,191 @@
+"""Worker processes that compile a torch build's graphs side by side.
+
+AOTInductor compiles one graph at a time, mostly in one Python thread, and a build has several: an 8B
+build on the H200 spent 127 s on its prefill graph and 60-170 s on each decode graph, one after another.
+The graphs are independent, and what Inductor makes of one depends on the exported program and the
+Inductor options alone (the compiled-graph cache is keyed by exactly those), not on the weights. So a
+worker rebuilds the model with random weights (no checkpoint is read), exports its one graph, checks that
+the program's cache key is the one the build computed, compiles it and publishes it into the tactic
+cache. The build meanwhile compiles its first missing graph itself, then waits for each worker and
+copies that graph from the cache. A worker that fails, or whose export came out different, costs only
+its time: the build compiles that graph itself.
+
+The costs, and the switch: each worker holds a copy of the model on the build's device (the count is
+capped by free memory), and workers on one GPU time Triton's kernel configurations at the same time, so
+those measurements share the GPU. `TRTBUILD_COMPILE_WORKERS=0` compiles every graph in the build process,
+each timed alone; a number caps the workers; `auto` (the default) uses them where the host has at least
+4 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace, TracebackType
+from typing import Any
+
+from trtbuild.errors import TrtbuildError
+
+ENV = "TRTBUILD_COMPILE_WORKERS"
+
+
+def worker_count(missing: int, model_bytes: int, device: str) -> int:
+    """How many graphs besides the build's own to hand to workers, when `missing` graphs need compiling."""
+    wanted = os.environ.get(ENV, "auto").strip().lower()
+    if wanted != "auto":
+        try:
+            cap = int(wanted)
+            if cap < 0:
+                raise ValueError
+        except ValueError:
+            raise TrtbuildError(f"environment variable {ENV}: expected 'auto' or a whole number >= 0, "
+                                f"got {wanted!r}") from None
+        return min(cap, max(missing - 1, 0))
+    cpus = os.cpu_count() or 1
+    if cpus < 4 or missing < 2:  # on 2 cores a second Inductor only takes turns with the first
+        return 0
+    # Each worker holds the model again; leave a fifth of what is free for compiling and tuning.
+    free = _free_device_bytes(device)
+    by_memory = int(free * 0.8 // max(model_bytes, 1)) if free is not None else missing - 1
+    return max(0, min(missing - 1, cpus // 4, by_memory))
+
+
+def _free_device_bytes(device: str) -> int | None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()  # blocks the build's caching allocator keeps but no longer uses
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+class Workers:
+    """The build's worker processes, one per graph; every one still running is ended on exit."""
+
+    def __init__(self, folder: Path, threads_each: int) -> None:
+        self.folder = folder
+        self.threads_each = threads_each
+        self.running: dict[str, tuple[subprocess.Popen[bytes], Path, float]] = {}
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for proc, _, _ in self.running.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.running.clear()
+
+    def start(self, spec: dict[str, Any]) -> None:
+        """Start compiling `spec["graph"]` (see `main` for the spec) in a new process."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        name = spec["graph"]
+        path = self.folder / f"{name}.json"
+        path.write_text(json.dumps(spec | {"result": str(self.folder / f"{name}.result.json")}))
+        env = dict(os.environ)
+        # Inductor sizes its own compile pool by the CPU count; split the cores between the processes.
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(self.threads_each))
+        with open(self.folder / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "trtbuild.backends.compile_workers", str(path)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.running[name] = (proc, path, time.perf_counter())
+
+    def wait(self, name: str) -> dict[str, Any] | None:
+        """The worker's report for `name` once it has ended: {"ok": True, "compile_s", "tuned", "wall_s"} or
+        {"ok": False, "error"}; None if no worker had that graph."""
+        if name not in self.running:
+            return None
+        proc, path, started = self.running.pop(name)
+        rc = proc.wait()
+        wall = time.perf_counter() - started
+        result = path.with_name(f"{name}.result.json")
+        if rc == 0 and result.is_file():
+            return json.loads(result.read_text()) | {"ok": True, "wall_s": wall}
+        log = path.with_name(f"{name}.log")
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else []
+        return {"ok": False, "wall_s": wall, "error": f"exit status {rc}: " + " | ".join(tail)}
+
+
+def _end_with_parent() -> None:
+    """A worker whose build died (killed, crashed) stops too, instead of compiling for nobody."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Export and compile one graph as `spec` describes; publish it into the tactic cache.
+
+    spec: folder (the model folder, for config.json), precision, device, max_batch_size, max_input_len,
+    max_seq_len, level (tactics level), graph ("prefill" or "decode_b<N>"), matmuls ({"<out>x<in>":
+    configuration name} for trtbuild's decode matmul), attention_kernel, tactics (the tactic cache
+    folder), workdir (a folder of its own), digest (the cache key the build computed for this graph).
+    """
+    import torch
+
+    from trtbuild.backends import torch_aoti
+    from trtbuild.models.checkpoint import read_config
+    from trtbuild.models.llama import convert_hf_state_dict, hf_parameter_shapes
+
+    _, cfg = read_config(Path(spec["folder"]))
+    dtype = getattr(torch, torch_aoti.DTYPE_NAMES[spec["precision"]])
+    shapes = SimpleNamespace(max_batch_size=spec["max_batch_size"], max_input_len=spec["max_input_len"],
+                             max_seq_len=spec["max_seq_len"])
+    # Uninitialized weights, on the CPU like the build's own, through the same placement: what a graph
+    # compiles to does not depend on the values, and the export must match the build's to the byte.
+    hf = {k: torch.empty(shape, dtype=dtype) for k, shape in hf_parameter_shapes(cfg).items()}
+    model = torch_aoti.place_model(cfg, shapes, dtype, spec["device"], convert_hf_state_dict(hf, cfg))
+    del hf
+    matmuls: dict[tuple[int, int], Any] = {}
+    if spec["matmuls"]:
+        from trtbuild.models.decode_matmul import MatmulConfig
+
+        for shape, name in spec["matmuls"].items():
+            n, k = shape.split("x")
+            matmuls[(int(n), int(k))] = MatmulConfig.parse(name)
+    graph = torch_aoti.export_graph(model, spec["graph"], shapes, spec["device"], matmuls, spec["attention_kernel"])
+    configs = torch_aoti.inductor_configs(spec["level"], spec["device"], spec["graph"])
+    digest = torch_aoti.graph_digest(graph["program"], configs)
+    if digest != spec["digest"]:
+        raise TrtbuildError(f"{spec['graph']}: the worker's export has cache key {digest[:12]}, the build's "
+                            f"{spec['digest'][:12]}; not compiled here")
+    tuned: list[dict[str, Any]] = []
+    t = time.perf_counter()
+    with torch_aoti.inductor_caches(Path(spec["tactics"])), torch_aoti.record_autotuning(tuned):
+        torch_aoti.compile_or_reuse(graph, spec["graph"], configs, digest, Path(spec["tactics"]),
+                                    Path(spec["workdir"]))
+    return {"compile_s": time.perf_counter() - t, "tuned": tuned}
+
+
+def main(argv: list[str]) -> int:
+    _end_with_parent()
+    spec = json.loads(Path(argv[0]).read_text())
+    Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
+    try:
+        result = run(spec)
+    except TrtbuildError as e:
+        print(f"trtbuild compile worker: {e}", file=sys.stderr)
+        return 2
+    Path(spec["result"]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
