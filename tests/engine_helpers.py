@@ -14,8 +14,11 @@ def eager_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, ma
                  dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[list[int]]:
     """Greedy tokens from the eager Transformer: prefill, then one decode step at a time."""
     _, cfg = read_config(folder)
-    model = Transformer(cfg, len(prompts), max_seq_len, dtype).to(device)
-    model.load_state_dict(convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg), strict=False)
+    model = Transformer(cfg, len(prompts), max_seq_len, dtype)
+    # assign: the parameters take the checkpoint's dtype, as in the engine (a copy into the module's fp32
+    # parameters left a bf16 model computing in fp32 against its bf16 cache: found on the H200)
+    model.load_state_dict(convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg), strict=False, assign=True)
+    model = model.to(device)
     tokens = torch.tensor(prompts, device=device)
     t = tokens.shape[1]
     out = []
