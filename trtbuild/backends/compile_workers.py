@@ -10,21 +10,24 @@ cache. The build meanwhile compiles its first missing graph itself, then waits f
 copies that graph from the cache. A worker that fails, or whose export came out different, costs only
 its time: the build compiles that graph itself.
 
-The costs, and the switch: each worker holds a copy of the model on the build's device (the count is
-capped by free memory), and workers on one GPU time Triton's kernel configurations at the same time, so
-those measurements share the GPU. `TRTBUILD_COMPILE_WORKERS=0` compiles every graph in the build process,
-each timed alone; a number caps the workers; `auto` (the default) uses them where the host has at least
-4 CPU cores.
+Timing stays honest: Inductor times its kernel configurations on the GPU while it compiles, and two
+processes timing at once would each measure the other's kernels too. So while workers run, every GPU
+timing of Inductor's, in the build and in each worker, holds one lock (`timing_alone`): the compiling
+overlaps, the timings take turns. Each worker holds a copy of the model on the build's device, so the
+count is capped by free memory. `TRTBUILD_COMPILE_WORKERS=0` compiles every graph in the build process;
+a number caps the workers; `auto` (the default) uses them where the host has at least 4 CPU cores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace, TracebackType
 from typing import Any
@@ -32,6 +35,7 @@ from typing import Any
 from trtbuild.errors import TrtbuildError
 
 ENV = "TRTBUILD_COMPILE_WORKERS"
+TIMING_LOCK = "gpu-timing.lock"  # in the tactic cache folder, which every process of one build shares
 
 
 def worker_count(missing: int, model_bytes: int, device: str) -> int:
@@ -117,6 +121,43 @@ class Workers:
         return {"ok": False, "wall_s": wall, "error": f"exit status {rc}: " + " | ".join(tail)}
 
 
+@contextlib.contextmanager
+def timing_alone(lock: Path) -> Iterator[None]:
+    """Every GPU timing Inductor makes in this process holds an exclusive lock on `lock` (a file), so
+    processes that compile side by side never time kernels on the GPU at the same time.
+
+    Inductor times through one object, `torch._inductor.runtime.benchmarking.benchmarker`, whose
+    `benchmark` dispatches to `benchmark_gpu`; the lock wraps that method on the object, and its
+    CUDA-graph variant. A torch without them times unlocked (nothing to wrap).
+    """
+    import fcntl
+
+    from torch._inductor.runtime import benchmarking
+
+    bench = benchmarking.benchmarker
+    names = [n for n in ("benchmark_gpu", "benchmark_gpu_with_cuda_graph") if hasattr(bench, n)]
+    own = {n: vars(bench)[n] for n in names if n in vars(bench)}
+
+    def locked(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with open(lock, "a") as handle:  # closing the file releases the lock
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                return fn(*args, **kwargs)
+        return call
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        setattr(bench, name, locked(getattr(bench, name)))
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in own:
+                setattr(bench, name, own[name])
+            else:
+                delattr(bench, name)
+
+
 def _end_with_parent() -> None:
     """A worker whose build died (killed, crashed) stops too, instead of compiling for nobody."""
     parent = os.getppid()
@@ -168,7 +209,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                             f"{spec['digest'][:12]}; not compiled here")
     tuned: list[dict[str, Any]] = []
     t = time.perf_counter()
-    with torch_aoti.inductor_caches(Path(spec["tactics"])), torch_aoti.record_autotuning(tuned):
+    with torch_aoti.inductor_caches(Path(spec["tactics"])), torch_aoti.record_autotuning(tuned), \
+            timing_alone(Path(spec["tactics"]) / TIMING_LOCK):
         torch_aoti.compile_or_reuse(graph, spec["graph"], configs, digest, Path(spec["tactics"]),
                                     Path(spec["workdir"]))
     return {"compile_s": time.perf_counter() - t, "tuned": tuned}

@@ -118,7 +118,9 @@ class TorchAOTIBackend:
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
                   "attention_kernel": attention["used"] == "kernel"}
         with inductor_caches(job.tactics.path), record_autotuning(tuned), \
-                compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers:
+                compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers, \
+                (compile_workers.timing_alone(job.tactics.path / compile_workers.TIMING_LOCK) if workers_n
+                 else contextlib.nullcontext()):
             # The build compiles the first missing graph itself while workers compile the next ones.
             for name in missing[1:1 + workers_n]:
                 routed = plan.get(_bucket(name), {})
