@@ -186,7 +186,8 @@ class _Model:
 
 def load_threads() -> int:
     """TRTBUILD_LOAD_THREADS=N reads the weights with N threads (weights_reader.py); unset or 0 keeps
-    safetensors' own loader, the default until the threaded one is measured on a GPU."""
+    safetensors' own loader, the default until the threaded one's GPU test has run (it is measured:
+    RESULTS.md, seventh session)."""
     raw = os.environ.get("TRTBUILD_LOAD_THREADS", "0").strip() or "0"
     if not raw.isdigit() or int(raw) > 64:
         raise InputError(f"TRTBUILD_LOAD_THREADS: expected a number of threads from 0 to 64, got {raw!r}")
