@@ -160,24 +160,53 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
                    "aten-attention": ("decode_attention", "aten", "no trtbuild decode attention kernel")}
 
 
+# engine@serial: the recipe's own engine with every graph compiled in the build process
+# (TRTBUILD_COMPILE_WORKERS=0), against the default, whose workers compile side by side
+SERIAL = "serial"
+
+
+def fresh_store(main: Path, suffix: str) -> Path:
+    """An empty store beside `main` (no engines, no tactic cache) sharing its model files."""
+    root = Path(f"{main}-{suffix}")
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    (root / "models").symlink_to(main / "models")
+    return root
+
+
 def engine_variant(recipe: Any, spec: str, engines: str, notes: list[str]) -> Any:
-    """The recipe's engine built another way: `spec` is a tactics level, or a key of ENGINE_VARIANTS
-    (options.decode_matmul). Built here if the store has none; its own key, so it never shadows the
-    recipe's engine. For A/B runs inside one benchmark."""
+    """The recipe's engine built another way: `spec` is a tactics level, a key of ENGINE_VARIANTS
+    (one recipe option), or `serial`. Built here if the store has none; its own key, so it never
+    shadows the recipe's engine. `serial` has the recipe's key (compile workers are not part of an
+    engine), so it is built in a fresh store of its own, where no compiled graph can be reused. For
+    A/B runs inside one benchmark."""
     import dataclasses
 
     import peers
     from trtbuild.builder import build
+    from trtbuild.store import Store
 
-    if spec in ENGINE_VARIANTS:
+    if spec == SERIAL:
+        variant, level = recipe, f"{recipe.tactics_level}, every graph compiled in the build process"
+        engines = str(fresh_store(Store(engines).root, SERIAL))
+    elif spec in ENGINE_VARIANTS:
         option, value, what = ENGINE_VARIANTS[spec]
         variant = dataclasses.replace(recipe, options={**recipe.options, option: value})
         level = f"{recipe.tactics_level}, options.{option} {value} ({what})"
     else:
         variant, level = dataclasses.replace(recipe, tactics_level=spec), spec
     t0 = time.perf_counter()
-    outcome = build(variant, engines, progress=lambda m: print(
-        f"[bench]   +{time.perf_counter() - t0:6.1f} s {m}", flush=True))
+    workers = os.environ.get("TRTBUILD_COMPILE_WORKERS")
+    if spec == SERIAL:
+        os.environ["TRTBUILD_COMPILE_WORKERS"] = "0"
+    try:
+        outcome = build(variant, engines, progress=lambda m: print(
+            f"[bench]   +{time.perf_counter() - t0:6.1f} s {m}", flush=True))
+    finally:
+        if workers is None:
+            os.environ.pop("TRTBUILD_COMPILE_WORKERS", None)
+        else:
+            os.environ["TRTBUILD_COMPILE_WORKERS"] = workers
     tactics = outcome.entry.manifest.get("tactics", {})
     notes.append(f"tactics level {level}: " + ("cache hit" if outcome.cache_hit else
                  f"built in {outcome.build_s:.1f} s {({k: round(v, 1) for k, v in outcome.phases.items()})}, "
@@ -377,10 +406,7 @@ def measure_build(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, An
     # Cold means nothing to reuse: with an engine cached or a tactic cache present (an earlier build, or
     # one seeded from another call), the cold build goes to a fresh store.
     if explain(ctx["recipe"], args.engines)["hit"] or (tactics.is_dir() and any(tactics.iterdir())):
-        root = Path(str(main.root) + "-buildbench")  # a fresh store (fresh tactic cache), same model files
-        shutil.rmtree(root, ignore_errors=True)
-        root.mkdir(parents=True)
-        (root / "models").symlink_to(main.root / "models")
+        root = fresh_store(main.root, "buildbench")
         note = (f"engine or tactic cache already in the benchmark's store: cold build in a fresh store {root} "
                 "(models/ linked, tactics/ empty)")
     tactics_before = sum(1 for _ in (Store(root).tactics_dir).rglob("*")) if Store(root).tactics_dir.is_dir() else 0
@@ -472,7 +498,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (smoke test)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma list of {', '.join(VARIANTS)}, engine@LEVEL (the recipe at tactics level LEVEL), "
-                         "engine@cublas / engine@kernel (options.decode_matmul), engine@aten-attention (options.decode_attention)")
+                         "engine@cublas / engine@kernel (options.decode_matmul), engine@aten-attention (options.decode_attention), "
+                         "engine@serial (every graph compiled in the build process, in a fresh store)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")
     ap.add_argument("--cpu-compile", action="store_true", help="run the torch.compile peer on CPU (mode='default')")
@@ -492,7 +519,7 @@ def main() -> None:
     args.variants = [v for v in args.variants.split(",") if v]
     from trtbuild.recipe import TACTIC_LEVELS
 
-    known = [*VARIANTS, *(f"engine@{spec}" for spec in (*TACTIC_LEVELS, *ENGINE_VARIANTS))]
+    known = [*VARIANTS, *(f"engine@{spec}" for spec in (*TACTIC_LEVELS, *ENGINE_VARIANTS, SERIAL))]
     if unknown := [v for v in args.variants if v not in known]:
         ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     args.sections = [s for s in args.sections.split(",") if s]
