@@ -278,7 +278,7 @@ def read_to_device(files: list[Path], device: str, chunk: int = 64 << 20) -> dic
     bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
     events = [torch.cuda.Event() if cuda else None for _ in range(2)]
     t = time.perf_counter()
-    for f, dst in zip(files, dsts):
+    for f, dst in zip(files, dsts, strict=True):
         with open(f, "rb", buffering=0) as fh:
             off, i = 0, 0
             while off < dst.numel():
@@ -498,7 +498,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (smoke test)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma list of {', '.join(VARIANTS)}, engine@LEVEL (the recipe at tactics level LEVEL), "
-                         "engine@cublas / engine@kernel (options.decode_matmul), engine@aten-attention (options.decode_attention), "
+                         "engine@cublas / engine@kernel (options.decode_matmul), "
+                         "engine@aten-attention (options.decode_attention), "
                          "engine@serial (every graph compiled in the build process, in a fresh store)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")
