@@ -72,7 +72,7 @@ def test_concurrent_builders_build_once_and_the_others_wait_and_reuse(tmp_path: 
     reports = [read_json_line(out) for out, _ in results]
     assert sorted(r["engine"]["cache_hit"] for r in reports) == [False, True, True]
     assert len({r["engine"]["key"] for r in reports}) == 1
-    waiters = [err for (_, err), rep in zip(results, reports) if rep["engine"]["cache_hit"]]
+    waiters = [err for (_, err), rep in zip(results, reports, strict=True) if rep["engine"]["cache_hit"]]
     assert all("waiting for the build of this engine by pid" in err for err in waiters)
     stats = json.loads(run_cli("cache", "stats", "--engines", str(store), "--json").stdout)
     assert stats["builds"] == 1 and stats["hits"] == 2
@@ -244,3 +244,40 @@ def test_a_run_prefetches_the_most_recently_used_entry_of_its_recipe(published: 
     assert sizes == sorted(sizes) and len(set(sizes)) > 1
     monkeypatch.setenv("TRTBUILD_PREFETCH", "0")
     assert Store(store_dir).prefetch("rel") is None
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                found.append(int(proc.name))
+        except OSError:  # ended while we looked
+            continue
+    return found
+
+
+def test_compile_workers_end_with_a_killed_build_and_publish_nothing_half_written(tmp_path: Path) -> None:
+    """SIGKILL of a build whose workers are compiling: the workers notice within a second or two and
+    stop, no entry appears, and the next build (workers again) compiles and publishes normally."""
+    import time
+
+    recipe = write_recipe(tmp_path, tiny_recipe_doc(name="workers", shapes={
+        "max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]}))
+    store = tmp_path / "engines"
+    env = {"TRTBUILD_COMPILE_WORKERS": "2"}
+    proc = run_cli("build", str(recipe), "--engines", str(store), env=env | {"TRTBUILD_FAULT": "compiling"})
+    assert proc.returncode == -9, proc.stderr[-500:]
+    deadline = time.monotonic() + 15
+    while _processes_mentioning(f"compile_workers {store}") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(f"compile_workers {store}") == [], "workers outlived their build"
+    assert _entry_dirs(store) == []
+    graphs = store / "tactics"
+    assert not [p for p in graphs.rglob("COMPLETE") if not (p.parent / p.read_text().strip()).is_file()]
+    proc = run_cli("build", str(recipe), "--engines", str(store), "--json", env=env)
+    assert proc.returncode == 0, proc.stderr[-800:]
+    entry = Path(read_json_line(proc.stdout)["engine"]["path"])
+    engine = json.loads((entry / "engine.json").read_text())
+    assert {n: g.get("worker", {}).get("ok") for n, g in engine["graphs"].items()} == {
+        "prefill": None, "decode_b1": True, "decode_b2": True}

@@ -96,7 +96,7 @@ class Workers:
         self.folder.mkdir(parents=True, exist_ok=True)
         name = spec["graph"]
         path = self.folder / f"{name}.json"
-        path.write_text(json.dumps(spec | {"result": str(self.folder / f"{name}.result.json")}))
+        path.write_text(json.dumps(spec | {"result": str(self.folder / f"{name}.result.json"), "parent": os.getpid()}))
         env = dict(os.environ)
         # Inductor sizes its own compile pool by the CPU count; split the cores between the processes.
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(self.threads_each))
@@ -158,15 +158,15 @@ def timing_alone(lock: Path) -> Iterator[None]:
                 delattr(bench, name)
 
 
-def _end_with_parent() -> None:
-    """A worker whose build died (killed, crashed) stops too, instead of compiling for nobody."""
-    parent = os.getppid()
+def _end_with_parent(parent: int) -> None:
+    """A worker whose build died (killed, crashed) stops too, instead of compiling for nobody. The build
+    names itself in the spec: a build killed right after starting its workers is gone before they look."""
 
     def watch() -> None:
         while True:
-            time.sleep(1.0)
             if os.getppid() != parent:
                 os._exit(3)
+            time.sleep(1.0)
 
     threading.Thread(target=watch, daemon=True).start()
 
@@ -217,8 +217,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    _end_with_parent()
     spec = json.loads(Path(argv[0]).read_text())
+    _end_with_parent(spec["parent"])
     Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
     try:
         result = run(spec)
