@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -275,9 +276,15 @@ def test_compile_workers_end_with_a_killed_build_and_publish_nothing_half_writte
     assert _entry_dirs(store) == []
     graphs = store / "tactics"
     assert not [p for p in graphs.rglob("COMPLETE") if not (p.parent / p.read_text().strip()).is_file()]
+    # what a process killed while copying a graph into the tactic cache leaves: swept by the next build
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    cache = next(graphs.glob("torch/*/"))
+    half = cache / "graphs" / f"{'0' * 32}.tmp-{socket.gethostname()}-{dead.stdout.strip()}"
+    half.mkdir(parents=True)
     proc = run_cli("build", str(recipe), "--engines", str(store), "--json", env=env)
     assert proc.returncode == 0, proc.stderr[-800:]
     entry = Path(read_json_line(proc.stdout)["engine"]["path"])
     engine = json.loads((entry / "engine.json").read_text())
     assert {n: g.get("worker", {}).get("ok") for n, g in engine["graphs"].items()} == {
         "prefill": None, "decode_b1": True, "decode_b2": True}
+    assert not half.exists()

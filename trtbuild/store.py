@@ -225,7 +225,7 @@ class Store:
             parts = path.name.rsplit(".", 3)
             if len(parts) != 4 or parts[1] != host or not parts[2].isdigit():
                 continue
-            if not _pid_alive(int(parts[2])):
+            if not pid_alive(int(parts[2])):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
         return removed
@@ -357,7 +357,7 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

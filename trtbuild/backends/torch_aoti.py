@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +109,7 @@ class TorchAOTIBackend:
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
         for name, graph in graphs.items():
             graph["digest"] = graph_digest(graph["program"], configs[name])
+        _sweep_half_copied(job.tactics.path)
         missing = [n for n, g in graphs.items() if not _cached(job.tactics.path, g["digest"]).is_file()]
         workers_n = compile_workers.worker_count(len(missing), _model_bytes(model), device)
         tuned: list[dict[str, Any]] = []
@@ -303,6 +305,21 @@ def graph_digest(program: Any, configs: dict[str, Any]) -> str:
     return hashlib.sha256((text + "\0" + json.dumps(configs, sort_keys=True, default=str)).encode()).hexdigest()
 
 
+_TMP = ".tmp-"  # <digest>.tmp-<host>-<pid>: a compiled graph being copied into the tactic cache
+
+
+def _sweep_half_copied(tactics: Path) -> None:
+    """Remove the graphs a build or worker on this host was copying into the cache when it was killed."""
+    from trtbuild.store import pid_alive
+
+    host = socket.gethostname()
+    graphs = tactics / "graphs"
+    for path in graphs.iterdir() if graphs.is_dir() else []:
+        owner, _, pid = path.name.partition(_TMP)[2].rpartition("-")
+        if owner == host and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _cached(tactics: Path, digest: str) -> Path:
     return tactics / "graphs" / digest[:32] / "COMPLETE"
 
@@ -337,7 +354,7 @@ def compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], 
     # Publish into the tactic cache the way the store publishes engines: a private folder, then one
     # rename; a concurrent builder that lost the race just keeps its own copy.
     cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
+    tmp = cached.with_name(f"{cached.name}{_TMP}{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(dest, tmp)
     (tmp / "COMPLETE").write_text(graph["so"].split("/", 1)[1] + "\n")
