@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import peers  # noqa: E402
 from profile_decode import kernels_of, profile_steps, show  # noqa: E402
-from trtbuild.backends import torch_aoti  # noqa: E402
+from trtbuild.backends import graph_cache, torch_aoti  # noqa: E402
 from trtbuild.backends.torch_runtime import _Decoder, _Model  # noqa: E402
 from trtbuild.models.source import resolve  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
@@ -61,7 +61,7 @@ def compile_graph(program: Any, options: str, work: Path, device: str, consts: d
     package = work / f"{options}.pt2"
     base = torch_aoti.inductor_configs("default", device)  # the backend's base options
     torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=base | OPTIONS[options])
-    so = work / options / torch_aoti._extract_model(package, work / options).split("/", 1)[1]
+    so = work / options / graph_cache.extract_model(package, work / options).split("/", 1)[1]
     graph = _Model(so, device)
     graph.load_constants(consts)
     return graph, time.perf_counter() - t

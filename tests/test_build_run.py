@@ -323,7 +323,7 @@ def test_compiled_graph_key_ignores_source_locations_but_not_shapes() -> None:
     lines, reuses identical graphs; a change of shape still changes the key."""
     import torch
 
-    from trtbuild.backends.torch_aoti import program_text
+    from trtbuild.backends.graph_cache import program_text
 
     def export(rows: int) -> Any:
         return torch.export.export(torch.nn.Linear(64, 32).eval(), (torch.randn(rows, 64),))
@@ -364,10 +364,10 @@ def test_a_worker_whose_export_differs_is_not_trusted_and_the_build_compiles_tha
     """The build hands each worker the cache key it computed; a worker whose own export hashes to
     another key compiles nothing, and the build compiles the graph itself (here the build's keys are
     made to differ from any export's)."""
-    from trtbuild.backends import torch_aoti
+    from trtbuild.backends import graph_cache
 
-    real = torch_aoti.graph_digest
-    monkeypatch.setattr(torch_aoti, "graph_digest", lambda program, configs: real(program, configs)[::-1])
+    real = graph_cache.graph_digest
+    monkeypatch.setattr(graph_cache, "graph_digest", lambda program, configs: real(program, configs)[::-1])
     monkeypatch.setenv("TRTBUILD_COMPILE_WORKERS", "1")
     doc = tiny_recipe_doc(shapes={"max_batch_size": 1, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1]})
     recipe = load_recipe(write_recipe(tmp_path, doc))

@@ -181,7 +181,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     """
     import torch
 
-    from trtbuild.backends import torch_aoti
+    from trtbuild.backends import graph_cache, torch_aoti
     from trtbuild.models.checkpoint import read_config
     from trtbuild.models.llama import convert_hf_state_dict, hf_parameter_shapes
 
@@ -203,7 +203,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             matmuls[(int(n), int(k))] = MatmulConfig.parse(name)
     graph = torch_aoti.export_graph(model, spec["graph"], shapes, spec["device"], matmuls, spec["attention_kernel"])
     configs = torch_aoti.inductor_configs(spec["level"], spec["device"], spec["graph"])
-    digest = torch_aoti.graph_digest(graph["program"], configs)
+    digest = graph_cache.graph_digest(graph["program"], configs)
     if digest != spec["digest"]:
         raise TrtbuildError(f"{spec['graph']}: the worker's export has cache key {digest[:12]}, the build's "
                             f"{spec['digest'][:12]}; not compiled here")
@@ -211,8 +211,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     with torch_aoti.inductor_caches(Path(spec["tactics"])), torch_aoti.record_autotuning(tuned), \
             timing_alone(Path(spec["tactics"]) / TIMING_LOCK):
-        torch_aoti.compile_or_reuse(graph, spec["graph"], configs, digest, Path(spec["tactics"]),
-                                    Path(spec["workdir"]))
+        graph_cache.compile_or_reuse(graph, spec["graph"], configs, digest, Path(spec["tactics"]),
+                                     Path(spec["workdir"]))
     return {"compile_s": time.perf_counter() - t, "tuned": tuned}
 
 

@@ -7,7 +7,8 @@ dtype. Each graph is compiled by `aoti_compile_and_package` without its weights 
 (`package_constants_in_so=False`) and unpacked from the .pt2 into a folder holding the compiled
 .so (and, on CUDA, its cubins). At load the weights and a KV cache that trtbuild allocates are
 handed to every graph as user-managed constants, so prefill and decode share one cache and the
-weights exist once on disk and once in device memory.
+weights exist once on disk and once in device memory. Compiled graphs are kept and found again by
+`graph_cache.py`; the graphs after the first compile side by side in `compile_workers.py`.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trtbuild.backends import BuildJob, BuildOutput, compile_workers, decode_kernels
+from trtbuild.backends import BuildJob, BuildOutput, compile_workers, decode_kernels, graph_cache
 from trtbuild.errors import TrtbuildError
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -108,9 +108,9 @@ class TorchAOTIBackend:
 
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
         for name, graph in graphs.items():
-            graph["digest"] = graph_digest(graph["program"], configs[name])
-        _sweep_half_copied(job.tactics.path)
-        missing = [n for n, g in graphs.items() if not _cached(job.tactics.path, g["digest"]).is_file()]
+            graph["digest"] = graph_cache.graph_digest(graph["program"], configs[name])
+        graph_cache.sweep_half_copied(job.tactics.path)
+        missing = [n for n, g in graphs.items() if not graph_cache.cached(job.tactics.path, g["digest"]).is_file()]
         workers_n = compile_workers.worker_count(len(missing), _model_bytes(model), device)
         tuned: list[dict[str, Any]] = []
         t = time.perf_counter()
@@ -133,7 +133,7 @@ class TorchAOTIBackend:
                 job.progress(f"compiling {name} with AOTInductor (tactics: {recipe.tactics_level}){where}")
                 g0 = time.perf_counter()
                 report = workers.wait(name)
-                graph["reused"] = compile_or_reuse(graph, name, configs[name], graph["digest"], job.tactics.path,
+                graph["reused"] = graph_cache.compile_or_reuse(graph, name, configs[name], graph["digest"], job.tactics.path,
                                                    job.workdir)
                 if report is not None:  # found in the cache because this build's worker put it there
                     graph["reused"] = False
@@ -286,111 +286,6 @@ def export_decode(model: Any, batch: int, max_seq_len: int, device: str) -> Any:
                                     torch.arange(max_seq_len, device=device)),
                                    dynamic_shapes=(None, None, window),
                                    prefer_deferred_runtime_asserts_over_guards=True)
-
-
-def program_text(program: Any) -> str:
-    """An exported program as text for the compiled-graph cache's key: its operations, shapes, dtypes,
-    strides, literals and signature, without the source-location comments export adds to each node.
-    Those name the file and line of the model code that made the node, so a trtbuild installed in another
-    folder, or an edit that only moved lines, would otherwise miss a cache of identical graphs."""
-    return "\n".join(line for line in str(program).splitlines() if line.strip() and not line.lstrip().startswith("#"))
-
-
-def graph_digest(program: Any, configs: dict[str, Any]) -> str:
-    """The compiled-graph cache's key for one exported program compiled with `configs`."""
-    import hashlib
-
-    text = program_text(program)
-    text += decode_kernels.sources_called(text)
-    return hashlib.sha256((text + "\0" + json.dumps(configs, sort_keys=True, default=str)).encode()).hexdigest()
-
-
-_TMP = ".tmp-"  # <digest>.tmp-<host>-<pid>: a compiled graph being copied into the tactic cache
-
-
-def _sweep_half_copied(tactics: Path) -> None:
-    """Remove the graphs a build or worker on this host was copying into the cache when it was killed."""
-    from trtbuild.store import pid_alive
-
-    host = socket.gethostname()
-    graphs = tactics / "graphs"
-    for path in graphs.iterdir() if graphs.is_dir() else []:
-        owner, _, pid = path.name.partition(_TMP)[2].rpartition("-")
-        if owner == host and pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _cached(tactics: Path, digest: str) -> Path:
-    return tactics / "graphs" / digest[:32] / "COMPLETE"
-
-
-def compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], digest: str, tactics: Path,
-                     workdir: Path) -> bool:
-    """Compile one exported graph into `workdir/<name>/`, or copy the compiled folder that an
-    earlier build left in the tactic cache for exactly this graph (`digest`). True when reused.
-
-    Weights are not inside the compiled graph (they are runtime constants, never folded), so the
-    compiled code depends only on the exported program (operations, shapes, dtypes, literals such
-    as rms_norm_eps), the Inductor options, and the toolchain and device the tactic cache is
-    already keyed by. A rebuild, or another recipe of the same architecture with other weights,
-    then skips Inductor entirely.
-    """
-    import torch
-
-    cached = _cached(tactics, digest).parent
-    dest = workdir / name
-    if (cached / "COMPLETE").is_file():
-        shutil.copytree(cached, dest, ignore=shutil.ignore_patterns("COMPLETE"))
-        so_name = (cached / "COMPLETE").read_text().strip()
-        graph["so"] = f"{name}/{so_name}"
-        return True
-    package = workdir / f"{name}.pt2"
-    workdir.mkdir(parents=True, exist_ok=True)
-    # A copy: aoti_compile_and_package adds its own keys to the dict it is given, which would
-    # change the digest of every later graph compiled with the same options.
-    torch._inductor.aoti_compile_and_package(graph["program"], package_path=str(package),
-                                             inductor_configs=dict(configs))
-    graph["so"] = _extract_model(package, dest)
-    # Publish into the tactic cache the way the store publishes engines: a private folder, then one
-    # rename; a concurrent builder that lost the race just keeps its own copy.
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(f"{cached.name}{_TMP}{socket.gethostname()}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(dest, tmp)
-    (tmp / "COMPLETE").write_text(graph["so"].split("/", 1)[1] + "\n")
-    try:
-        os.rename(tmp, cached)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return False
-
-
-def _extract_model(package: Path, dest: Path) -> str:
-    """Unpack the compiled model (the wrapper .so, its cubins and metadata) out of the .pt2 and
-    drop the archive: the runtime loads the .so directly, never through the package's C++ zip
-    reader, which segfaults on the H200 image (torch 2.11) for every package; and a restart then
-    unpacks nothing. Generated C++ sources are not needed to run and are left out."""
-    import zipfile
-
-    dest.mkdir()
-    so = None
-    with zipfile.ZipFile(package) as archive:
-        for info in archive.infolist():
-            parts = info.filename.split("/")
-            if len(parts) < 5 or parts[1:4] != ["data", "aotinductor", "model"] or info.is_dir():
-                continue
-            if info.filename.endswith(".cpp"):
-                continue
-            target = dest / "/".join(parts[4:])
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with archive.open(info) as src, open(target, "wb") as out:
-                shutil.copyfileobj(src, out)
-            if target.name.endswith(".wrapper.so") or (target.suffix == ".so" and so is None):
-                so = target
-    package.unlink()
-    if so is None:
-        raise TrtbuildError(f"{package}: AOTInductor wrote no compiled model (.so) into the package")
-    return so.relative_to(dest.parent).as_posix()
 
 
 @contextlib.contextmanager
