@@ -350,7 +350,7 @@ def test_graphs_compiled_in_worker_processes_are_the_serial_builds_graphs(
     assert "worker" not in graphs["prefill"]
     for name in ("decode_b1", "decode_b2"):
         assert graphs[name]["worker"]["ok"] is True, graphs[name]["worker"]
-        assert graphs[name]["worker"]["compile_s"] > 0
+        assert 0 < graphs[name]["worker"]["compile_s"] < graphs[name]["worker"]["total_s"]
     serial = json.loads((Store(built["store"]).find("tiny").path / "engine.json").read_text())["graphs"]
     assert {n: g["digest"] for n, g in graphs.items()} == {n: g["digest"] for n, g in serial.items()}
     assert not any(".workers" in f for f in entry.manifest["files"])

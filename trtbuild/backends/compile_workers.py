@@ -79,20 +79,20 @@ class Workers:
     def __init__(self, folder: Path, threads_each: int) -> None:
         self.folder = folder
         self.threads_each = threads_each
-        self.running: dict[str, tuple[subprocess.Popen[bytes], Path, float]] = {}
+        self.running: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
 
     def __enter__(self) -> "Workers":
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        for proc, _, _ in self.running.values():
+        for proc, _ in self.running.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         self.running.clear()
 
     def start(self, spec: dict[str, Any]) -> None:
-        """Start compiling `spec["graph"]` (see `main` for the spec) in a new process."""
+        """Start compiling `spec["graph"]` (the spec is described at `run`) in a new process."""
         self.folder.mkdir(parents=True, exist_ok=True)
         name = spec["graph"]
         path = self.folder / f"{name}.json"
@@ -103,22 +103,22 @@ class Workers:
         with open(self.folder / f"{name}.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "trtbuild.backends.compile_workers", str(path)],
                                     stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.running[name] = (proc, path, time.perf_counter())
+        self.running[name] = (proc, path)
 
     def wait(self, name: str) -> dict[str, Any] | None:
-        """The worker's report for `name` once it has ended: {"ok": True, "compile_s", "tuned", "wall_s"} or
-        {"ok": False, "error"}; None if no worker had that graph."""
+        """The worker's report for `name` once it has ended: {"ok": True, "compile_s", "total_s" (its whole
+        life: start-up, model, export, compile), "tuned"} or {"ok": False, "error"}; None if no worker had
+        that graph."""
         if name not in self.running:
             return None
-        proc, path, started = self.running.pop(name)
+        proc, path = self.running.pop(name)
         rc = proc.wait()
-        wall = time.perf_counter() - started
         result = path.with_name(f"{name}.result.json")
         if rc == 0 and result.is_file():
-            return json.loads(result.read_text()) | {"ok": True, "wall_s": wall}
+            return json.loads(result.read_text()) | {"ok": True}
         log = path.with_name(f"{name}.log")
         tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else []
-        return {"ok": False, "wall_s": wall, "error": f"exit status {rc}: " + " | ".join(tail)}
+        return {"ok": False, "error": f"exit status {rc}: " + " | ".join(tail)}
 
 
 @contextlib.contextmanager
@@ -217,6 +217,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    started = time.perf_counter()
     spec = json.loads(Path(argv[0]).read_text())
     _end_with_parent(spec["parent"])
     Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
@@ -225,7 +226,7 @@ def main(argv: list[str]) -> int:
     except TrtbuildError as e:
         print(f"trtbuild compile worker: {e}", file=sys.stderr)
         return 2
-    Path(spec["result"]).write_text(json.dumps(result))
+    Path(spec["result"]).write_text(json.dumps(result | {"total_s": time.perf_counter() - started}))
     return 0
 
 
