@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # trtbuild, run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers
@@ -196,17 +197,9 @@ def engine_variant(recipe: Any, spec: str, engines: str, notes: list[str]) -> An
     else:
         variant, level = dataclasses.replace(recipe, tactics_level=spec), spec
     t0 = time.perf_counter()
-    workers = os.environ.get("TRTBUILD_COMPILE_WORKERS")
-    if spec == SERIAL:
-        os.environ["TRTBUILD_COMPILE_WORKERS"] = "0"
-    try:
+    with mock.patch.dict(os.environ, {"TRTBUILD_COMPILE_WORKERS": "0"} if spec == SERIAL else {}):
         outcome = build(variant, engines, progress=lambda m: print(
             f"[bench]   +{time.perf_counter() - t0:6.1f} s {m}", flush=True))
-    finally:
-        if workers is None:
-            os.environ.pop("TRTBUILD_COMPILE_WORKERS", None)
-        else:
-            os.environ["TRTBUILD_COMPILE_WORKERS"] = workers
     tactics = outcome.entry.manifest.get("tactics", {})
     notes.append(f"tactics level {level}: " + ("cache hit" if outcome.cache_hit else
                  f"built in {outcome.build_s:.1f} s {({k: round(v, 1) for k, v in outcome.phases.items()})}, "

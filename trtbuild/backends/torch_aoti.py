@@ -28,6 +28,8 @@ from trtbuild.errors import TrtbuildError
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WEIGHTS = "weights.safetensors"
 ENGINE_JSON = "engine.json"
+
+
 class TorchAOTIBackend:
     name = "torch"
 
@@ -125,16 +127,15 @@ class TorchAOTIBackend:
                  else contextlib.nullcontext()):
             # The build compiles the first missing graph itself while workers compile the next ones.
             for name in missing[1:1 + workers_n]:
-                routed = plan.get(_bucket(name), {})
                 workers.start(common | {"graph": name, "digest": graphs[name]["digest"], "workdir": str(spare / name),
-                                        "matmuls": {f"{n}x{k}": c.name for (n, k), c in routed.items()}})
+                                        "matmuls": graphs[name].get("matmuls", {})})
             for name, graph in graphs.items():
                 where = " (in a worker process)" if name in workers.running else ""
                 job.progress(f"compiling {name} with AOTInductor (tactics: {recipe.tactics_level}){where}")
                 g0 = time.perf_counter()
                 report = workers.wait(name)
-                graph["reused"] = graph_cache.compile_or_reuse(graph, name, configs[name], graph["digest"], job.tactics.path,
-                                                   job.workdir)
+                graph["reused"] = graph_cache.compile_or_reuse(graph, name, configs[name], graph["digest"],
+                                                               job.tactics.path, job.workdir)
                 if report is not None:  # found in the cache because this build's worker put it there
                     graph["reused"] = False
                     graph["worker"] = {k: v for k, v in report.items() if k != "tuned"}
