@@ -61,7 +61,7 @@ def probe_recipe(path: str, batches: list[int], reps: int) -> dict[str, Any]:
     for m in batches:
         choice: dict[str, str] = {}
         for name, (n, k) in shapes.items():
-            row = {"n": n, "k": k, "calls": len(weights[name])} | select(weights[name], m, reps)
+            row = {"n": n, "k": k, "calls": len(weights[name])} | select(weights[name], m, reps=reps)
             nbytes = n * k * 2
             row["cublas_TBps"] = nbytes / row["cublas_us"] / 1e6
             best = fastest_kernel(row)

@@ -99,6 +99,8 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
     for shapes in record.values():
         assert shapes and all(r["used"] != "cublas" and r.get("reused") is not True and r["cublas_us"] > 0
                               for r in shapes.values())
+        # options.decode_fusion auto: each call site's norm, gating or residual add runs inside the kernel
+        assert sorted(key.partition("+")[2] for key in shapes) == ["norm", "norm", "norm_gate", "residual", "residual"]
     engine = json.loads((outcome.entry.path / "engine.json").read_text())
     assert all(len(engine["graphs"][g]["matmuls"]) == len(record[g]) for g in record)
     assert engine["graphs"]["prefill"].get("matmuls") is None  # prefill keeps cuBLAS

@@ -33,3 +33,51 @@ def test_decode_attention_matches_the_masked_attention_of_the_model(
     want = _cached_attention(q.transpose(1, 2), k_cache[:batch], v_cache[:batch], p,
                              torch.arange(pos + 1, device=DEVICE)).transpose(1, 2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fusion", ["none", "norm", "residual", "norm_gate"])
+@pytest.mark.parametrize(("rows", "k"), [(1, 96), (3, 96), (2, 80)])
+def test_decode_matmul_with_each_fusion_matches_the_aten_ops_it_replaces(fusion: str, rows: int, k: int) -> None:
+    """One row (multiply-and-sum) and several (dot), k a multiple of the block and not (masked loads),
+    against `reference`: the norm, gating and residual add in the model's own ATen order."""
+    from trtbuild.models.decode_matmul import MatmulConfig, decode_matmul, reference
+
+    g = torch.Generator().manual_seed(rows * k)
+    n = 40  # not a multiple of block_n: the last program's columns are masked
+    w = torch.randn(2 * n if fusion == "norm_gate" else n, k, generator=g).to(DEVICE)
+    x = (3 * torch.randn(rows, k, generator=g)).to(DEVICE)  # a residual stream's scale, far from unit rms
+    norm = (torch.rand(k, generator=g) + 0.5).to(DEVICE) if "norm" in fusion else None
+    residual = torch.randn(rows, n, generator=g).to(DEVICE) if fusion == "residual" else None
+    got = decode_matmul(x, w, MatmulConfig(16, 32, 4, 1), norm=norm, eps=1e-5, gate=fusion == "norm_gate",
+                        residual=residual)
+    torch.testing.assert_close(got, reference(x, w, fusion, norm, 1e-5, residual), atol=1e-4, rtol=1e-4)
+
+
+def test_a_routed_model_computes_what_the_unrouted_one_does_with_and_without_fusion() -> None:
+    """Every Linear of a small model through the kernel (as a decode graph routes them), fused where its
+    call site allows and matmul-only: the same logits as the model's ATen path."""
+    from trtbuild.backends.decode_kernels import routed
+    from trtbuild.models.decode_matmul import MatmulConfig
+    from trtbuild.models.llama import Linear, LlamaConfig, Transformer
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
+                      qkv_bias=False, o_bias=False, mlp_bias=False)
+    torch.manual_seed(0)
+    model = Transformer(cfg, max_batch_size=2, max_seq_len=16, dtype=torch.float32).to(DEVICE)
+    for mod in model.modules():  # norms away from 1, so a missing norm weight would show
+        if hasattr(mod, "eps"):
+            torch.nn.init.uniform_(mod.weight, 0.5, 1.5)
+    tokens = torch.randint(0, 64, (2, 1), device=DEVICE)
+    pos = torch.tensor([0], device=DEVICE)
+    want = model(tokens, pos)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    config = MatmulConfig(16, 32, 4, 1)
+    for fused in (True, False):
+        plan = {(m.out_features, m.in_features, m.fusion if fused else "none"): config for m in linears}
+        with routed(model, plan):
+            assert all(m.decode_config is config and m.decode_fused == (fused and m.fusion != "none") for m in linears)
+            assert {m.fusion for m in linears} == {"norm", "residual", "norm_gate"}
+            got = model(tokens, pos)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert all(m.decode_config is None and not m.decode_fused for m in linears)

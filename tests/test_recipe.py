@@ -219,7 +219,7 @@ def test_unknown_backend() -> None:
 
 
 def test_backend_checks_its_own_options() -> None:
-    assert ("options.workspace: unknown option for backend torch (known: decode_matmul, decode_attention)"
+    assert ("options.workspace: unknown option for backend torch (known: decode_matmul, decode_attention, decode_fusion)"
             in problems_of(tiny_recipe_doc(options={"workspace": 1})))
     assert ("options.decode_attention: expected one of auto, aten, kernel, got 'flash'"
             in problems_of(tiny_recipe_doc(options={"decode_attention": "flash"})))
@@ -232,6 +232,10 @@ def test_backend_checks_its_own_options() -> None:
         parse_recipe(tiny_recipe_doc(options={"decode_matmul": mode}, tactics={"level": "default"}), Path("r.yaml"))
     for mode in ("auto", "aten", "kernel"):
         parse_recipe(tiny_recipe_doc(options={"decode_attention": mode}), Path("r.yaml"))
+    # YAML reads a bare `off` as False: the mode is `none`, and the error says so
+    assert ("options.decode_fusion: expected one of auto, none, got False"
+            in problems_of(tiny_recipe_doc(options={"decode_fusion": False})))
+    parse_recipe(tiny_recipe_doc(options={"decode_fusion": "none"}), Path("r.yaml"))
 
 
 @pytest.mark.parametrize("mutate, expected", [

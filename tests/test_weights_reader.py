@@ -60,9 +60,11 @@ def test_a_truncated_or_garbled_file_is_a_clear_error_naming_it(weights: Path) -
 
 def test_load_threads_comes_from_the_environment_and_refuses_nonsense(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRTBUILD_LOAD_THREADS", raising=False)
-    assert load_threads() == 0
+    assert (load_threads("cuda:0"), load_threads("cpu")) == (8, 0)  # threaded by default where it was measured
     monkeypatch.setenv("TRTBUILD_LOAD_THREADS", "6")
-    assert load_threads() == 6
+    assert (load_threads("cuda:0"), load_threads("cpu")) == (6, 6)
+    monkeypatch.setenv("TRTBUILD_LOAD_THREADS", "0")
+    assert load_threads("cuda:0") == 0
     monkeypatch.setenv("TRTBUILD_LOAD_THREADS", "many")
     with pytest.raises(InputError, match="TRTBUILD_LOAD_THREADS"):
-        load_threads()
+        load_threads("cuda:0")

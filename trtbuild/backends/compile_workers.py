@@ -175,13 +175,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Export and compile one graph as `spec` describes; publish it into the tactic cache.
 
     spec: folder (the model folder, for config.json), precision, device, max_batch_size, max_input_len,
-    max_seq_len, level (tactics level), graph ("prefill" or "decode_b<N>"), matmuls ({"<out>x<in>":
+    max_seq_len, level (tactics level), graph ("prefill" or "decode_b<N>"), matmuls ({"<out>x<in>[+fusion]":
     configuration name} for trtbuild's decode matmul), attention_kernel, tactics (the tactic cache
     folder), workdir (a folder of its own), digest (the cache key the build computed for this graph).
     """
     import torch
 
-    from trtbuild.backends import graph_cache, torch_aoti
+    from trtbuild.backends import decode_kernels, graph_cache, torch_aoti
     from trtbuild.models.checkpoint import read_config
     from trtbuild.models.llama import convert_hf_state_dict, hf_parameter_shapes
 
@@ -194,13 +194,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     hf = {k: torch.empty(shape, dtype=dtype) for k, shape in hf_parameter_shapes(cfg).items()}
     model = torch_aoti.place_model(cfg, shapes, dtype, spec["device"], convert_hf_state_dict(hf, cfg))
     del hf
-    matmuls: dict[tuple[int, int], Any] = {}
+    matmuls: dict[decode_kernels.MatmulKey, Any] = {}
     if spec["matmuls"]:
         from trtbuild.models.decode_matmul import MatmulConfig
 
-        for shape, name in spec["matmuls"].items():
-            n, k = shape.split("x")
-            matmuls[(int(n), int(k))] = MatmulConfig.parse(name)
+        for key, name in spec["matmuls"].items():
+            matmuls[decode_kernels.parse_key(key)] = MatmulConfig.parse(name)
     graph = torch_aoti.export_graph(model, spec["graph"], shapes, spec["device"], matmuls, spec["attention_kernel"])
     configs = torch_aoti.inductor_configs(spec["level"], spec["device"], spec["graph"])
     digest = graph_cache.graph_digest(graph["program"], configs)

@@ -26,23 +26,43 @@ DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
 # build of a 16-bit model, head_dim a power of two); aten = the masked attention Inductor compiles from
 # the model code; kernel = the kernel, or a recipe error where it cannot serve.
 DECODE_ATTENTION_MODES = ("auto", "aten", "kernel")
-OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES}
+# options.decode_fusion: auto = a decode matmul through the kernel also does the RMSNorm before it, the
+# SiLU gating after gate/up, or the residual add after it (one launch instead of two or three); none =
+# the kernel does the matmul alone and Inductor compiles the rest, for A/B runs.
+DECODE_FUSION_MODES = ("auto", "none")
+OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES,
+           "decode_fusion": DECODE_FUSION_MODES}
+
+MatmulKey = tuple[int, int, str]  # (out, in, fusion) of one routed Linear
+
+
+def key_name(key: MatmulKey) -> str:
+    """'<out>x<in>', with '+<fusion>' when the kernel does more than the matmul: the plan as recorded."""
+    n, k, fusion = key
+    return f"{n}x{k}" if fusion == "none" else f"{n}x{k}+{fusion}"
+
+
+def parse_key(name: str) -> MatmulKey:
+    shape, _, fusion = name.partition("+")
+    n, k = shape.split("x")
+    return int(n), int(k), fusion or "none"
 
 # The custom op each kernel module registers, as it appears in an exported program's text.
 KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.models.decode_matmul",
                   "trtbuild.decode_attention": "trtbuild.models.decode_attention"}
 
 
-def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str,
-                        job: BuildJob) -> tuple[dict[int, dict[tuple[int, int], Any]], dict[str, Any]]:
+def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str, job: BuildJob,
+                fusion_mode: str = "auto") -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
     """Which decode matmuls go through trtbuild's Triton kernel, measured per batch bucket and weight shape.
 
     For every weight shape of the model (QKV, output, gate/up, down, LM head) `decode_matmul.select`
     times cuBLAS and each candidate configuration over the model's own weights of that shape, in a
-    CUDA graph; the kernel is used only where it measured faster. Each measurement is kept in the
-    tactic cache under the shape, batch, dtype, layer count, candidate list and kernel source, so a
-    rebuild (or another recipe of the same shapes) measures nothing. Returns the plan per bucket
-    ({(out, in): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul.
+    CUDA graph, with the fusion the kernel would do there (`fusion_mode`, options.decode_fusion); the
+    kernel is used only where it measured faster. Each measurement is kept in the tactic cache under
+    the shape, fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or
+    another recipe of the same shapes) measures nothing. Returns the plan per bucket ({(out, in,
+    fusion): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul.
     """
     if mode == "kernel" and not device.startswith("cuda"):
         raise TrtbuildError("options.decode_matmul: 'kernel' is a CUDA kernel, and this build is for the CPU")
@@ -59,13 +79,13 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     from trtbuild.models.llama import Linear
     from trtbuild.tactics import write_atomic
 
-    by_shape: dict[tuple[int, int], list[Any]] = {}
+    by_shape: dict[MatmulKey, list[Any]] = {}
     for mod in model.modules():
         if isinstance(mod, Linear):
-            same = by_shape.setdefault((mod.out_features, mod.in_features), [])
+            same = by_shape.setdefault((mod.out_features, mod.in_features, fusion_of(mod, fusion_mode)), [])
             if all(w is not mod.weight for w in same):  # a tied LM head is the embedding, counted once
                 same.append(mod.weight)
-    plan: dict[int, dict[tuple[int, int], Any]] = {}
+    plan: dict[int, dict[MatmulKey, Any]] = {}
     record: dict[str, Any] = {}
     for rows in buckets:
         if rows > dm.MAX_ROWS:
@@ -74,26 +94,33 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
                                     f"rows; shapes.batch_buckets has {rows}")
             record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
             continue
-        for (n, k), weights in by_shape.items():
+        for (n, k, fusion), weights in by_shape.items():
             identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
+                        "fusion": fusion,
                         "kernel": dm.source_digest(), "candidates": [c.name for c in dm.candidates(rows)]}
             digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
             cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
             if cached.is_file():
                 result = json.loads(cached.read_text()) | {"reused": True}
             else:
-                job.progress(f"timing decode matmuls for batch {rows}, {n}x{k} ({len(weights)} matrices): "
-                             f"cuBLAS and {len(dm.candidates(rows))} kernel configurations")
-                result = dm.select(weights, rows)
+                job.progress(f"timing decode matmuls for batch {rows}, {key_name((n, k, fusion))} ({len(weights)} "
+                             f"matrices): cuBLAS and {len(dm.candidates(rows))} kernel configurations")
+                result = dm.select(weights, rows, fusion)
                 write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
             choice = dm.fastest_kernel(result) if mode == "kernel" else result["choice"]
             if choice is None:
                 raise TrtbuildError(f"options.decode_matmul: 'kernel', but no configuration of the kernel ran "
                                     f"correctly for batch {rows} and a {n}x{k} weight: {result['candidates']}")
-            record.setdefault(f"decode_b{rows}", {})[f"{n}x{k}"] = result | {"used": choice}
+            record.setdefault(f"decode_b{rows}", {})[key_name((n, k, fusion))] = result | {"used": choice}
             if choice != "cublas":
-                plan.setdefault(rows, {})[(n, k)] = dm.MatmulConfig.parse(choice)
+                plan.setdefault(rows, {})[(n, k, fusion)] = dm.MatmulConfig.parse(choice)
     return plan, record
+
+
+def fusion_of(linear: Any, mode: str) -> str:
+    """What the kernel does besides the matmul for this Linear: its call site's fusion, unless the
+    recipe turns fusion off or the Linear has a bias (the kernel adds none)."""
+    return linear.fusion if mode == "auto" and linear.bias is None else "none"
 
 
 def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, str]:
@@ -116,15 +143,18 @@ def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, st
 
 
 @contextlib.contextmanager
-def routed(model: Any, configs: dict[tuple[int, int], Any], attention_kernel: bool = False) -> Iterator[None]:
-    """Point each Linear whose weight shape is in `configs` at the decode matmul kernel, and each
-    Attention at the decode attention kernel if asked, for one export."""
+def routed(model: Any, configs: dict[MatmulKey, Any], attention_kernel: bool = False) -> Iterator[None]:
+    """Point each Linear whose (weight shape, fusion) is in `configs` at the decode matmul kernel
+    (fused where the key has its fusion, the matmul alone where it has "none"), and each Attention
+    at the decode attention kernel if asked, for one export."""
     from trtbuild.models.llama import Attention, Linear
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     attentions = [m for m in model.modules() if isinstance(m, Attention)]
     for m in linears:
-        m.decode_config = configs.get((m.out_features, m.in_features))
+        fused = configs.get((m.out_features, m.in_features, m.fusion))
+        m.decode_config = fused or configs.get((m.out_features, m.in_features, "none"))
+        m.decode_fused = fused is not None and m.fusion != "none"
     for a in attentions:
         a.decode_kernel = attention_kernel
     try:
@@ -132,6 +162,7 @@ def routed(model: Any, configs: dict[tuple[int, int], Any], attention_kernel: bo
     finally:
         for m in linears:
             m.decode_config = None
+            m.decode_fused = False
         for a in attentions:
             a.decode_kernel = False
 

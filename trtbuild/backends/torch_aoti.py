@@ -97,7 +97,8 @@ class TorchAOTIBackend:
         t = time.perf_counter()
         with inductor_caches(job.tactics.path):
             plan, matmuls = decode_kernels.matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
-                                                recipe.options.get("decode_matmul", "auto"), device, job)
+                                                       recipe.options.get("decode_matmul", "auto"), device, job,
+                                                       recipe.options.get("decode_fusion", "auto"))
         phases["select_matmuls_s"] = time.perf_counter() - t
         attention = decode_kernels.attention_plan(cfg, dtype, recipe.options.get("decode_attention", "auto"), device)
 
@@ -228,7 +229,7 @@ def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str,
     return model.eval().requires_grad_(False)
 
 
-def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[tuple[int, int], Any],
+def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[decode_kernels.MatmulKey, Any],
                  attention_kernel: bool) -> dict[str, Any]:
     """Export one graph: "prefill", or "decode_b<N>" with the decode kernels routed as planned."""
     t = time.perf_counter()
@@ -238,7 +239,7 @@ def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[
     with decode_kernels.routed(model, matmuls, attention_kernel):
         ep = export_decode(model, _bucket(name), shapes.max_seq_len, device)
     return {"batch": _bucket(name), "program": ep, "window": "dynamic",
-            "matmuls": {f"{n}x{k}": c.name for (n, k), c in sorted(matmuls.items())},
+            "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
             "attention": "kernel" if attention_kernel else "aten", "export_s": time.perf_counter() - t}
 
 

@@ -74,12 +74,23 @@ def source_digest() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
+# What a decode matmul can absorb from the code around it, so each is one launch instead of two or three
+# (the H200 profiles show each small norm, gating or add kernel at 1.4-2.3 us, 3-4 of them per layer):
+#   none      y = x @ w^T
+#   norm      y = rmsnorm(x) @ w^T            (the RMSNorm before QKV, gate/up and the LM head)
+#   residual  y = r + x @ w^T                 (the residual add after the output and down projections)
+#   norm_gate y = silu(a) * b, [a | b] = rmsnorm(x) @ w^T   (gate/up: w holds both halves, y half as wide)
+FUSIONS = ("none", "norm", "residual", "norm_gate")
+
+
 @triton.jit
-def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          USE_DOT: tl.constexpr, EVEN_K: tl.constexpr):
+                          USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
+                          GATE: tl.constexpr, RESIDUAL: tl.constexpr):
     # y[m, n] = sum_k x[m, k] * w[n, k]: w is an nn.Linear weight ([out, in], rows contiguous), so
-    # each program reads BLOCK_N whole rows of it, coalesced along k.
+    # each program reads BLOCK_N whole rows of it, coalesced along k. With GATE it reads rows n and
+    # N + n (gate and up) and writes silu(gate) * up: N is then half of w's rows.
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -87,24 +98,50 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n[:, None] * stride_wn
+    u_rows = w_ptr + (offs_n + N)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None], other=0.0)
-            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
+            w_mask = n_mask[:, None]
+            x_mask = m_mask[:, None]
         else:
-            k_mask = k < K
-            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w_mask = n_mask[:, None] & (k < K)[None, :]
+            x_mask = m_mask[:, None] & (k < K)[None, :]
+        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
+        if NORM:
+            # RMSNorm folded in: the norm's weight scales x here, its 1/rms (a per-row scalar, known only
+            # after the whole row) scales the sums at the end. Every program reads all of x anyway.
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            x = (xf * g[None, :]).to(x_ptr.dtype.element_ty)
         if USE_DOT:
             # tensor cores need 16 rows; the padding rows are masked zeros and cost no memory traffic
             acc += tl.dot(x, tl.trans(w))
         else:
             acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+        if GATE:
+            u = tl.load(u_rows + k[None, :], mask=w_mask, other=0.0)
+            if USE_DOT:
+                acc_up += tl.dot(x, tl.trans(u))
+            else:
+                acc_up += tl.sum(x[:, None, :].to(tl.float32) * u[None, :, :].to(tl.float32), axis=2)
+    if NORM:
+        inv_rms = 1.0 / tl.sqrt(squares / K + EPS)
+        acc = acc * inv_rms[:, None]
+        acc_up = acc_up * inv_rms[:, None]
+    if GATE:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if RESIDUAL:
+        acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask, other=0.0).to(tl.float32)
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 def uses_dot(rows: int) -> bool:
@@ -112,32 +149,62 @@ def uses_dot(rows: int) -> bool:
     return rows > 1
 
 
-def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig) -> None:
+def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, norm: Tensor | None = None,
+            eps: float = 0.0, gate: bool = False, residual: Tensor | None = None) -> None:
     m, k = x.shape
-    n = w.shape[0]
-    if m > MAX_ROWS or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"decode_matmul takes x [<=16, K] and w [N, K] with contiguous rows, got {tuple(x.shape)}, {tuple(w.shape)}")
+    n = y.shape[1]
+    if m > MAX_ROWS or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1 or w.shape[0] != n * (2 if gate else 1):
+        raise ValueError(f"decode_matmul takes x [<=16, K] and w [N, K] (or [2N, K] gated) with contiguous rows, "
+                         f"got {tuple(x.shape)}, {tuple(w.shape)}")
+    if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
+        raise ValueError(f"decode_matmul's residual must be [M, N] with contiguous rows, got {tuple(residual.shape)}")
     dot = uses_dot(m)
+    # absent operands still need a pointer: w stands in, and the constexpr flags keep it unread
     kernel[(triton.cdiv(n, config.block_n),)](
-        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        x, w, y, w if norm is None else norm, w if residual is None else residual, m, n, k,
+        x.stride(0), w.stride(0), y.stride(0), 0 if residual is None else residual.stride(0),
         BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_DOT=dot, EVEN_K=k % config.block_k == 0, num_warps=config.warps, num_stages=config.stages)
+        USE_DOT=dot, EVEN_K=k % config.block_k == 0, NORM=norm is not None, EPS=float(eps), GATE=gate,
+        RESIDUAL=residual is not None, num_warps=config.warps, num_stages=config.stages)
 
 
-def decode_matmul(x: Tensor, w: Tensor, config: MatmulConfig, out: Tensor | None = None) -> Tensor:
-    """x [M, K] @ w[N, K]^T for M <= 16, written into `out` [M, N] when given (eager launch)."""
-    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
-    _launch(_decode_matmul_kernel, x, w, y, config)
+def output_columns(w: Tensor, gate: bool) -> int:
+    return w.shape[0] // 2 if gate else w.shape[0]
+
+
+def decode_matmul(x: Tensor, w: Tensor, config: MatmulConfig, out: Tensor | None = None, norm: Tensor | None = None,
+                  eps: float = 0.0, gate: bool = False, residual: Tensor | None = None) -> Tensor:
+    """x [M, K] @ w[N, K]^T for M <= 16, with the fusions above, written into `out` when given (eager launch)."""
+    y = torch.empty((x.shape[0], output_columns(w, gate)), dtype=x.dtype, device=x.device) if out is None else out
+    _launch(_decode_matmul_kernel, x, w, y, config, norm, eps, gate, residual)
     return y
 
 
 @triton_op("trtbuild::decode_matmul", mutates_args=())
-def decode_matmul_op(x: Tensor, w: Tensor, block_n: int, block_k: int, warps: int, stages: int) -> Tensor:
+def decode_matmul_op(x: Tensor, w: Tensor, norm: Tensor | None, residual: Tensor | None, eps: float, gate: bool,
+                     block_n: int, block_k: int, warps: int, stages: int) -> Tensor:
     """The kernel as a custom op: what the decode graphs call (`Linear.decode_config`). The config
-    ints are literals in the exported program, so two configurations never share a compiled graph."""
-    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(wrap_triton(_decode_matmul_kernel), x, w, y, MatmulConfig(block_n, block_k, warps, stages))
+    ints, eps and gate are literals in the exported program, so two configurations never share a
+    compiled graph. (eps reaches the kernel as a compile-time constant: AOTInductor passes a float
+    argument of a user kernel as fp64, which would promote the normalization to fp64.)"""
+    y = torch.empty((x.shape[0], output_columns(w, gate)), dtype=x.dtype, device=x.device)
+    _launch(wrap_triton(_decode_matmul_kernel), x, w, y, MatmulConfig(block_n, block_k, warps, stages),
+            norm, eps, gate, residual)
     return y
+
+
+def reference(x: Tensor, w: Tensor, fusion: str, norm: Tensor | None = None, eps: float = 0.0,
+              residual: Tensor | None = None) -> Tensor:
+    """What the kernel computes for `fusion` (`norm` given for the norm fusions, `residual` for residual),
+    in ATen ops the way the model computes it."""
+    if norm is not None:
+        xf = x.float()
+        x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * norm
+    y = F.linear(x, w)
+    if fusion == "norm_gate":
+        a, b = y.chunk(2, dim=-1)
+        y = F.silu(a) * b
+    return y if residual is None else residual + y
 
 
 def graph_seconds(calls: Callable[[], None], reps: int = 15) -> float:
@@ -167,35 +234,59 @@ def graph_seconds(calls: Callable[[], None], reps: int = 15) -> float:
     return times[len(times) // 2]
 
 
-def select(weights: Sequence[Tensor], rows: int, reps: int = 15) -> dict[str, Any]:
+def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int = 15) -> dict[str, Any]:
     """Time cuBLAS and every candidate for `rows` x weight^T over `weights` (all of one shape, e.g.
     every layer's QKV matrix: distinct tensors, so none is served from L2 as in a real step).
 
-    Returns {"choice": "cublas" | config name, "cublas_us", "candidates": {name: us | error}}, per call.
-    A candidate whose result differs from cuBLAS's beyond bf16 rounding is refused, never chosen."""
+    The candidates run with `fusion` (what the decode graph will ask of them). What they replace is
+    timed the way the graph would run it without them: for a fused call site, `reference` (the norm,
+    the cuBLAS matmul, the gating or the add) compiled by Inductor, as `unfused_us`; for a plain one,
+    cuBLAS alone. Returns {"choice": "cublas" | config name, "cublas_us", ["unfused_us",] "fusion",
+    "candidates": {name: us | error}}, per call. A candidate whose result differs from the ATen
+    reference beyond bf16 rounding is refused, never chosen."""
     w0 = weights[0]
     x = torch.randn(rows, w0.shape[1], device=w0.device, dtype=w0.dtype)
-    ys = [torch.empty(rows, w0.shape[0], device=w0.device, dtype=w0.dtype) for _ in weights]
-    ref = F.linear(x, w0).float()
+    norm = torch.rand(w0.shape[1], device=w0.device, dtype=w0.dtype) + 0.5 if fusion in ("norm", "norm_gate") else None
+    width = output_columns(w0, fusion == "norm_gate")
+    residual = torch.randn(rows, width, device=w0.device, dtype=w0.dtype) if fusion == "residual" else None
+    ys = [torch.empty(rows, width, device=w0.device, dtype=w0.dtype) for _ in weights]
+    ref = reference(x, w0, fusion, norm, 1e-5, residual).float()
+
+    def launch(w: Tensor, y: Tensor, config: MatmulConfig) -> Tensor:
+        return decode_matmul(x, w, config, out=y, norm=norm, eps=1e-5, gate=fusion == "norm_gate", residual=residual)
 
     def cublas() -> None:
         for w in weights:
             F.linear(x, w)
 
     per_call = len(weights)
-    result: dict[str, Any] = {"cublas_us": graph_seconds(cublas, reps) / per_call * 1e6, "candidates": {}}
+    result: dict[str, Any] = {"cublas_us": graph_seconds(cublas, reps) / per_call * 1e6, "fusion": fusion,
+                              "candidates": {}}
     best, best_us = "cublas", result["cublas_us"]
+    if fusion != "none":
+        # Inductor compiles each shape once (dynamic=False): a build selects up to 5 per batch bucket
+        try:
+            with torch._dynamo.config.patch(recompile_limit=256):
+                unfused = torch.compile(reference, dynamic=False, fullgraph=True)
+
+                def inductor() -> None:
+                    for w in weights:
+                        unfused(x, w, fusion, norm, 1e-5, residual)
+
+                result["unfused_us"] = best_us = graph_seconds(inductor, reps) / per_call * 1e6
+        except Exception as e:  # then the fused kernel must beat cuBLAS's matmul alone
+            result["unfused_us"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     for config in candidates(rows):
         try:
-            y0 = decode_matmul(x, w0, config, out=ys[0])
+            y0 = launch(w0, ys[0], config)
             err = ((y0.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
             if not err <= 2e-2:
-                result["candidates"][config.name] = f"refused: max relative error {err:.3g} against cuBLAS"
+                result["candidates"][config.name] = f"refused: max relative error {err:.3g} against ATen"
                 continue
 
             def triton_calls(config: MatmulConfig = config) -> None:
-                for w, y in zip(weights, ys):
-                    decode_matmul(x, w, config, out=y)
+                for w, y in zip(weights, ys, strict=True):
+                    launch(w, y, config)
 
             us = graph_seconds(triton_calls, reps) / per_call * 1e6
         except Exception as e:  # a configuration that does not compile here is a measurement too

@@ -113,27 +113,6 @@ def kv_cache_shape(cfg: LlamaConfig, max_batch_size: int, max_seq_len: int) -> t
     return (max_batch_size, cfg.num_kv_heads, max_seq_len + 1, cfg.head_dim)
 
 
-class Linear(nn.Linear):
-    """nn.Linear that a decode graph can route through trtbuild's decode matmul kernel.
-
-    `decode_config` (a `decode_matmul.MatmulConfig`, None by default) is set by the backend only
-    while it exports a decode graph, for the weight shapes where the build's tactic selection measured
-    the kernel faster than cuBLAS; prefill and every CPU build keep F.linear. The weight stays the
-    module's own parameter, so the state dict and the runtime constants are unchanged."""
-
-    decode_config: Any = None
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.decode_config is None:
-            return super().forward(x)
-        from trtbuild.models.decode_matmul import decode_matmul_op  # needs Triton: CUDA builds only
-
-        c = self.decode_config
-        y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, c.block_n, c.block_k, c.warps, c.stages)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -145,6 +124,50 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
+class Linear(nn.Linear):
+    """nn.Linear that a decode graph can route through trtbuild's decode matmul kernel.
+
+    It is called with the operations around it in the block (the RMSNorm before it, the SiLU gating of
+    its output's halves, the residual add after it), which it applies itself: in ATen ops by default,
+    inside the kernel when the backend routes it there. `fusion` says which of these its call site
+    passes (one of `decode_matmul.FUSIONS`), so the build can time the kernel as it will run.
+
+    `decode_config` (a `decode_matmul.MatmulConfig`, None by default) is set by the backend only while
+    it exports a decode graph, for the weight shapes where the build's tactic selection measured the
+    kernel faster than cuBLAS; `decode_fused` then says whether the kernel also does the fusion (not
+    with a bias, or when options.decode_fusion is off). Prefill and every CPU build keep F.linear. The
+    weight stays the module's own parameter, so the state dict and the runtime constants are unchanged."""
+
+    decode_config: Any = None
+    decode_fused: bool = False
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fusion: str = "none") -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.fusion = fusion
+
+    def forward(self, x: Tensor, norm: RMSNorm | None = None, gate: bool = False, residual: Tensor | None = None) -> Tensor:
+        c = self.decode_config
+        if c is not None:
+            from trtbuild.models.decode_matmul import decode_matmul_op  # needs Triton: CUDA builds only
+        if c is not None and self.decode_fused:
+            y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, None if norm is None else norm.weight,
+                                 None if residual is None else residual.reshape(-1, residual.shape[-1]),
+                                 0.0 if norm is None else norm.eps, gate, c.block_n, c.block_k, c.warps, c.stages)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        if norm is not None:
+            x = norm(x)
+        if c is None:
+            y = super().forward(x)
+        else:
+            y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, None, None, 0.0, False,
+                                 c.block_n, c.block_k, c.warps, c.stages).view(*x.shape[:-1], self.out_features)
+            y = y if self.bias is None else y + self.bias
+        if gate:
+            a, b = y.chunk(2, dim=-1)
+            y = F.silu(a) * b
+        return y if residual is None else residual + y
+
+
 class Attention(nn.Module):
     # Set by the backend only while it exports a decode graph that uses trtbuild's decode attention
     # kernel (options.decode_attention); prefill, CPU builds and eager runs keep `_cached_attention`.
@@ -154,15 +177,16 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.wqkv = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
-        self.wo = Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+        self.wqkv = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias, fusion="norm")
+        self.wo = Linear(q, cfg.hidden_size, bias=cfg.o_bias, fusion="residual")
 
     def forward(self, x: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                from_start: bool, span: Tensor | None) -> Tensor:
+                from_start: bool, span: Tensor | None, norm: RMSNorm, residual: Tensor) -> Tensor:
+        """residual + attention(norm(x)): the norm and the add are the projections' (see Linear)."""
         c = self.cfg
         b, t, _ = x.shape
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.wqkv(x, norm=norm).split([q_size, kv_size, kv_size], dim=-1)
         q_rows = apply_rope(q.view(b, t, c.num_heads, c.head_dim), table)  # (B, T, H, D)
         q = q_rows.transpose(1, 2)
         k = apply_rope(k.view(b, t, c.num_kv_heads, c.head_dim), table).transpose(1, 2)
@@ -186,10 +210,10 @@ class Attention(nn.Module):
             from trtbuild.models.decode_attention import decode_attention_op  # needs Triton: CUDA builds only
 
             # reads slots 0..pos of the whole cache buffer itself, so the window (span) is not needed
-            return self.wo(decode_attention_op(q_rows, k_cache, v_cache, pos).reshape(b, t, q_size))
+            return self.wo(decode_attention_op(q_rows, k_cache, v_cache, pos).reshape(b, t, q_size), residual=residual)
         else:
             y = _cached_attention(q, k_cache[:b], v_cache[:b], pos, span)
-        return self.wo(y.transpose(1, 2).reshape(b, t, q_size))
+        return self.wo(y.transpose(1, 2).reshape(b, t, q_size), residual=residual)
 
 
 def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span: Tensor | None) -> Tensor:
@@ -222,12 +246,12 @@ def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span
 class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, fusion="norm_gate")
+        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, fusion="residual")
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: Tensor, norm: RMSNorm, residual: Tensor) -> Tensor:
+        """residual + w2(silu(gate) * up), [gate | up] = w13(norm(x))."""
+        return self.w2(self.w13(x, norm=norm, gate=True), residual=residual)
 
 
 class Block(nn.Module):
@@ -240,8 +264,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
                 from_start: bool, span: Tensor | None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), table, pos, k_cache, v_cache, from_start, span)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = self.attention(x, table, pos, k_cache, v_cache, from_start, span, self.attention_norm, x)
+        return self.feed_forward(h, self.ffn_norm, h)
 
 
 class Transformer(nn.Module):
@@ -261,7 +285,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.output = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.output = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, fusion="norm")
         self.register_buffer("rope", rope_table(cfg, max_seq_len), persistent=False)
         shape = kv_cache_shape(cfg, max_batch_size, max_seq_len)
         for i in range(cfg.num_layers):
@@ -275,8 +299,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, table, input_pos, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), from_start,
                       span)
-        x = self.norm(x if all_logits else x[:, -1])
-        return self.output(x)
+        return self.output(x if all_logits else x[:, -1], norm=self.norm)
 
 
 class Step(nn.Module):
