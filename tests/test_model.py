@@ -210,3 +210,18 @@ def test_a_generation_prepares_only_the_windows_its_positions_decode_in() -> Non
     assert windows_between(windows, 4000, 4095) == [4096]
     assert windows_between(windows, 10, 10) == []  # one new token: no decode step, nothing to capture
 
+
+
+@pytest.mark.parametrize("vocab", [100, 4096, 128256])
+def test_greedy_token_is_argmax_ties_included(vocab: int) -> None:
+    """The chunked argmax of the compiled graphs picks argmax's index: vocabularies smaller than a
+    chunk, a multiple of it and neither; the maximum repeated in one chunk and across chunks."""
+    from trtbuild.models.llama import greedy_token
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g).to(torch.bfloat16)  # bf16: ties happen
+    logits[1, [vocab // 3, vocab // 2, vocab - 1]] = 50.0  # the first of three, in different chunks
+    logits[2, [vocab - 2, vocab - 1]] = 50.0  # two in the last (padded) chunk
+    logits[3] = 1.0  # all equal: index 0
+    assert torch.equal(greedy_token(logits), logits.argmax(-1, keepdim=True))
+    assert greedy_token(logits)[1].item() == vocab // 3
