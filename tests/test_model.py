@@ -225,3 +225,16 @@ def test_greedy_token_is_argmax_ties_included(vocab: int) -> None:
     logits[3] = 1.0  # all equal: index 0
     assert torch.equal(greedy_token(logits), logits.argmax(-1, keepdim=True))
     assert greedy_token(logits)[1].item() == vocab // 3
+
+
+def test_decode_fusion_is_opt_in_and_never_for_a_linear_with_a_bias() -> None:
+    """What each Linear asks of the decode matmul kernel, and the plan's keys as recorded for the
+    compile workers (which parse them back)."""
+    from trtbuild.backends.decode_kernels import fusion_of, key_name, parse_key
+    from trtbuild.models.llama import Linear
+
+    qkv, qkv_bias = Linear(32, 64, bias=False, fusion="norm"), Linear(32, 64, bias=True, fusion="norm")
+    assert [fusion_of(qkv, "none"), fusion_of(qkv, "fused"), fusion_of(qkv_bias, "fused")] == ["none", "norm", "none"]
+    for key in [(64, 32, "none"), (96, 32, "norm_gate"), (32, 48, "residual")]:
+        assert parse_key(key_name(key)) == key
+    assert key_name((64, 32, "none")) == "64x32" and key_name((96, 32, "norm_gate")) == "96x32+norm_gate"

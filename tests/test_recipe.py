@@ -233,9 +233,10 @@ def test_backend_checks_its_own_options() -> None:
     for mode in ("auto", "aten", "kernel"):
         parse_recipe(tiny_recipe_doc(options={"decode_attention": mode}), Path("r.yaml"))
     # YAML reads a bare `off` as False: the mode is `none`, and the error says so
-    assert ("options.decode_fusion: expected one of auto, none, got False"
+    assert ("options.decode_fusion: expected one of none, fused, got False"
             in problems_of(tiny_recipe_doc(options={"decode_fusion": False})))
-    parse_recipe(tiny_recipe_doc(options={"decode_fusion": "none"}), Path("r.yaml"))
+    for mode in ("none", "fused"):
+        parse_recipe(tiny_recipe_doc(options={"decode_fusion": mode}), Path("r.yaml"))
 
 
 @pytest.mark.parametrize("mutate, expected", [

@@ -37,7 +37,7 @@ class TorchAOTIBackend:
         problems = [f"options.{k}: unknown option for backend torch (known: {', '.join(decode_kernels.OPTIONS)})"
                     for k in recipe.options if k not in decode_kernels.OPTIONS]
         for name, modes in decode_kernels.OPTIONS.items():
-            if recipe.options.get(name, "auto") not in modes:
+            if recipe.options.get(name, modes[0]) not in modes:
                 problems.append(f"options.{name}: expected one of {', '.join(modes)}, got {recipe.options[name]!r}")
         if recipe.options.get("decode_matmul") == "kernel" and recipe.tactics_level == "none":
             problems.append("options.decode_matmul: 'kernel' picks its configuration by timing, which tactics "
@@ -98,7 +98,7 @@ class TorchAOTIBackend:
         with inductor_caches(job.tactics.path):
             plan, matmuls = decode_kernels.matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
                                                        recipe.options.get("decode_matmul", "auto"), device, job,
-                                                       recipe.options.get("decode_fusion", "auto"))
+                                                       recipe.options.get("decode_fusion", "none"))
         phases["select_matmuls_s"] = time.perf_counter() - t
         attention = decode_kernels.attention_plan(cfg, dtype, recipe.options.get("decode_attention", "auto"), device)
 

@@ -134,9 +134,10 @@ class Linear(nn.Linear):
 
     `decode_config` (a `decode_matmul.MatmulConfig`, None by default) is set by the backend only while
     it exports a decode graph, for the weight shapes where the build's tactic selection measured the
-    kernel faster than cuBLAS; `decode_fused` then says whether the kernel also does the fusion (not
-    with a bias, or when options.decode_fusion is off). Prefill and every CPU build keep F.linear. The
-    weight stays the module's own parameter, so the state dict and the runtime constants are unchanged."""
+    kernel faster than cuBLAS; `decode_fused` then says whether the kernel also does the fusion (only
+    with options.decode_fusion fused, never with a bias). Prefill and every CPU build keep F.linear.
+    The weight stays the module's own parameter, so the state dict and the runtime constants are
+    unchanged."""
 
     decode_config: Any = None
     decode_fused: bool = False
