@@ -238,3 +238,27 @@ def test_decode_fusion_is_opt_in_and_never_for_a_linear_with_a_bias() -> None:
     for key in [(64, 32, "none"), (96, 32, "norm_gate"), (32, 48, "residual")]:
         assert parse_key(key_name(key)) == key
     assert key_name((64, 32, "none")) == "64x32" and key_name((96, 32, "norm_gate")) == "96x32+norm_gate"
+
+
+def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_kernel_alone() -> None:
+    """The plan's choice per call site, from the selection's timings (µs; numbers of the H200's eighth session)."""
+    from trtbuild.backends.decode_kernels import pick
+
+    def timings(fusion: str, choice: str, cublas: float, unfused: float | None, **candidates: float | str) -> dict:
+        return {"fusion": fusion, "choice": choice, "cublas_us": cublas, "candidates": candidates,
+                **({} if unfused is None else {"unfused_us": unfused})}
+
+    # 8B QKV at batch 8: the fused norm lost to cuBLAS + Inductor's norm, the kernel alone + that norm wins
+    qkv = timings("norm", "cublas", 15.76, 17.68, fused=31.64, broken="failed: OutOfResources")
+    assert pick(qkv, timings("none", "plain", 15.53, None, plain=14.79), "auto") == ("plain", False)
+    assert pick(qkv, None, "auto") == ("cublas", False)
+    assert pick(qkv, None, "kernel") == ("fused", True)  # kernel mode: the fused kernel, fastest configuration
+    # 1B output projection at batch 1: the fused residual add beats the kernel alone + Inductor's add
+    out = timings("residual", "fused", 6.24, 7.45, fused=5.76)
+    assert pick(out, timings("none", "plain", 6.23, None, plain=5.51), "auto") == ("fused", True)
+    # no Inductor timing of the unfused code (its compile failed): the selection's own choice stands
+    failed = timings("residual", "fused", 6.24, None, fused=5.76) | {"unfused_us": "failed: BackendCompilerFailed"}
+    assert pick(failed, timings("none", "plain", 6.23, None, plain=1.0), "auto") == ("fused", True)
+    # a call site without fusion: cuBLAS or the kernel, as timed
+    assert pick(timings("none", "cublas", 18.06, None, plain=18.38), None, "auto") == ("cublas", False)
+    assert pick(timings("none", "cublas", 1.0, None, broken="failed: x"), None, "kernel") == (None, False)

@@ -97,26 +97,64 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
             continue
         for (n, k, fusion), weights in by_shape.items():
-            identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
-                        "fusion": fusion,
-                        "kernel": dm.source_digest(), "candidates": [c.name for c in dm.candidates(rows)]}
-            digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-            cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
-            if cached.is_file():
-                result = json.loads(cached.read_text()) | {"reused": True}
-            else:
-                job.progress(f"timing decode matmuls for batch {rows}, {key_name((n, k, fusion))} ({len(weights)} "
-                             f"matrices): cuBLAS and {len(dm.candidates(rows))} kernel configurations")
-                result = dm.select(weights, rows, fusion)
-                write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
-            choice = dm.fastest_kernel(result) if mode == "kernel" else result["choice"]
+            result = _timings(dm, job, weights, rows, (n, k, fusion), write_atomic)
+            # a fused call site may still be best served by the kernel alone, with Inductor's ops around it
+            plain = (_timings(dm, job, weights, rows, (n, k, "none"), write_atomic)
+                     if fusion != "none" and mode == "auto" else None)
+            choice, fused = pick(result, plain, mode)
             if choice is None:
                 raise TrtbuildError(f"options.decode_matmul: 'kernel', but no configuration of the kernel ran "
                                     f"correctly for batch {rows} and a {n}x{k} weight: {result['candidates']}")
-            record.setdefault(f"decode_b{rows}", {})[key_name((n, k, fusion))] = result | {"used": choice}
+            record.setdefault(f"decode_b{rows}", {})[key_name((n, k, fusion))] = result | {"used": choice, "fused": fused}
             if choice != "cublas":
-                plan.setdefault(rows, {})[(n, k, fusion)] = dm.MatmulConfig.parse(choice)
+                plan.setdefault(rows, {})[(n, k, fusion if fused else "none")] = dm.MatmulConfig.parse(choice)
     return plan, record
+
+
+def fastest(result: dict[str, Any]) -> str | None:
+    """The fastest configuration that ran correctly in a `select` result, whether or not it beat cuBLAS."""
+    timed = {name: us for name, us in result["candidates"].items() if isinstance(us, float)}
+    return min(timed, key=timed.__getitem__) if timed else None
+
+
+def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str) -> tuple[str | None, bool]:
+    """(configuration or "cublas", whether the kernel also does the fusion) for one call site, from its
+    `select` result and, for a fused call site, the result of the same shape without the fusion.
+
+    Three ways to run a fused call site: cuBLAS with Inductor's ops around it (`unfused_us`), the fused
+    kernel, or the kernel alone with Inductor's ops around it (its time + unfused_us - cublas_us). The
+    third is there because on the H200 the fused norm doubled the kernel's time on its tensor-core path
+    while the plain kernel still beat cuBLAS (RESULTS.md, eighth session). `kernel` mode takes the
+    fastest fused configuration (None if none ran)."""
+    fused = result.get("fusion", "none") != "none"
+    if mode == "kernel":
+        return fastest(result), fused
+    choice = result["choice"]
+    if plain is None or not isinstance(result.get("unfused_us"), float) or (alone := fastest(plain)) is None:
+        return choice, fused and choice != "cublas"
+    best = result["unfused_us"] if choice == "cublas" else result["candidates"][choice]
+    if plain["candidates"][alone] + result["unfused_us"] - result["cublas_us"] < best:
+        return alone, False
+    return choice, choice != "cublas"
+
+
+def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey, write_atomic: Any) -> dict[str, Any]:
+    """`decode_matmul.select` for one weight shape and fusion, kept in the tactic cache under the shape,
+    fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or another recipe
+    of the same shapes) measures nothing."""
+    n, k, fusion = key
+    identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
+                "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in dm.candidates(rows)]}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
+    if cached.is_file():
+        result: dict[str, Any] = json.loads(cached.read_text()) | {"reused": True}
+        return result
+    job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
+                 f"cuBLAS and {len(dm.candidates(rows))} kernel configurations")
+    result = dm.select(weights, rows, fusion)
+    write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
+    return result
 
 
 def fusion_of(linear: Any, mode: str) -> str:
