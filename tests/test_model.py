@@ -262,3 +262,62 @@ def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_
     # a call site without fusion: cuBLAS or the kernel, as timed
     assert pick(timings("none", "cublas", 18.06, None, plain=18.38), None, "auto") == ("cublas", False)
     assert pick(timings("none", "cublas", 1.0, None, broken="failed: x"), None, "kernel") == (None, False)
+
+
+def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """matmul_plan end to end with a stand-in for the Triton module (the real one needs a GPU): the call
+    sites are grouped by shape and fusion, each timed once and kept in the tactic cache, and the plan
+    holds the fused kernel, the kernel alone or nothing, as `pick` decides. A rebuild times nothing."""
+    import sys
+    import types
+    from dataclasses import dataclass as dc
+
+    from trtbuild.backends.decode_kernels import matmul_plan
+    from trtbuild.models.llama import LlamaConfig
+
+    @dc(frozen=True)
+    class Config:
+        name: str
+
+        @classmethod
+        def parse(cls, name: str) -> "Config":
+            return cls(name)
+
+    timed: list[tuple[int, int, str]] = []
+
+    def select(weights: list[Tensor], rows: int, fusion: str) -> dict[str, Any]:
+        n, k = weights[0].shape
+        timed.append((n, k, fusion))
+        fused = fusion != "none"
+        # QKV (norm): the fused kernel is slow, the plain one fast; everything else: the fused kernel wins
+        slow = fusion == "norm" and n == 64
+        return {"fusion": fusion, "cublas_us": 10.0, "choice": "cublas" if slow else "k", "candidates":
+                {"k": 20.0 if slow else (8.0 if fused else 9.5)}, **({"unfused_us": 12.0} if fused else {})}
+
+    fake = types.SimpleNamespace(MAX_ROWS=16, MatmulConfig=Config, select=select, source_digest=lambda: "src",
+                                 candidates=lambda rows: [Config("k")])
+    monkeypatch.setitem(sys.modules, "trtbuild.models.decode_matmul", fake)
+    import trtbuild.models
+
+    monkeypatch.setattr(trtbuild.models, "decode_matmul", fake, raising=False)
+    cfg = LlamaConfig.from_hf(dict(TINY_CONFIG))
+    model = Transformer(cfg, max_batch_size=2, max_seq_len=16, dtype=torch.float32)
+    job = types.SimpleNamespace(tactics=types.SimpleNamespace(path=tmp_path), progress=lambda message: None)
+    plan, record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "fused")  # type: ignore[arg-type]
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    shapes = [(qkv, d), (d, d), (2 * f, d), (d, f), (cfg.vocab_size, d)]
+    assert qkv == 64  # the shape `select` above makes slow when fused
+    # QKV: 20 fused vs 12 cuBLAS + ops vs 9.5 + (12 - 10) = 11.5 for the kernel alone with Inductor's norm
+    assert {key: c.name for key, c in plan[1].items()} == {
+        (qkv, d, "none"): "k", (d, d, "residual"): "k", (2 * f, d, "norm_gate"): "k", (d, f, "residual"): "k",
+        (cfg.vocab_size, d, "norm"): "k"}
+    assert record["decode_b1"][f"{qkv}x{d}+norm"]["fused"] is False
+    # each call site group timed once with its fusion and once without, for `pick`; this config's LM head
+    # and gate/up share a shape (128x32) but not a layer count, so each has its own timing
+    fusions = ["norm", "residual", "norm_gate", "residual", "norm"]
+    assert sorted(timed) == sorted([(n, k, x) for (n, k), fusion in zip(shapes, fusions, strict=True) for x in (fusion, "none")])
+    timed.clear()
+    again, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "fused")  # type: ignore[arg-type]
+    assert again == plan and timed == []  # every timing from the tactic cache

@@ -79,7 +79,6 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             raise TrtbuildError(f"options.decode_matmul: 'kernel' needs Triton, which does not import here ({e})") from e
         return {}, {"note": f"cuBLAS for every matmul: the decode kernel needs Triton ({e})"}
     from trtbuild.models.llama import Linear
-    from trtbuild.tactics import write_atomic
 
     by_shape: dict[MatmulKey, list[Any]] = {}
     for mod in model.modules():
@@ -97,9 +96,9 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
             continue
         for (n, k, fusion), weights in by_shape.items():
-            result = _timings(dm, job, weights, rows, (n, k, fusion), write_atomic)
+            result = _timings(dm, job, weights, rows, (n, k, fusion))
             # a fused call site may still be best served by the kernel alone, with Inductor's ops around it
-            plain = (_timings(dm, job, weights, rows, (n, k, "none"), write_atomic)
+            plain = (_timings(dm, job, weights, rows, (n, k, "none"))
                      if fusion != "none" and mode == "auto" else None)
             choice, fused = pick(result, plain, mode)
             if choice is None:
@@ -138,10 +137,12 @@ def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str) -> tup
     return choice, choice != "cublas"
 
 
-def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey, write_atomic: Any) -> dict[str, Any]:
+def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey) -> dict[str, Any]:
     """`decode_matmul.select` for one weight shape and fusion, kept in the tactic cache under the shape,
     fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or another recipe
-    of the same shapes) measures nothing."""
+    of the same shapes) measures nothing. `dm` is the decode_matmul module (it needs Triton)."""
+    from trtbuild.tactics import write_atomic
+
     n, k, fusion = key
     identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
                 "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in dm.candidates(rows)]}
