@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from trtbuild.models.decode_matmul import MatmulConfig, decode_matmul, fastest_kernel, graph_seconds, select  # noqa: E402
+from trtbuild.backends.decode_kernels import fastest  # noqa: E402
+from trtbuild.models.decode_matmul import MatmulConfig, decode_matmul, graph_seconds, select  # noqa: E402
 from trtbuild.models.llama import LlamaConfig  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 
@@ -64,7 +65,7 @@ def probe_recipe(path: str, batches: list[int], reps: int) -> dict[str, Any]:
             row = {"n": n, "k": k, "calls": len(weights[name])} | select(weights[name], m, reps=reps)
             nbytes = n * k * 2
             row["cublas_TBps"] = nbytes / row["cublas_us"] / 1e6
-            best = fastest_kernel(row)
+            best = fastest(row)
             row["triton_best"] = {"config": best, "us": row["candidates"][best],
                                   "TBps": nbytes / row["candidates"][best] / 1e6} if best else None
             choice[name] = row["choice"]

@@ -111,7 +111,8 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
 
 
 def fastest(result: dict[str, Any]) -> str | None:
-    """The fastest configuration that ran correctly in a `select` result, whether or not it beat cuBLAS."""
+    """The fastest configuration that ran correctly in a `decode_matmul.select` result, whether or not it
+    beat cuBLAS."""
     timed = {name: us for name, us in result["candidates"].items() if isinstance(us, float)}
     return min(timed, key=timed.__getitem__) if timed else None
 

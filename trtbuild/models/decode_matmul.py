@@ -275,7 +275,7 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
 
                 result["unfused_us"] = best_us = graph_seconds(inductor, reps) / per_call * 1e6
         except Exception as e:  # then the fused kernel must beat cuBLAS's matmul alone
-            result["unfused_us"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            result["unfused_us"] = _failure(e)
     for config in candidates(rows):
         try:
             y0 = launch(w0, ys[0], config)
@@ -290,7 +290,7 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
 
             us = graph_seconds(triton_calls, reps) / per_call * 1e6
         except Exception as e:  # a configuration that does not compile here is a measurement too
-            result["candidates"][config.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            result["candidates"][config.name] = _failure(e)
             continue
         result["candidates"][config.name] = us
         if us < best_us:
@@ -299,7 +299,7 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
     return result
 
 
-def fastest_kernel(result: dict[str, Any]) -> str | None:
-    """The fastest configuration that ran correctly in a `select` result, whether or not it beat cuBLAS."""
-    timed = {name: us for name, us in result["candidates"].items() if isinstance(us, float)}
-    return min(timed, key=timed.__getitem__) if timed else None
+def _failure(e: Exception) -> str:
+    """A timing that could not be taken, as the selection records it: the error's type and first line."""
+    first = str(e).splitlines()[0][:120] if str(e) else ""
+    return f"failed: {type(e).__name__}: {first}"

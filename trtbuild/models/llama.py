@@ -147,26 +147,29 @@ class Linear(nn.Linear):
         self.fusion = fusion
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gate: bool = False, residual: Tensor | None = None) -> Tensor:
-        c = self.decode_config
-        if c is not None:
-            from trtbuild.models.decode_matmul import decode_matmul_op  # needs Triton: CUDA builds only
-        if c is not None and self.decode_fused:
-            y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, None if norm is None else norm.weight,
-                                 None if residual is None else residual.reshape(-1, residual.shape[-1]),
-                                 0.0 if norm is None else norm.eps, gate, c.block_n, c.block_k, c.warps, c.stages)
-            return y.view(*x.shape[:-1], y.shape[-1])
+        if self.decode_config is not None and self.decode_fused:
+            return self._kernel(x, norm, gate, residual)
         if norm is not None:
             x = norm(x)
-        if c is None:
+        if self.decode_config is None:
             y = super().forward(x)
         else:
-            y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, None, None, 0.0, False,
-                                 c.block_n, c.block_k, c.warps, c.stages).view(*x.shape[:-1], self.out_features)
+            y = self._kernel(x)
             y = y if self.bias is None else y + self.bias
         if gate:
             a, b = y.chunk(2, dim=-1)
             y = F.silu(a) * b
         return y if residual is None else residual + y
+
+    def _kernel(self, x: Tensor, norm: RMSNorm | None = None, gate: bool = False, residual: Tensor | None = None) -> Tensor:
+        """trtbuild's decode matmul with `decode_config`, doing whichever of norm, gate and residual it is given."""
+        from trtbuild.models.decode_matmul import decode_matmul_op  # needs Triton: CUDA builds only
+
+        c = self.decode_config
+        y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, None if norm is None else norm.weight,
+                             None if residual is None else residual.reshape(-1, residual.shape[-1]),
+                             0.0 if norm is None else norm.eps, gate, c.block_n, c.block_k, c.warps, c.stages)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class Attention(nn.Module):
