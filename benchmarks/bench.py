@@ -159,6 +159,8 @@ def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: l
 ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode matmul kernel"),
                    "kernel": ("decode_matmul", "kernel", "trtbuild's decode matmul kernel for every matmul"),
                    "aten-attention": ("decode_attention", "aten", "no trtbuild decode attention kernel"),
+                   "attention-unfused": ("decode_attention", "kernel-unfused",
+                                         "trtbuild's attention kernel without rope and the cache writes"),
                    "fused": ("decode_fusion", "fused", "decode matmul kernel fused with the norms, gating and residual adds")}
 
 
@@ -493,7 +495,8 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma list of {', '.join(VARIANTS)}, engine@LEVEL (the recipe at tactics level LEVEL), "
                          "engine@cublas / engine@kernel (options.decode_matmul), "
-                         "engine@aten-attention (options.decode_attention), engine@fused (options.decode_fusion), "
+                         "engine@aten-attention / engine@attention-unfused (options.decode_attention), "
+                         "engine@fused (options.decode_fusion), "
                          "engine@serial (every graph compiled in the build process, in a fresh store)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")

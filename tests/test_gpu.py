@@ -130,22 +130,24 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
                for r in shapes.values())
 
 
-def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_eager(tmp_path: Path) -> None:
-    """options.decode_attention kernel on a bf16 model with head_dim 16 (the kernel's smallest): the
-    decode graphs call trtbuild's attention kernel, prefill keeps SDPA, and the leading tokens are the
-    eager model's, across two cache windows and at both batch sizes."""
+@pytest.mark.parametrize("mode", ["kernel", "kernel-unfused"])
+def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_eager(tmp_path: Path, mode: str) -> None:
+    """options.decode_attention kernel (rope and the cache writes in the kernel) and kernel-unfused on a
+    bf16 model with head_dim 16 (the kernel's smallest): the decode graphs call trtbuild's attention
+    kernel, prefill keeps SDPA, and the leading tokens are the eager model's, across two cache windows and
+    at both batch sizes (so the cache the kernel writes is what later steps and windows read)."""
     import json
 
     from .conftest import TINY_CONFIG
 
-    doc = tiny_recipe_doc(precision="bf16", options={"decode_attention": "kernel", "decode_matmul": "cublas"},
+    doc = tiny_recipe_doc(precision="bf16", options={"decode_attention": mode, "decode_matmul": "cublas"},
                           shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
     doc["model"]["config"] = {**TINY_CONFIG, "hidden_size": 64}  # 4 heads of 16
     recipe = load_recipe(write_recipe(tmp_path, doc))
     outcome = build(recipe, tmp_path / "store")
-    assert outcome.entry.manifest["tactics"]["decode_attention"]["used"] == "kernel"
+    assert outcome.entry.manifest["tactics"]["decode_attention"]["used"] == mode
     engine = json.loads((outcome.entry.path / "engine.json").read_text())
-    assert [engine["graphs"][g].get("attention") for g in ("prefill", "decode_b1", "decode_b2")] == [None, "kernel", "kernel"]
+    assert [engine["graphs"][g].get("attention") for g in ("prefill", "decode_b1", "decode_b2")] == [None, mode, mode]
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
         got = session.generate(prompts, 24)

@@ -35,6 +35,65 @@ def test_decode_attention_matches_the_masked_attention_of_the_model(
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("batch", "heads", "kv_heads", "pos"), [(1, 8, 2, 0), (2, 8, 2, 40), (3, 6, 2, 250)])
+def test_decode_attention_with_rope_rotates_writes_the_cache_and_attends_as_the_model_does(
+        batch: int, heads: int, kv_heads: int, pos: int) -> None:
+    """From the QKV projection's output: the query and new key rotated by the table's row for pos, the new
+    key and value stored at slot pos of the first `batch` sequences (every other slot untouched), and the
+    attention over slots 0..pos the model's ATen code computes after its own rope and cache writes."""
+    from trtbuild.models.decode_attention import decode_attention_rope
+    from trtbuild.models.llama import LlamaConfig, _cached_attention, apply_rope, rope_table
+
+    d, slots = 16, 300
+    cfg = LlamaConfig(vocab_size=8, hidden_size=heads * d, intermediate_size=8, num_layers=1, num_heads=heads,
+                      num_kv_heads=kv_heads, head_dim=d, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                      tie_word_embeddings=True, qkv_bias=False, o_bias=False, mlp_bias=False)
+    rope = rope_table(cfg, slots).to(DEVICE)
+    g = torch.Generator().manual_seed(pos)
+    qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE)
+    k_cache, v_cache = (torch.randn(batch + 1, kv_heads, slots, d, generator=g).to(DEVICE) for _ in range(2))
+    p = torch.tensor([pos], device=DEVICE)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    table = rope[p]
+    q = apply_rope(q.view(batch, 1, heads, d), table)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    k_want[:batch, :, pos] = apply_rope(k.view(batch, 1, kv_heads, d), table)[:, 0]
+    v_want[:batch, :, pos] = v.view(batch, kv_heads, d)
+    want = _cached_attention(q.transpose(1, 2), k_want[:batch], v_want[:batch], p,
+                             torch.arange(pos + 1, device=DEVICE)).transpose(1, 2)
+    got = decode_attention_rope(qkv, rope, k_cache, v_cache, p, heads)
+    torch.testing.assert_close(k_cache, k_want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(v_cache, v_want, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["kernel", "kernel-unfused"])
+def test_decode_steps_through_the_attention_kernel_give_the_logits_of_the_aten_model(attention: str) -> None:
+    """A prompt through the model's ATen path, then decode steps with every Attention routed to the kernel
+    (as a decode graph routes them): the same logits as the unrouted model, step after step, so the cache
+    the kernel writes is the one the next step reads."""
+    from trtbuild.backends.decode_kernels import routed
+    from trtbuild.models.llama import LlamaConfig, Transformer
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
+                      qkv_bias=False, o_bias=False, mlp_bias=False)
+    torch.manual_seed(0)
+    models = [Transformer(cfg, max_batch_size=2, max_seq_len=16, dtype=torch.float32).to(DEVICE) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    prompt = torch.randint(0, 64, (2, 5), device=DEVICE)
+    logits = [m(prompt, torch.arange(5, device=DEVICE), from_start=True) for m in models]
+    for step in range(5, 9):
+        tokens = logits[0].argmax(-1, keepdim=True)
+        pos = torch.tensor([step], device=DEVICE)
+        want = models[0](tokens, pos)
+        with routed(models[1], {}, attention):
+            got = models[1](tokens, pos)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        logits = [want, got]
+    assert models[1].layers[0].attention.decode_kernel == "aten"  # routing ends with the export
+
+
 @pytest.mark.parametrize("fusion", ["none", "norm", "residual", "norm_gate"])
 @pytest.mark.parametrize(("rows", "k"), [(1, 96), (3, 96), (2, 80)])
 def test_decode_matmul_with_each_fusion_matches_the_aten_ops_it_replaces(fusion: str, rows: int, k: int) -> None:

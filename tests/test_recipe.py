@@ -221,7 +221,7 @@ def test_unknown_backend() -> None:
 def test_backend_checks_its_own_options() -> None:
     assert ("options.workspace: unknown option for backend torch (known: decode_matmul, decode_attention, decode_fusion)"
             in problems_of(tiny_recipe_doc(options={"workspace": 1})))
-    assert ("options.decode_attention: expected one of auto, aten, kernel, got 'flash'"
+    assert ("options.decode_attention: expected one of auto, aten, kernel, kernel-unfused, got 'flash'"
             in problems_of(tiny_recipe_doc(options={"decode_attention": "flash"})))
     assert ("options.decode_matmul: expected one of auto, cublas, kernel, got 'triton'"
             in problems_of(tiny_recipe_doc(options={"decode_matmul": "triton"})))
@@ -230,7 +230,7 @@ def test_backend_checks_its_own_options() -> None:
                for p in problems_of(tiny_recipe_doc(options={"decode_matmul": "kernel"}, tactics={"level": "none"})))
     for mode in ("auto", "cublas", "kernel"):
         parse_recipe(tiny_recipe_doc(options={"decode_matmul": mode}, tactics={"level": "default"}), Path("r.yaml"))
-    for mode in ("auto", "aten", "kernel"):
+    for mode in ("auto", "aten", "kernel", "kernel-unfused"):
         parse_recipe(tiny_recipe_doc(options={"decode_attention": mode}), Path("r.yaml"))
     # YAML reads a bare `off` as False: the mode is `none`, and the error says so
     assert ("options.decode_fusion: expected one of none, fused, got False"

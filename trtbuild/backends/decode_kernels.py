@@ -23,9 +23,12 @@ from trtbuild.errors import TrtbuildError
 # shape and batch bucket); cublas = never; kernel = always (its fastest configuration), for A/B runs.
 DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
 # options.decode_attention: auto = trtbuild's decode attention kernel where it can serve the model (a CUDA
-# build of a 16-bit model, head_dim a power of two); aten = the masked attention Inductor compiles from
-# the model code; kernel = the kernel, or a recipe error where it cannot serve.
-DECODE_ATTENTION_MODES = ("auto", "aten", "kernel")
+# build of a 16-bit model, head_dim a power of two), with the rotation of the query and new key and the
+# cache writes in the same launch; aten = the masked attention Inductor compiles from the model code;
+# kernel = the kernel, or a recipe error where it cannot serve; kernel-unfused = the kernel for the
+# attention alone, rope and the cache writes compiled by Inductor (what the kernel did before the
+# ninth session, kept for A/B runs).
+DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
 # options.decode_fusion: none (the default) = the kernel does the matmul alone and Inductor compiles the
 # norms, gating and adds around it; fused = a decode matmul through the kernel also does the RMSNorm
 # before it, the SiLU gating after gate/up, or the residual add after it (one launch instead of two or
@@ -166,7 +169,8 @@ def fusion_of(linear: Any, mode: str) -> str:
 
 
 def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, str]:
-    """Whether the decode graphs use trtbuild's decode attention kernel: {"used": "kernel" | "aten", "note"}."""
+    """Whether the decode graphs use trtbuild's decode attention kernel, and how:
+    {"used": "kernel" | "kernel-unfused" | "aten", "note"}."""
     if mode == "aten":
         return {"used": "aten", "note": "options.decode_attention is aten"}
     why = None if device.startswith("cuda") else "a CPU build"
@@ -178,17 +182,18 @@ def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, st
         else:
             why = decode_attention.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, dtype)
     if why is None:
-        return {"used": "kernel", "note": f"options.decode_attention is {mode}"}
-    if mode == "kernel":
-        raise TrtbuildError(f"options.decode_attention: 'kernel' cannot serve this build: {why}")
+        return {"used": "kernel-unfused" if mode == "kernel-unfused" else "kernel",
+                "note": f"options.decode_attention is {mode}"}
+    if mode.startswith("kernel"):
+        raise TrtbuildError(f"options.decode_attention: {mode!r} cannot serve this build: {why}")
     return {"used": "aten", "note": f"aten: {why}"}
 
 
 @contextlib.contextmanager
-def routed(model: Any, configs: dict[MatmulKey, Any], attention_kernel: bool = False) -> Iterator[None]:
+def routed(model: Any, configs: dict[MatmulKey, Any], attention: str = "aten") -> Iterator[None]:
     """Point each Linear whose (weight shape, fusion) is in `configs` at the decode matmul kernel
     (fused where the key has its fusion, the matmul alone where it has "none"), and each Attention
-    at the decode attention kernel if asked, for one export."""
+    at the decode attention kernel as `attention` says (an Attention.decode_kernel value), for one export."""
     from trtbuild.models.llama import Attention, Linear
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -198,7 +203,7 @@ def routed(model: Any, configs: dict[MatmulKey, Any], attention_kernel: bool = F
         m.decode_config = fused or configs.get((m.out_features, m.in_features, "none"))
         m.decode_fused = fused is not None and m.fusion != "none"
     for a in attentions:
-        a.decode_kernel = attention_kernel
+        a.decode_kernel = attention
     try:
         yield
     finally:
@@ -206,7 +211,7 @@ def routed(model: Any, configs: dict[MatmulKey, Any], attention_kernel: bool = F
             m.decode_config = None
             m.decode_fused = False
         for a in attentions:
-            a.decode_kernel = False
+            a.decode_kernel = "aten"
 
 
 def sources_called(program_text: str) -> str:

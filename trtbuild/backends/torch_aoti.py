@@ -106,7 +106,7 @@ class TorchAOTIBackend:
         for name in ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets)]:
             job.progress(f"exporting {name}")
             graphs[name] = export_graph(model, name, shapes, device, plan.get(_bucket(name), {}),
-                                        attention["used"] == "kernel")
+                                        attention["used"])
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
@@ -121,7 +121,7 @@ class TorchAOTIBackend:
         common = {"folder": str(folder), "precision": recipe.precision, "device": device,
                   "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
-                  "attention_kernel": attention["used"] == "kernel"}
+                  "attention": attention["used"]}
         with inductor_caches(job.tactics.path), record_autotuning(tuned), \
                 compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers, \
                 (compile_workers.timing_alone(job.tactics.path / compile_workers.TIMING_LOCK) if workers_n
@@ -230,17 +230,17 @@ def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str,
 
 
 def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[decode_kernels.MatmulKey, Any],
-                 attention_kernel: bool) -> dict[str, Any]:
+                 attention: str) -> dict[str, Any]:
     """Export one graph: "prefill", or "decode_b<N>" with the decode kernels routed as planned."""
     t = time.perf_counter()
     if name == "prefill":
         ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
         return {"batch": "dynamic", "program": ep, "export_s": time.perf_counter() - t}
-    with decode_kernels.routed(model, matmuls, attention_kernel):
+    with decode_kernels.routed(model, matmuls, attention):
         ep = export_decode(model, _bucket(name), shapes.max_seq_len, device)
     return {"batch": _bucket(name), "program": ep, "window": "dynamic",
             "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
-            "attention": "kernel" if attention_kernel else "aten", "export_s": time.perf_counter() - t}
+            "attention": attention, "export_s": time.perf_counter() - t}
 
 
 def _bucket(graph: str) -> int:

@@ -11,8 +11,13 @@ filled slots, and keeps an online softmax. The second merges the slices' partial
 The filled length is read from the position tensor on the device, not from the graph's shapes: the
 kernel reads exactly slots 0..pos, whatever window the runtime captured the step for.
 
-Registered as the custom op `trtbuild::decode_attention`, which AOTInductor compiles into the decode
-packages. Used for 16-bit models only: its dots run on tensor cores, which would round fp32 to tf32.
+Registered as two custom ops, which AOTInductor compiles into the decode packages:
+`trtbuild::decode_attention_rope` (the default) takes the QKV projection's output as it is and also
+rotates the query and the new key and writes the new key and value into the cache. In the H200 profile
+of a 1B step, those were three Inductor kernels per layer (56 us of 1111 at batch 1, plus their launch
+gaps) for a few kilobytes each; here they are a few loads in programs that run anyway.
+`trtbuild::decode_attention` attends only (options.decode_attention: kernel-unfused, for A/B runs).
+Used for 16-bit models only: its dots run on tensor cores, which would round fp32 to tf32.
 Imported only where Triton and a GPU are present; lives with the model code because its source is
 part of every engine's key.
 """
@@ -55,27 +60,54 @@ def num_splits(batch: int, kv_heads: int) -> int:
 
 
 @triton.jit
-def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
+def _rotate(ptr, cos, sin, d, HALF: tl.constexpr, mask):
+    """One head's row at ptr, rotated in fp32 as `llama.apply_rope` does (half-split layout) and
+    rounded back to the row's dtype; d = arange(D), `mask` broadcast against it (rows of a tile)."""
+    x = tl.load(ptr + d, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(ptr + (d + HALF) % (2 * HALF), mask=mask, other=0.0).to(tl.float32)
+    # first half: x1 * cos - x2 * sin; second half: x2 * cos + x1 * sin
+    return (x * cos + tl.where(d < HALF, -partner, partner) * sin).to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def _partial_kernel(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
                     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                     REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                    SPLITS: tl.constexpr, SCALE: tl.constexpr):
+                    SPLITS: tl.constexpr, SCALE: tl.constexpr, ROPE: tl.constexpr):
     bkv = tl.program_id(0)  # sequence * KV + KV head
     split = tl.program_id(1)
     b = bkv // KV
     kv = bkv % KV
-    # The step's own K and V are already written at slot pos, so slots 0..pos are the ones to read.
-    filled = tl.load(pos_ptr) + 1
+    pos = tl.load(pos_ptr)
+    filled = pos + 1  # slots 0..pos, the step's own included
     per = tl.cdiv(tl.cdiv(filled, SPLITS), BLOCK_S) * BLOCK_S
     start = split * per
     end = tl.minimum(start + per, filled)
     r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, D)
     r_mask = r < REP
-    # query head kv * REP + r uses KV head kv (Hugging Face's repeat_kv order); rows past REP are
-    # padding for the tensor-core dot, masked to zero and never stored
-    q = tl.load(q_ptr + b * stride_qb + (kv * REP + r)[:, None] * stride_qh + d[None, :], mask=r_mask[:, None], other=0.0)
     k_base = k_ptr + b * stride_kb + kv * stride_kh
     v_base = v_ptr + b * stride_vb + kv * stride_vh
+    # query head kv * REP + r uses KV head kv (Hugging Face's repeat_kv order); rows past REP are
+    # padding for the tensor-core dot, masked to zero and never stored
+    q_rows = q_ptr + b * stride_qb + (kv * REP + r)[:, None] * stride_qh
+    if ROPE:
+        # q_ptr is the QKV projection's row [q heads | k heads | v heads] (stride_qh = D): rotate the
+        # query and the new key by the table's row for pos, and store the new key and value in the
+        # cache. The slice that holds slot pos stores them, and uses its registers' copy for that slot
+        # rather than reading back what it stored.
+        j = d % (D // 2)
+        cos = tl.load(rope_ptr + pos * D + 2 * j)
+        sin = tl.load(rope_ptr + pos * D + 2 * j + 1)
+        q = _rotate(q_rows, cos[None, :], sin[None, :], d[None, :], D // 2, r_mask[:, None])
+        new_k = _rotate(q_ptr + b * stride_qb + (KV * REP + kv) * D, cos, sin, d, D // 2, d < D)
+        new_v = tl.load(q_ptr + b * stride_qb + (KV * REP + KV + kv) * D + d)
+        owner = (start <= pos) & (pos < end)
+        tl.store(k_base + pos * stride_ks + d, new_k, mask=(d < D) & owner)
+        tl.store(v_base + pos * stride_vs + d, new_v, mask=(d < D) & owner)
+    else:
+        # the step's own K and V are already in the cache at slot pos
+        q = tl.load(q_rows + d[None, :], mask=r_mask[:, None], other=0.0)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
@@ -83,6 +115,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
         s = s0 + tl.arange(0, BLOCK_S)
         s_mask = s < end
         k = tl.load(k_base + s[:, None] * stride_ks + d[None, :], mask=s_mask[:, None], other=0.0)
+        if ROPE:
+            k = tl.where((s == pos)[:, None], new_k[None, :], k)
         scores = tl.dot(q, tl.trans(k)) * SCALE
         scores = tl.where(s_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -90,6 +124,8 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
         p = tl.exp(scores - m_new[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_base + s[:, None] * stride_vs + d[None, :], mask=s_mask[:, None], other=0.0)
+        if ROPE:
+            v = tl.where((s == pos)[:, None], new_v[None, :], v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     # Partials, unnormalized: a slice past the filled length leaves m = -inf and total = 0, which the
@@ -117,36 +153,57 @@ def _merge_kernel(o_ptr, ml_ptr, y_ptr, KV, stride_yb, stride_yh,
     tl.store(y_ptr + b * stride_yb + h * stride_yh + d, y.to(y_ptr.dtype.element_ty))
 
 
-def _run(partial: object, merge: object, q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> Tensor:
-    b, t, h, d = q.shape
-    kv = k_cache.shape[1]
-    if t != 1 or q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or h % kv:
-        raise ValueError(f"decode_attention takes q [B, 1, H, D] and caches [B', KV, S, D] with contiguous rows, "
-                         f"got {tuple(q.shape)}, {tuple(k_cache.shape)}")
-    rep, splits = h // kv, num_splits(b, kv)
+def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache: Tensor, v_cache: Tensor,
+         pos: Tensor, heads: int) -> Tensor:
+    """q: [B, 1, H, D] after rope, or with `rope` the QKV projection's output [B, 1, (H + 2 KV) D]."""
+    b, t = q.shape[:2]
+    kv, d = k_cache.shape[1], k_cache.shape[3]
+    width = (heads + 2 * kv) * d if rope is not None else d
+    if (t != 1 or q.shape[-1] != width or q.stride(-1) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1
+            or heads % kv):
+        raise ValueError(f"decode_attention takes q [B, 1, H, D] or QKV [B, 1, (H + 2 KV) D] and caches "
+                         f"[B', KV, S, D] with contiguous rows, got {tuple(q.shape)}, {tuple(k_cache.shape)}")
+    rep, splits = heads // kv, num_splits(b, kv)
     block_r = max(16, triton.next_power_of_2(rep))
     o = torch.empty((b * kv, splits, block_r, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((b * kv, splits, block_r, 2), dtype=torch.float32, device=q.device)
-    y = torch.empty_like(q, memory_format=torch.contiguous_format)
+    y = torch.empty((b, 1, heads, d), dtype=q.dtype, device=q.device)
+    stride_qh = d if rope is not None else q.stride(2)
     partial[(b * kv, splits)](  # type: ignore[index]
-        q, k_cache, v_cache, pos, o, ml, kv,
-        q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, rope if rope is not None else pos, k_cache, v_cache, pos, o, ml, kv,
+        q.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         # the scale a compile-time constant: AOTInductor passes a float argument as fp64, which would
         # promote the scores and the running maximum to fp64 (refused by Triton inside the loop)
-        REP=rep, BLOCK_R=block_r, D=d, BLOCK_S=BLOCK_S, SPLITS=splits, SCALE=d**-0.5, num_warps=4)
-    merge[(b * h,)](o, ml, y, kv, y.stride(0), y.stride(2), REP=rep, BLOCK_R=block_r, D=d, SPLITS=splits,  # type: ignore[index]
-                    num_warps=1)
+        REP=rep, BLOCK_R=block_r, D=d, BLOCK_S=BLOCK_S, SPLITS=splits, SCALE=d**-0.5, ROPE=rope is not None,
+        num_warps=4)
+    merge[(b * heads,)](  # type: ignore[index]
+        o, ml, y, kv, y.stride(0), y.stride(2), REP=rep, BLOCK_R=block_r, D=d, SPLITS=splits, num_warps=1)
     return y
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> Tensor:
     """Attention of q [B, 1, H, D] (after rope) at position pos[0] over the caches [B' >= B, KV, S, D],
     reading slots 0..pos[0] of the first B sequences. Returns [B, 1, H, D]. An eager launch."""
-    return _run(_partial_kernel, _merge_kernel, q, k_cache, v_cache, pos)
+    return _run(_partial_kernel, _merge_kernel, q, None, k_cache, v_cache, pos, q.shape[2])
+
+
+def decode_attention_rope(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
+                          heads: int) -> Tensor:
+    """The same from the QKV projection's output [B, 1, (H + 2 KV) D]: rotates the query and the new key by
+    rope[pos[0]] (the model's (max_seq_len, D/2, 2) table), stores the new key and value in the caches
+    at slot pos[0], then attends. Returns [B, 1, H, D]. An eager launch."""
+    return _run(_partial_kernel, _merge_kernel, qkv, rope, k_cache, v_cache, pos, heads)
 
 
 @triton_op("trtbuild::decode_attention", mutates_args=())
 def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> Tensor:
-    """The kernel as a custom op: what the decode graphs call (`Attention.decode_kernel`)."""
-    return _run(wrap_triton(_partial_kernel), wrap_triton(_merge_kernel), q, k_cache, v_cache, pos)
+    """The kernel as a custom op, attention only (options.decode_attention: kernel-unfused)."""
+    return _run(wrap_triton(_partial_kernel), wrap_triton(_merge_kernel), q, None, k_cache, v_cache, pos, q.shape[2])
+
+
+@triton_op("trtbuild::decode_attention_rope", mutates_args=("k_cache", "v_cache"))
+def decode_attention_rope_op(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
+                             heads: int) -> Tensor:
+    """The kernel as a custom op with rope and the cache writes: what the decode graphs call by default."""
+    return _run(wrap_triton(_partial_kernel), wrap_triton(_merge_kernel), qkv, rope, k_cache, v_cache, pos, heads)

@@ -174,8 +174,10 @@ class Linear(nn.Linear):
 
 class Attention(nn.Module):
     # Set by the backend only while it exports a decode graph that uses trtbuild's decode attention
-    # kernel (options.decode_attention); prefill, CPU builds and eager runs keep `_cached_attention`.
-    decode_kernel: bool = False
+    # kernel (options.decode_attention): "kernel" (rope, the cache writes and attention in one custom op)
+    # or "kernel-unfused" (the kernel attends; rope and the cache writes stay the model's ATen code).
+    # Prefill, CPU builds and eager runs keep "aten": `_cached_attention`.
+    decode_kernel: str = "aten"
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -184,13 +186,20 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias, fusion="norm")
         self.wo = Linear(q, cfg.hidden_size, bias=cfg.o_bias, fusion="residual")
 
-    def forward(self, x: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+    def forward(self, x: Tensor, rope: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
                 from_start: bool, span: Tensor | None, norm: RMSNorm, residual: Tensor) -> Tensor:
-        """residual + attention(norm(x)): the norm and the add are the projections' (see Linear)."""
+        """residual + attention(norm(x)): the norm and the add are the projections' (see Linear).
+        `rope` is the whole (max_seq_len, D/2, 2) table, `table` its rows at `pos`."""
         c = self.cfg
         b, t, _ = x.shape
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = self.wqkv(x, norm=norm).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.wqkv(x, norm=norm)
+        if self.decode_kernel == "kernel":
+            from trtbuild.models.decode_attention import decode_attention_rope_op  # needs Triton: CUDA builds only
+
+            y = decode_attention_rope_op(qkv, rope, k_cache, v_cache, pos, c.num_heads)
+            return self.wo(y.reshape(b, t, q_size), residual=residual)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q_rows = apply_rope(q.view(b, t, c.num_heads, c.head_dim), table)  # (B, T, H, D)
         q = q_rows.transpose(1, 2)
         k = apply_rope(k.view(b, t, c.num_kv_heads, c.head_dim), table).transpose(1, 2)
@@ -210,7 +219,7 @@ class Attention(nn.Module):
             # repeat's view arithmetic on the dynamic prompt length, which export cannot discharge
             # on CUDA.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
-        elif self.decode_kernel:
+        elif self.decode_kernel == "kernel-unfused":
             from trtbuild.models.decode_attention import decode_attention_op  # needs Triton: CUDA builds only
 
             # reads slots 0..pos of the whole cache buffer itself, so the window (span) is not needed
@@ -266,9 +275,9 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+    def forward(self, x: Tensor, rope: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
                 from_start: bool, span: Tensor | None) -> Tensor:
-        h = self.attention(x, table, pos, k_cache, v_cache, from_start, span, self.attention_norm, x)
+        h = self.attention(x, rope, table, pos, k_cache, v_cache, from_start, span, self.attention_norm, x)
         return self.feed_forward(h, self.ffn_norm, h)
 
 
@@ -301,7 +310,7 @@ class Transformer(nn.Module):
         table = self.rope[input_pos]
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, table, input_pos, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), from_start,
+            x = layer(x, self.rope, table, input_pos, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), from_start,
                       span)
         return self.output(x if all_logits else x[:, -1], norm=self.norm)
 
