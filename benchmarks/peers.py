@@ -66,7 +66,9 @@ def decode_kernels(manifest: dict[str, Any]) -> str:
                          + (f" ({', '.join(routed)})" if routed else ""))
     attention = manifest.get("tactics", {}).get("decode_attention", {}).get("used")
     if attention:
-        parts.append(f"decode attention: {'trtbuild kernel' if attention == 'kernel' else 'aten'}")
+        label = {"kernel": "trtbuild kernel (with rope and the cache writes)",
+                 "kernel-unfused": "trtbuild kernel (attention only)"}.get(attention, "aten")
+        parts.append(f"decode attention: {label}")
     return "; ".join(parts) or str(record.get("note", ""))
 
 
