@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -546,8 +547,14 @@ def main() -> None:
     plan = QUICK if args.quick or device == "cpu" else FULL
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # A device call's time limit ends this process with SIGTERM (`timeout`): three calls lost their whole
+    # printed table that way (2026-12-04). Stop where it is and print what was measured.
+    signal.signal(signal.SIGTERM, _stop)
     print(f"[bench] ceilings on {device} ...", flush=True)
-    ceilings = measure_ceilings(device, plan)
+    try:
+        ceilings = measure_ceilings(device, plan)
+    except Stopped:
+        sys.exit("[bench] SIGTERM while measuring the ceilings: nothing measured")
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
                               "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
                               "torch": torch.__version__, "plan": asdict(plan), "ceilings": ceilings, "recipes": {}}
@@ -556,15 +563,36 @@ def main() -> None:
             rec["targets"] = targets.check(rec)
         (out_dir / "bench.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
 
-    for path in args.recipes:
-        report["recipes"][path] = {}
-        bench_recipe(path, args, device, plan, ceilings, report["recipes"][path], save)
+    try:
+        for path in args.recipes:
+            report["recipes"][path] = {}
+            bench_recipe(path, args, device, plan, ceilings, report["recipes"][path], save)
+            save()
+    except Stopped:
+        report["stopped"] = "SIGTERM: the run was cut off; the figures are what it measured before"
         save()
+        print(f"[bench] {report['stopped']}", flush=True)
     from peers import plot, table
 
-    print(plot(report, out_dir / "bench.png"))
+    if "stopped" not in report:  # the plot needs every row; a cut-off run's table still shows its rows
+        print(plot(report, out_dir / "bench.png"))
     print(table(report))
     print(targets.table(report))
+    if "stopped" in report:
+        # the status the signal would have given; os._exit, not sys.exit: a thread or process pool that
+        # Inductor left running must not keep a cut-off run alive past its call's limit
+        sys.stdout.flush()
+        os._exit(143)
+
+
+class Stopped(BaseException):
+    """SIGTERM, raised where the benchmark is. Not an Exception: the handlers that keep one failing peer from
+    costing the others' numbers must not swallow it."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second TERM ends the process at once
+    raise Stopped
 
 
 if __name__ == "__main__":

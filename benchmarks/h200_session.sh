@@ -40,7 +40,8 @@ if [ -n "${SEED_TACTICS:-}" ] && ls "$SEED_TACTICS"/tactics.tar.gz* > /dev/null 
   log "tactic cache seeded from $SEED_TACTICS: $(ls /tmp/bench-engines/tactics/torch/*/graphs | wc -l) compiled graphs, $(ls /tmp/bench-engines/tactics/torch/*/decode_matmul 2>/dev/null | wc -l) decode-matmul timings"
 fi
 log "bench $RECIPE sections=$SECTIONS variants=$VARIANTS (time left $(left) s)"
-timeout $(( $(left) - ${RESERVE:-45} )) python3 benchmarks/bench.py "$RECIPE" --engines /tmp/bench-engines --out "$OUT" \
+# TERM at the limit (the benchmark then prints the table of what it measured), KILL 15 s later
+timeout -k 15 $(( $(left) - ${RESERVE:-45} - 15 )) python3 benchmarks/bench.py "$RECIPE" --engines /tmp/bench-engines --out "$OUT" \
   --sections "$SECTIONS" --variants "$VARIANTS" --load-threads "${LOAD_THREADS:-8}" > "$OUT/bench.log" 2>&1; log "bench rc $?"
 # A benchmark cut off by its time limit leaves its child processes running (one was still loading 15 GB
 # when the CLI run below started, on 2026-12-03): end them before timing anything else.

@@ -261,36 +261,46 @@ def _ms(d: dict[str, Any] | None, key: str = "p50") -> str:
     return f"{d[key] * 1e3:.3f}{x}"
 
 
+def _variant_lines(rec: dict[str, Any], report: dict[str, Any]) -> list[str]:
+    """The floors and one row per variant, then each variant's label."""
+    lines: list[str] = []
+    fl = rec["floors"]
+    batches, lens = sorted(fl["decode_s"], key=int), sorted(fl["prefill_s"], key=int)
+    head = ["variant"] + [f"decode b{b} p50 ms (xfloor)" for b in batches] + [f"b{b} p90" for b in batches]
+    head += [f"prefill {t} ms (xfloor)" for t in lens]
+    rows = [["floor"] + [f"{fl['decode_s'][b] * 1e3:.3f}" for b in batches] + ["-"] * len(batches)
+            + [f"{fl['prefill_s'][t] * 1e3:.3f}" for t in lens]]
+    for name, v in rec.get("variants", {}).items():
+        if not v.get("decode"):
+            rows.append([name, v.get("skipped") and f"skipped: {v['skipped']}" or
+                         f"error: {v.get('error') or 'cut off before its first figure'}"])
+            continue
+        d, p = v["decode"], v.get("prefill", {})
+        rows.append([name] + [_ms(d.get(b)) for b in batches] + [_ms(d.get(b), "p90") for b in batches]
+                    + [_ms(p.get(t)) for t in lens])
+    widths = [max(len(r[i]) for r in [head] + rows if i < len(r) and len(r) > 2) for i in range(len(head))]
+    lines += ["", f"== {rec['recipe']} ({rec['precision']}); decode after a {report['plan']['prompt_len']}-token "
+              f"prompt, n = samples"]
+    for r in [head] + rows:
+        lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths)) if len(r) > 2 else "  ".join(r))
+    for name, v in rec.get("variants", {}).items():
+        if v.get("decode"):
+            n = next(iter(v["decode"].values()))["n"]
+            cut = "" if v.get("complete") else "; CUT OFF: the figures missing from its row were not measured"
+            lines.append(f"  {name}: {v['label']} (n={n} steps per batch){cut}"
+                         f"{'; ' + '; '.join(v['notes']) if v['notes'] else ''}")
+    return lines
+
+
 def table(report: dict[str, Any]) -> str:
     c = report["ceilings"]
     lines = [f"device {report['device']}, torch {report['torch']}: copy {c['copy_Bps'] / 1e12:.3f} TB/s (read+write), "
              f"{c['matmul_dtype']} {c['matmul_n']}^3 matmul {c['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s"]
     for rec in report["recipes"].values():
-        fl = rec["floors"]
-        batches, lens = sorted(fl["decode_s"], key=int), sorted(fl["prefill_s"], key=int)
-        head = ["variant"] + [f"decode b{b} p50 ms (xfloor)" for b in batches] + [f"b{b} p90" for b in batches]
-        head += [f"prefill {t} ms (xfloor)" for t in lens]
-        rows = [["floor"] + [f"{fl['decode_s'][b] * 1e3:.3f}" for b in batches] + ["-"] * len(batches)
-                + [f"{fl['prefill_s'][t] * 1e3:.3f}" for t in lens]]
-        for name, v in rec.get("variants", {}).items():
-            if not v.get("decode"):
-                rows.append([name, v.get("skipped") and f"skipped: {v['skipped']}" or
-                             f"error: {v.get('error') or 'cut off before its first figure'}"])
-                continue
-            d, p = v["decode"], v["prefill"]
-            rows.append([name] + [_ms(d.get(b)) for b in batches] + [_ms(d.get(b), "p90") for b in batches]
-                        + [_ms(p.get(t)) for t in lens])
-        widths = [max(len(r[i]) for r in [head] + rows if i < len(r) and len(r) > 2) for i in range(len(head))]
-        lines += ["", f"== {rec['recipe']} ({rec['precision']}); decode after a {report['plan']['prompt_len']}-token "
-                  f"prompt, n = samples"]
-        for r in [head] + rows:
-            lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths)) if len(r) > 2 else "  ".join(r))
-        for name, v in rec.get("variants", {}).items():
-            if v.get("decode"):
-                n = next(iter(v["decode"].values()))["n"]
-                cut = "" if v.get("complete") else "; CUT OFF: the figures missing from its row were not measured"
-                lines.append(f"  {name}: {v['label']} (n={n} steps per batch){cut}"
-                             f"{'; ' + '; '.join(v['notes']) if v['notes'] else ''}")
+        if "floors" in rec:
+            lines += _variant_lines(rec, report)
+        else:  # a run cut off in its build section
+            lines += ["", f"== {rec.get('recipe', '?')}: no variant measured (cut off before them)"]
         for cache in ("cold", "warm"):
             r = rec.get("restart", {}).get(cache)
             if r:

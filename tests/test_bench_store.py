@@ -44,3 +44,36 @@ def test_adopt_leaves_both_stores_alone_when_the_main_one_has_the_engine(tmp_pat
     assert bench.adopt(src, dst, key) is None
     assert old.is_dir() and kept.is_dir()
     assert bench.adopt(Store(tmp_path / "empty"), dst, "ef" * 32) is None
+
+
+def test_a_benchmark_cut_off_by_sigterm_prints_what_it_measured_and_leaves_no_half_built_engine(tmp_path: Path) -> None:
+    """What a device call's time limit does (`timeout` sends SIGTERM): the benchmark stops where it is, in
+    the middle of a build here, prints its table of what it measured, keeps bench.json, exits 143, and the
+    engine store holds no entry and no build folder."""
+    import signal
+    import subprocess
+
+    from .conftest import tiny_recipe_doc, write_recipe
+
+    recipe = write_recipe(tmp_path, tiny_recipe_doc())
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, str(root / "benchmarks" / "bench.py"), str(recipe), "--device", "cpu", "--quick",
+         "--sections", "variants", "--variants", "eager", "--engines", str(tmp_path / "engines"),
+         "--out", str(tmp_path / "out")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # the build has started once it reports its first export
+        seen.append(line)
+        if "exporting" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(seen) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143, out[-2000:]
+    assert "[bench] SIGTERM: the run was cut off" in out
+    assert "tiny: no variant measured (cut off before them)" in out
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert report["stopped"].startswith("SIGTERM") and "ceilings" in report
+    store = Store(tmp_path / "engines")
+    assert store.entries() == [] and list(store.tmp_dir.iterdir()) == []
