@@ -233,7 +233,7 @@ def plot(report: dict[str, Any], path: Path) -> str:
         return "[bench] matplotlib is not importable here: no plot written (the JSON has every number)"
     recipes = list(report["recipes"].values())
     fig, axes = plt.subplots(len(recipes), 2, figsize=(12, 4.5 * len(recipes)), squeeze=False)
-    for row, rec in zip(axes, recipes):
+    for row, rec in zip(axes, recipes, strict=True):
         floors = rec["floors"]
         for ax, kind, xlabel in ((row[0], "decode", "batch size"), (row[1], "prefill", "prompt tokens (batch 1)")):
             xs = sorted(int(x) for x in floors[f"{kind}_s"])
@@ -241,7 +241,7 @@ def plot(report: dict[str, Any], path: Path) -> str:
             for name, v in rec.get("variants", {}).items():
                 pts = sorted((int(x), d["p50"] * 1e3) for x, d in v.get(kind, {}).items())
                 if pts:
-                    ax.plot(*zip(*pts), "o-", label=name)
+                    ax.plot(*zip(*pts, strict=True), "o-", label=name)
             ax.set(xlabel=xlabel, ylabel="ms per token" if kind == "decode" else "ms", yscale="log",
                    title=f"{rec['recipe']}: {'decode, median' if kind == 'decode' else 'prefill, median'}")
             ax.set_xticks(xs)
@@ -282,7 +282,7 @@ def _variant_lines(rec: dict[str, Any], report: dict[str, Any]) -> list[str]:
     lines += ["", f"== {rec['recipe']} ({rec['precision']}); decode after a {report['plan']['prompt_len']}-token "
               f"prompt, n = samples"]
     for r in [head] + rows:
-        lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths)) if len(r) > 2 else "  ".join(r))
+        lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) if len(r) > 2 else "  ".join(r))
     for name, v in rec.get("variants", {}).items():
         if v.get("decode"):
             n = next(iter(v["decode"].values()))["n"]
