@@ -140,3 +140,36 @@ def test_a_routed_model_computes_what_the_unrouted_one_does_with_and_without_fus
             got = model(tokens, pos)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert all(m.decode_config is None and not m.decode_fused for m in linears)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_decode_attention_reads_only_the_slices_it_wrote(monkeypatch: pytest.MonkeyPatch, rope: bool) -> None:
+    """The partial kernel writes nothing for the slices past the filled length and for its padding rows,
+    and the merge must not read them: with the scratch buffers starting as NaN, the result is still the
+    model's (a read of an unwritten partial would make it NaN)."""
+    from trtbuild.models import decode_attention
+
+    real_empty = torch.empty
+
+    def nan_empty(*shape: object, **kw: object) -> torch.Tensor:
+        t = real_empty(*shape, **kw)  # type: ignore[call-overload]
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    g = torch.Generator().manual_seed(7)
+    batch, heads, kv_heads, d, pos = 1, 8, 2, 16, 40  # 32 slices, 2 of them filled: 30 never written
+    k_cache, v_cache = (torch.randn(batch, kv_heads, 64, d, generator=g).to(DEVICE) for _ in range(2))
+    p = torch.tensor([pos], device=DEVICE)
+    if rope:
+        table = torch.rand(64, d // 2, 2, generator=g).to(DEVICE)
+        qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE)
+        want = decode_attention.decode_attention_rope(qkv, table, k_cache.clone(), v_cache.clone(), p, heads)
+        monkeypatch.setattr(torch, "empty", nan_empty)
+        got = decode_attention.decode_attention_rope(qkv, table, k_cache.clone(), v_cache.clone(), p, heads)
+    else:
+        q = torch.randn(batch, 1, heads, d, generator=g).to(DEVICE)
+        want = decode_attention.decode_attention(q, k_cache, v_cache, p)
+        monkeypatch.setattr(torch, "empty", nan_empty)
+        got = decode_attention.decode_attention(q, k_cache, v_cache, p)
+    monkeypatch.undo()
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
