@@ -34,21 +34,7 @@ import torch  # noqa: E402
 from trtbuild.backends.torch_runtime import decode_windows  # noqa: E402
 from trtbuild.models.decode_attention import decode_attention, decode_attention_rope, num_splits  # noqa: E402
 from trtbuild.models.decode_matmul import graph_seconds  # noqa: E402
-from trtbuild.models.llama import LlamaConfig, _cached_attention, apply_rope, rope_table  # noqa: E402
-
-
-def rope_and_write(qkv: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   pos: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """What `llama.Attention` does before the attention with options.decode_attention kernel-unfused: the
-    query and the new key rotated, the new key and value written into the caches. Returns the query."""
-    b, d = qkv.shape[0], k_cache.shape[-1]
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    table = rope[pos]
-    slot = (torch.arange(b, device=qkv.device)[:, None, None], torch.arange(kv_heads, device=qkv.device)[None, :, None],
-            pos[None, None, :])
-    k_cache.index_put_(slot, apply_rope(k.view(b, 1, kv_heads, d), table).transpose(1, 2))
-    v_cache.index_put_(slot, v.view(b, 1, kv_heads, d).transpose(1, 2))
-    return apply_rope(q.view(b, 1, heads, d), table)
+from trtbuild.models.llama import LlamaConfig, _cached_attention, rope_and_store, rope_table  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 
 
@@ -64,7 +50,9 @@ def probe_recipe(path: str, batches: list[int], positions: list[int], reps: int)
                            generator=gen) for _ in range(2)] for _ in range(cfg.num_layers)]
     windows = decode_windows(shapes.max_seq_len)
     aten = torch.compile(_cached_attention, dynamic=False)
-    rope_split = torch.compile(rope_and_write, dynamic=False)
+    # the model's own rotation and cache writes (options.decode_attention kernel-unfused), query returned
+    rope_split = torch.compile(lambda qkv, table, pos, k, v: rope_and_store(qkv, table, pos, k, v, cfg)[0],
+                               dynamic=False)
     rope = rope_table(cfg, shapes.max_seq_len).to(dev)
     out: dict[str, Any] = {"recipe": recipe.name, "layers": cfg.num_layers, "heads": cfg.num_heads,
                            "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rows": []}
@@ -105,9 +93,9 @@ def probe_recipe(path: str, batches: list[int], positions: list[int], reps: int)
             def run_split(ys: list[torch.Tensor] = ys_split, qkvs: list[torch.Tensor] = qkvs,
                           pos: torch.Tensor = pos) -> None:
                 ys.clear()
+                table = rope[pos]  # once a step, as the model does
                 for qkv, (k, v) in zip(qkvs, caches, strict=True):
-                    ys.append(decode_attention(rope_split(qkv, rope, k, v, pos, cfg.num_heads, cfg.num_kv_heads),
-                                               k, v, pos))
+                    ys.append(decode_attention(rope_split(qkv, table, pos, k, v), k, v, pos))
 
             aten_s = graph_seconds(run_aten, reps)
             kernel_s = graph_seconds(run_kernel, reps)

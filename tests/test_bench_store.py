@@ -1,5 +1,6 @@
-"""The benchmark's handling of its engine store (benchmarks/bench.py): an engine built in a fresh store
-for the cold-build measurement moves into the benchmark's own store, published and verified there."""
+"""The benchmark's handling of its engine store and of being cut off (benchmarks/bench.py): an engine built
+in a fresh store for the cold-build measurement moves into the benchmark's own store, published and
+verified there; a run ended by SIGTERM reports what it measured and leaves no half-built engine."""
 
 from __future__ import annotations
 

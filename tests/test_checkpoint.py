@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import TINY_CONFIG, make_hf_folder
 from trtbuild.errors import InputError
-from trtbuild.models.checkpoint import load_weights, read_config, weight_files, write_synthetic
-from trtbuild.models.llama import LlamaConfig, hf_parameter_shapes
+from trtbuild.models.checkpoint import hf_parameter_shapes, load_weights, read_config, weight_files, write_synthetic
+from trtbuild.models.llama import LlamaConfig
 
 
 def load(folder: Path) -> dict[str, torch.Tensor]:

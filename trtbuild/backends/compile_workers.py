@@ -182,8 +182,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from trtbuild.backends import decode_kernels, graph_cache, torch_aoti
-    from trtbuild.models.checkpoint import read_config
-    from trtbuild.models.llama import convert_hf_state_dict, hf_parameter_shapes
+    from trtbuild.models.checkpoint import hf_parameter_shapes, read_config
+    from trtbuild.models.llama import convert_hf_state_dict
 
     _, cfg = read_config(Path(spec["folder"]))
     dtype = getattr(torch, torch_aoti.DTYPE_NAMES[spec["precision"]])

@@ -14,10 +14,40 @@ import torch
 from torch import Tensor
 
 from trtbuild.errors import InputError
-from trtbuild.models.llama import LlamaConfig, hf_parameter_shapes, rope_frequencies
+from trtbuild.models.llama import LlamaConfig, rope_frequencies
 
 WEIGHT_INDEX = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def hf_parameter_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors a Hugging Face checkpoint of this config must hold, with their shapes."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.num_layers):
+        a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
+        shapes[a + "q_proj.weight"] = (cfg.num_heads * hd, d)
+        shapes[a + "k_proj.weight"] = (cfg.num_kv_heads * hd, d)
+        shapes[a + "v_proj.weight"] = (cfg.num_kv_heads * hd, d)
+        shapes[a + "o_proj.weight"] = (d, cfg.num_heads * hd)
+        if cfg.qkv_bias:
+            shapes[a + "q_proj.bias"] = (cfg.num_heads * hd,)
+            shapes[a + "k_proj.bias"] = (cfg.num_kv_heads * hd,)
+            shapes[a + "v_proj.bias"] = (cfg.num_kv_heads * hd,)
+        if cfg.o_bias:
+            shapes[a + "o_proj.bias"] = (d,)
+        shapes[m + "gate_proj.weight"] = (f, d)
+        shapes[m + "up_proj.weight"] = (f, d)
+        shapes[m + "down_proj.weight"] = (d, f)
+        if cfg.mlp_bias:
+            shapes[m + "gate_proj.bias"] = (f,)
+            shapes[m + "up_proj.bias"] = (f,)
+            shapes[m + "down_proj.bias"] = (d,)
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+    return shapes
 
 
 def read_config(folder: Path) -> tuple[dict[str, Any], LlamaConfig]:

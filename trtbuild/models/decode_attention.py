@@ -184,6 +184,7 @@ def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache
     ml = torch.empty((b * kv, splits, block_r, 2), dtype=torch.float32, device=q.device)
     y = torch.empty((b, 1, heads, d), dtype=q.dtype, device=q.device)
     stride_qh = d if rope is not None else q.stride(2)
+    # without rope the table's pointer is never read (ROPE is a compile-time flag): pos stands in
     partial[(b * kv, splits)](  # type: ignore[index]
         q, rope if rope is not None else pos, k_cache, v_cache, pos, o, ml, kv,
         q.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

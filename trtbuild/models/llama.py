@@ -192,26 +192,15 @@ class Attention(nn.Module):
         `rope` is the whole (max_seq_len, D/2, 2) table, `table` its rows at `pos`."""
         c = self.cfg
         b, t, _ = x.shape
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q_size = c.num_heads * c.head_dim
         qkv = self.wqkv(x, norm=norm)
         if self.decode_kernel == "kernel":
             from trtbuild.models.decode_attention import decode_attention_rope_op  # needs Triton: CUDA builds only
 
             y = decode_attention_rope_op(qkv, rope, k_cache, v_cache, pos, c.num_heads)
             return self.wo(y.reshape(b, t, q_size), residual=residual)
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q_rows = apply_rope(q.view(b, t, c.num_heads, c.head_dim), table)  # (B, T, H, D)
+        q_rows, k, v = rope_and_store(qkv, table, pos, k_cache, v_cache, c)
         q = q_rows.transpose(1, 2)
-        k = apply_rope(k.view(b, t, c.num_kv_heads, c.head_dim), table).transpose(1, 2)
-        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        # In-place writes into the static cache: export keeps these as buffer mutations, so the
-        # prefill and decode graphs share one cache. Indexed on the whole buffer, never through a
-        # slice of it: a write into `k_cache[:b]` with b < max_batch_size became a copy of the whole
-        # slice (measured on the H200: 2 x 3.5 us per layer for batch-1 decode, 13% of the step).
-        slot = (torch.arange(b, device=x.device)[:, None, None],
-                torch.arange(c.num_kv_heads, device=x.device)[None, :, None], pos[None, None, :])
-        k_cache.index_put_(slot, k)
-        v_cache.index_put_(slot, v)
         # A prompt that starts at position 0 only attends to itself: a causal fused kernel over t
         # tokens, not a masked pass over the whole cache.
         if from_start:
@@ -227,6 +216,29 @@ class Attention(nn.Module):
         else:
             y = _cached_attention(q, k_cache[:b], v_cache[:b], pos, span)
         return self.wo(y.transpose(1, 2).reshape(b, t, q_size), residual=residual)
+
+
+def rope_and_store(qkv: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   c: LlamaConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Split the QKV projection's output (B, T, (H + 2 KV) D), rotate the query and the keys by `table`
+    (rope's rows at `pos`) and write the keys and values into the caches at `pos`. Returns the query
+    (B, T, H, D) and the new keys and values (B, KV, T, D). What the decode attention kernel does itself
+    with options.decode_attention kernel."""
+    b, t, _ = qkv.shape
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q_rows = apply_rope(q.view(b, t, c.num_heads, c.head_dim), table)
+    k = apply_rope(k.view(b, t, c.num_kv_heads, c.head_dim), table).transpose(1, 2)
+    v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+    # In-place writes into the static cache: export keeps these as buffer mutations, so the
+    # prefill and decode graphs share one cache. Indexed on the whole buffer, never through a
+    # slice of it: a write into `k_cache[:b]` with b < max_batch_size became a copy of the whole
+    # slice (measured on the H200: 2 x 3.5 us per layer for batch-1 decode, 13% of the step).
+    slot = (torch.arange(b, device=qkv.device)[:, None, None],
+            torch.arange(c.num_kv_heads, device=qkv.device)[None, :, None], pos[None, None, :])
+    k_cache.index_put_(slot, k)
+    v_cache.index_put_(slot, v)
+    return q_rows, k, v
 
 
 def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span: Tensor | None) -> Tensor:
@@ -374,33 +386,3 @@ def convert_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, 
         out[o + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
         out[o + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
     return out
-
-
-def hf_parameter_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The tensors a Hugging Face checkpoint of this config must hold, with their shapes."""
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, d)
-    for i in range(cfg.num_layers):
-        a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
-        shapes[a + "q_proj.weight"] = (cfg.num_heads * hd, d)
-        shapes[a + "k_proj.weight"] = (cfg.num_kv_heads * hd, d)
-        shapes[a + "v_proj.weight"] = (cfg.num_kv_heads * hd, d)
-        shapes[a + "o_proj.weight"] = (d, cfg.num_heads * hd)
-        if cfg.qkv_bias:
-            shapes[a + "q_proj.bias"] = (cfg.num_heads * hd,)
-            shapes[a + "k_proj.bias"] = (cfg.num_kv_heads * hd,)
-            shapes[a + "v_proj.bias"] = (cfg.num_kv_heads * hd,)
-        if cfg.o_bias:
-            shapes[a + "o_proj.bias"] = (d,)
-        shapes[m + "gate_proj.weight"] = (f, d)
-        shapes[m + "up_proj.weight"] = (f, d)
-        shapes[m + "down_proj.weight"] = (d, f)
-        if cfg.mlp_bias:
-            shapes[m + "gate_proj.bias"] = (f,)
-            shapes[m + "up_proj.bias"] = (f,)
-            shapes[m + "down_proj.bias"] = (d,)
-        shapes[p + "input_layernorm.weight"] = (d,)
-        shapes[p + "post_attention_layernorm.weight"] = (d,)
-    return shapes
