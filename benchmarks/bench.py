@@ -162,7 +162,9 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
                    "aten-attention": ("decode_attention", "aten", "no trtbuild decode attention kernel"),
                    "attention-unfused": ("decode_attention", "kernel-unfused",
                                          "trtbuild's attention kernel without rope and the cache writes"),
-                   "fused": ("decode_fusion", "fused", "decode matmul kernel fused with the norms, gating and residual adds")}
+                   "fused": ("decode_fusion", "fused", "decode matmul kernel fused with the norms, gating and residual adds"),
+                   "sdpa-prefill": ("prefill_attention", "sdpa", "prefill attention through SDPA's dispatch"),
+                   "cudnn-prefill": ("prefill_attention", "cudnn", "prefill attention through cuDNN's")}
 
 
 # engine@serial: the recipe's own engine with every graph compiled in the build process
@@ -520,6 +522,7 @@ def main() -> None:
                          "engine@cublas / engine@kernel (options.decode_matmul), "
                          "engine@aten-attention / engine@attention-unfused (options.decode_attention), "
                          "engine@fused (options.decode_fusion), "
+                         "engine@sdpa-prefill / engine@cudnn-prefill (options.prefill_attention), "
                          "engine@serial (every graph compiled in the build process, in a fresh store)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")

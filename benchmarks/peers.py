@@ -56,7 +56,8 @@ class EnginePeer:
 
 
 def decode_kernels(manifest: dict[str, Any]) -> str:
-    """Which decode matmuls the engine runs through trtbuild's kernel, from its manifest, in a few words."""
+    """Which decode matmuls the engine runs through trtbuild's kernel, and which attention kernels, from its
+    manifest, in a few words."""
     record = manifest.get("tactics", {}).get("decode_matmuls") or {}
     parts = []
     for graph, shapes in sorted(record.items()):
@@ -69,6 +70,9 @@ def decode_kernels(manifest: dict[str, Any]) -> str:
         label = {"kernel": "trtbuild kernel (with rope and the cache writes)",
                  "kernel-unfused": "trtbuild kernel (attention only)"}.get(attention, "aten")
         parts.append(f"decode attention: {label}")
+    prompt = manifest.get("tactics", {}).get("prefill_attention", {})
+    if prompt.get("used"):
+        parts.append(f"prefill attention: {prompt['used']} ({prompt.get('note', '')})")
     return "; ".join(parts) or str(record.get("note", ""))
 
 

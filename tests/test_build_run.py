@@ -266,6 +266,7 @@ def test_tactics_max_on_the_cpu_builds_an_engine_that_loads_and_matches_eager(tm
     # trtbuild's decode kernel is Triton (CUDA): a CPU build keeps ATen's matmuls and says so
     assert outcome.entry.manifest["tactics"]["decode_matmuls"] == {"note": "cuBLAS (ATen) for every matmul: a CPU build"}
     assert outcome.entry.manifest["tactics"]["decode_attention"] == {"used": "aten", "note": "aten: a CPU build"}
+    assert outcome.entry.manifest["tactics"]["prefill_attention"] == {"used": "sdpa", "note": "sdpa: a CPU build"}
     prompts = [[5, 3, 9, 1, 7, 2]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
         got = session.generate(prompts, 12)
@@ -285,11 +286,15 @@ def test_decode_kernel_asked_for_on_the_cpu_is_a_clear_error_and_leaves_no_entry
     assert store.entries() == [] and list(store.tmp_dir.iterdir()) == []
 
 
-def test_decode_attention_kernel_asked_for_on_the_cpu_is_a_clear_error_and_leaves_no_entry(tmp_path: Path) -> None:
+@pytest.mark.parametrize("option, message", [
+    ({"decode_attention": "kernel"}, "options.decode_attention: 'kernel' cannot serve this build: a CPU build"),
+    ({"prefill_attention": "cudnn"}, "options.prefill_attention: 'cudnn' cannot serve a CPU build")])
+def test_an_attention_kernel_asked_for_on_the_cpu_is_a_clear_error_and_leaves_no_entry(
+        tmp_path: Path, option: dict[str, str], message: str) -> None:
     from trtbuild.errors import TrtbuildError
 
-    recipe = load_recipe(write_recipe(tmp_path, tiny_recipe_doc(options={"decode_attention": "kernel"})))
-    with pytest.raises(TrtbuildError, match="options.decode_attention: 'kernel' cannot serve this build: a CPU build"):
+    recipe = load_recipe(write_recipe(tmp_path, tiny_recipe_doc(options=option)))
+    with pytest.raises(TrtbuildError, match=message):
         build(recipe, tmp_path / "store")
     store = Store(tmp_path / "store")
     assert store.entries() == [] and list(store.tmp_dir.iterdir()) == []

@@ -130,6 +130,33 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
                for r in shapes.values())
 
 
+def test_prefill_attention_through_cudnn_is_compiled_into_the_prefill_graph_and_matches_eager(tmp_path: Path) -> None:
+    """options.prefill_attention cudnn on a bf16 GQA model (4 query heads, 2 KV heads of 16): the build
+    timed both kernels, the prefill graph calls cuDNN's attention with a dynamic prompt length (two
+    lengths here), and the leading tokens are the eager model's at both batch sizes."""
+    import json
+
+    from .conftest import TINY_CONFIG
+
+    doc = tiny_recipe_doc(precision="bf16", options={"prefill_attention": "cudnn", "decode_matmul": "cublas"},
+                          shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
+    doc["model"]["config"] = {**TINY_CONFIG, "hidden_size": 64}
+    recipe = load_recipe(write_recipe(tmp_path, doc))
+    outcome = build(recipe, tmp_path / "store")
+    chosen = outcome.entry.manifest["tactics"]["prefill_attention"]
+    assert chosen["used"] == "cudnn" and chosen["timings"]["cudnn_us"] > 0, chosen
+    engine = json.loads((outcome.entry.path / "engine.json").read_text())
+    assert engine["graphs"]["prefill"]["prefill_attention"] == "cudnn"
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
+    with open_session(recipe, tmp_path / "store", build=False) as session:
+        got = session.generate(prompts, 12)
+        short = session.generate([prompts[0][:5]], 12)
+    want = eager_greedy(outcome.model.materialize(), prompts, 12, 48, dtype=torch.bfloat16, device="cuda")
+    want_short = eager_greedy(outcome.model.materialize(), [prompts[0][:5]], 12, 48, dtype=torch.bfloat16, device="cuda")
+    assert [row[:4] for row in got] == [row[:4] for row in want]  # bf16 sums in another order
+    assert short[0][:4] == want_short[0][:4]
+
+
 @pytest.mark.parametrize("mode", ["kernel", "kernel-unfused"])
 def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_eager(tmp_path: Path, mode: str) -> None:
     """options.decode_attention kernel (rope and the cache writes in the kernel) and kernel-unfused on a

@@ -219,8 +219,13 @@ def test_unknown_backend() -> None:
 
 
 def test_backend_checks_its_own_options() -> None:
-    assert ("options.workspace: unknown option for backend torch (known: decode_matmul, decode_attention, decode_fusion)"
+    assert ("options.workspace: unknown option for backend torch "
+            "(known: decode_matmul, decode_attention, decode_fusion, prefill_attention)"
             in problems_of(tiny_recipe_doc(options={"workspace": 1})))
+    assert ("options.prefill_attention: expected one of auto, sdpa, cudnn, got 'flash'"
+            in problems_of(tiny_recipe_doc(options={"prefill_attention": "flash"})))
+    for mode in ("auto", "sdpa", "cudnn"):
+        parse_recipe(tiny_recipe_doc(options={"prefill_attention": mode}), Path("r.yaml"))
     assert ("options.decode_attention: expected one of auto, aten, kernel, kernel-unfused, got 'flash'"
             in problems_of(tiny_recipe_doc(options={"decode_attention": "flash"})))
     assert ("options.decode_matmul: expected one of auto, cublas, kernel, got 'triton'"

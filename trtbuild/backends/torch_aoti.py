@@ -22,21 +22,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trtbuild.backends import BuildJob, BuildOutput, compile_workers, decode_kernels, graph_cache
+from trtbuild.backends import BuildJob, BuildOutput, compile_workers, decode_kernels, graph_cache, prefill_attention
 from trtbuild.errors import TrtbuildError
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WEIGHTS = "weights.safetensors"
 ENGINE_JSON = "engine.json"
+# Every recipe option this backend takes, with its modes (the first is the default).
+OPTIONS = decode_kernels.OPTIONS | prefill_attention.OPTIONS
 
 
 class TorchAOTIBackend:
     name = "torch"
 
     def check(self, recipe: Any) -> list[str]:
-        problems = [f"options.{k}: unknown option for backend torch (known: {', '.join(decode_kernels.OPTIONS)})"
-                    for k in recipe.options if k not in decode_kernels.OPTIONS]
-        for name, modes in decode_kernels.OPTIONS.items():
+        problems = [f"options.{k}: unknown option for backend torch (known: {', '.join(OPTIONS)})"
+                    for k in recipe.options if k not in OPTIONS]
+        for name, modes in OPTIONS.items():
             if recipe.options.get(name, modes[0]) not in modes:
                 problems.append(f"options.{name}: expected one of {', '.join(modes)}, got {recipe.options[name]!r}")
         if recipe.options.get("decode_matmul") == "kernel" and recipe.tactics_level == "none":
@@ -101,12 +103,16 @@ class TorchAOTIBackend:
                                                        recipe.options.get("decode_fusion", "none"))
         phases["select_matmuls_s"] = time.perf_counter() - t
         attention = decode_kernels.attention_plan(cfg, dtype, recipe.options.get("decode_attention", "auto"), device)
+        t = time.perf_counter()
+        prompt = prefill_attention.plan(cfg, dtype, recipe.options.get("prefill_attention", "auto"), device,
+                                        shapes.max_input_len, job)
+        phases["select_prefill_attention_s"] = time.perf_counter() - t
 
         graphs: dict[str, dict[str, Any]] = {}
         for name in ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets)]:
             job.progress(f"exporting {name}")
             graphs[name] = export_graph(model, name, shapes, device, plan.get(_bucket(name), {}),
-                                        attention["used"])
+                                        attention["used"], prompt["used"])
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
@@ -121,7 +127,7 @@ class TorchAOTIBackend:
         common = {"folder": str(folder), "precision": recipe.precision, "device": device,
                   "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
-                  "attention": attention["used"]}
+                  "attention": attention["used"], "prefill_attention": prompt["used"]}
         with inductor_caches(job.tactics.path), record_autotuning(tuned), \
                 compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers, \
                 (compile_workers.timing_alone(job.tactics.path / compile_workers.TIMING_LOCK) if workers_n
@@ -161,7 +167,7 @@ class TorchAOTIBackend:
         (job.workdir / ENGINE_JSON).write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
         tactics = {"level": recipe.tactics_level, "inductor_configs": configs,
                    "selections": tuned, "benchmarked": sum(s["num_candidates"] for s in tuned),
-                   "decode_matmuls": matmuls, "decode_attention": attention,
+                   "decode_matmuls": matmuls, "decode_attention": attention, "prefill_attention": prompt,
                    "cache": str(job.tactics.path), "compiled_graphs_reused": reused,
                    "compile_workers": workers_n}
         if recipe.tactics_level == "max" and not tuned:
@@ -230,12 +236,15 @@ def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str,
 
 
 def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[decode_kernels.MatmulKey, Any],
-                 attention: str) -> dict[str, Any]:
-    """Export one graph: "prefill", or "decode_b<N>" with the decode kernels routed as planned."""
+                 attention: str, prefill_kernel: str = "sdpa") -> dict[str, Any]:
+    """Export one graph: "prefill" with its attention through `prefill_kernel`, or "decode_b<N>" with
+    the decode kernels routed as planned."""
     t = time.perf_counter()
     if name == "prefill":
-        ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
-        return {"batch": "dynamic", "program": ep, "export_s": time.perf_counter() - t}
+        with prefill_attention.routed(model, prefill_kernel):
+            ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
+        return {"batch": "dynamic", "program": ep, "prefill_attention": prefill_kernel,
+                "export_s": time.perf_counter() - t}
     with decode_kernels.routed(model, matmuls, attention):
         ep = export_decode(model, _bucket(name), shapes.max_seq_len, device)
     return {"batch": _bucket(name), "program": ep, "window": "dynamic",
