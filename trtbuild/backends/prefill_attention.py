@@ -10,6 +10,7 @@ same choice (a different one would be a different prefill graph, compiled again)
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import time
@@ -92,7 +93,7 @@ def measure(heads: int, kv_heads: int, head_dim: int, dtype: Any, lens: list[int
         q, k, v = (torch.randn(1, t, h, head_dim, device="cuda", dtype=dtype, generator=gen).transpose(1, 2)
                    for h in (heads, kv_heads, kv_heads))
         ref = causal_attention(q, k, v, "sdpa")
-        out["sdpa_us"] += _median_us(lambda: causal_attention(q, k, v, "sdpa"), reps)
+        out["sdpa_us"] += _median_us(functools.partial(causal_attention, q, k, v, "sdpa"), reps)
         if "cudnn_error" in out:
             continue
         try:
@@ -109,7 +110,7 @@ def measure(heads: int, kv_heads: int, head_dim: int, dtype: Any, lens: list[int
         if not diff <= 0.02 * ref.float().abs().max().item() + 1e-3:  # NaN fails too
             out["cudnn_error"] = f"output differs from sdpa's by {diff:.3g} at length {t}"
             continue
-        out["cudnn_us"] += _median_us(lambda: causal_attention(q, k, v, "cudnn"), reps)
+        out["cudnn_us"] += _median_us(functools.partial(causal_attention, q, k, v, "cudnn"), reps)
     return out
 
 
