@@ -65,3 +65,27 @@ def test_the_engine_code_digest_covers_the_model_and_build_code() -> None:
     digest = build_mod.engine_code_digest(TorchAOTIBackend())
     assert len(digest) == 64
     assert REPO.joinpath("trtbuild", "models", "llama.py").is_file()
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorrt", "tensorrt-llm"])
+def test_every_module_a_backend_builds_with_is_in_the_engine_key(backend: str) -> None:
+    """Each trtbuild.backends module a backend imports at its top level (its build-time plans, graph
+    compiling and caching) is hashed into the key: before the tenth session only the backend's own
+    module was, so a change to, say, how decode kernels are chosen would have reused engines built
+    the old way. Runtime-only modules, imported lazily by load(), stay out."""
+    import ast
+    import importlib.util
+
+    from trtbuild.backends import REGISTRY
+
+    reg = REGISTRY[backend]
+    module = importlib.import_module(reg.module)
+    instance = getattr(module, reg.cls)()
+    tree = ast.parse(Path(module.__file__ or "").read_text())
+    imported = {f"trtbuild.backends.{a.name}" for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module == "trtbuild.backends" for a in node.names}
+    submodules = {m for m in imported if importlib.util.find_spec(m) is not None}
+    files = {f.name for f in build_mod.engine_code_files(instance)}
+    assert submodules and {m.rsplit(".", 1)[1] + ".py" for m in submodules} <= files
+    assert {"llama.py", Path(module.__file__ or "").name} <= files
+    assert not {"torch_runtime.py", "weights_reader.py", "trt_runtime.py"} & files

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib
 import os
 import signal
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,14 +51,20 @@ def no_build_from_env() -> bool:
     return os.environ.get("TRTBUILD_NO_BUILD", "").lower() in ("1", "true", "yes", "on")
 
 
-def engine_code_digest(backend: backends.Backend) -> str:
-    """A digest of the source that shapes what a backend builds (its build module and the model
-    code): upgrading trtbuild to code that builds a different engine must not reuse the old one.
-    Runtime-only code is kept in other modules so that changing it does not invalidate engines."""
+def engine_code_files(backend: backends.Backend) -> list[Path]:
+    """The source files that shape what a backend builds: the model code, the backend's module and the
+    modules it names in `build_modules` (its build-time plans, graph compiling and caching)."""
     root = Path(__file__).parent
-    files = sorted((root / "models").glob("*.py")) + [Path(sys.modules[type(backend).__module__].__file__ or "")]
+    modules = [type(backend).__module__, *getattr(backend, "build_modules", ())]
+    return sorted((root / "models").glob("*.py")) + [Path(importlib.import_module(m).__file__ or "") for m in modules]
+
+
+def engine_code_digest(backend: backends.Backend) -> str:
+    """A digest of `engine_code_files`: upgrading trtbuild to code that builds a different engine must
+    not reuse the old one. Runtime-only code is kept in other modules so that changing it does not
+    invalidate engines."""
     h = hashlib.sha256()
-    for f in files:
+    for f in engine_code_files(backend):
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 

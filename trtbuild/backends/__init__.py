@@ -70,6 +70,9 @@ class Engine(Protocol):
 
 class Backend(Protocol):
     name: str
+    # Modules besides the backend's own whose source shapes what it builds (its build-time plans, how
+    # graphs are compiled and cached): part of the engine key, with the model code (builder.py).
+    build_modules: tuple[str, ...]
 
     def check(self, recipe: "Recipe") -> list[str]:
         """Problems with the recipe's backend-specific fields, as `field.path: message`; no imports."""

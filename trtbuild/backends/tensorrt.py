@@ -37,6 +37,7 @@ INSPECTOR_JSON = "inspector.json"
 
 class TensorRTBackend:
     name = "tensorrt"
+    build_modules = ("trtbuild.backends.trt_common",)  # the shared builder settings and timing cache
 
     def check(self, recipe: Any) -> list[str]:
         problems = []

@@ -39,6 +39,7 @@ NEEDS_CALIBRATION = ("fp8", "int4_awq")  # ModelOpt calibration (a dataset downl
 
 class TensorRTLLMBackend:
     name = "tensorrt-llm"
+    build_modules = ("trtbuild.backends.trt_common",)  # the shared builder settings and timing cache
 
     def check(self, recipe: Any) -> list[str]:
         problems = []

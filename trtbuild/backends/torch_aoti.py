@@ -34,6 +34,8 @@ OPTIONS = decode_kernels.OPTIONS | prefill_attention.OPTIONS
 
 class TorchAOTIBackend:
     name = "torch"
+    build_modules = ("trtbuild.backends.decode_kernels", "trtbuild.backends.prefill_attention",
+                     "trtbuild.backends.graph_cache", "trtbuild.backends.compile_workers")
 
     def check(self, recipe: Any) -> list[str]:
         problems = [f"options.{k}: unknown option for backend torch (known: {', '.join(OPTIONS)})"
