@@ -272,8 +272,21 @@ def run_variants(ctx: dict[str, Any], args: argparse.Namespace, skipped: dict[st
         finally:
             if peer is not None:
                 peer.close()
+                if name.startswith("engine@") and not args.keep_variant_engines:
+                    notes.append(discard_engine(peer))
             peers.free_device_memory()
         saved()
+
+
+def discard_engine(peer: Any) -> str:
+    """Delete an engine@ variant's engine from its store once measured; its compiled graphs stay in the
+    tactic cache, so building it again takes the export and a copy. An 8B engine is 16 GB, and on
+    2026-12-04 the third one of a run filled the device's 64 GB disk (No space left on device)."""
+    from trtbuild.store import Store
+
+    entry = peer.session.outcome.entry
+    Store(peer.engines).remove(entry)
+    return f"engine deleted after its measurement ({entry.path.name}; --keep-variant-engines keeps it)"
 
 
 # -- restart and build (child processes) ------------------------------------------------------------
@@ -517,6 +530,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few repetitions (smoke test)")
+    ap.add_argument("--keep-variant-engines", action="store_true",
+                    help="keep each engine@ variant's engine in the store after its measurement (default: deleted, "
+                         "since a few 8B engines fill a disk; the recipe's own engine is always kept)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma list of {', '.join(VARIANTS)}, engine@LEVEL (the recipe at tactics level LEVEL), "
                          "engine@cublas / engine@kernel (options.decode_matmul), "

@@ -41,6 +41,7 @@ class EnginePeer:
     def __init__(self, recipe: Any, engines: str) -> None:
         from trtbuild.runner import open_session
 
+        self.engines = engines  # the store it was found in
         self.session = open_session(recipe, engines, build=False).__enter__()
         self.label = f"trtbuild {recipe.backend} engine (cache hit, open_session(build=False))"
         if kernels := decode_kernels(self.session.outcome.entry.manifest):

@@ -78,3 +78,19 @@ def test_a_benchmark_cut_off_by_sigterm_prints_what_it_measured_and_leaves_no_ha
     assert report["stopped"].startswith("SIGTERM") and "ceilings" in report
     store = Store(tmp_path / "engines")
     assert store.entries() == [] and list(store.tmp_dir.iterdir()) == []
+
+
+def test_a_variant_engine_is_deleted_once_measured_and_the_store_stays_whole(tmp_path: Path) -> None:
+    """engine@ variants are deleted after their measurement (three 8B engines filled the H200 machine's
+    disk): the entry is gone from the store, another entry stays, and nothing is left in its tmp folder."""
+    from types import SimpleNamespace
+
+    store = Store(tmp_path / "engines")
+    gone, kept = _published(store, "12" * 32), _published(store, "34" * 32)
+    entry = store.lookup("12" * 32)
+    assert entry is not None
+    peer = SimpleNamespace(engines=str(store.root), session=SimpleNamespace(outcome=SimpleNamespace(entry=entry)))
+    note = bench.discard_engine(peer)
+    assert gone.name in note and not gone.exists() and store.lookup("12" * 32) is None
+    assert kept.is_dir() and store.lookup("34" * 32) is not None
+    assert list(store.tmp_dir.iterdir()) == []
