@@ -101,8 +101,8 @@ def _partial_kernel(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
     if ROPE:
         # q_ptr is the QKV projection's row [q heads | k heads | v heads] (stride_qh = D): rotate the
         # query and the new key by the table's row for pos, and store the new key and value in the
-        # cache. The slice that holds slot pos stores them, and uses its registers' copy for that slot
-        # rather than reading back what it stored.
+        # cache. The slice that holds slot pos stores them, and attends to that slot from its registers'
+        # copy after the loop, rather than reading back what it stored.
         j = d % (D // 2)
         cos = tl.load(rope_ptr + pos * D + 2 * j)
         sin = tl.load(rope_ptr + pos * D + 2 * j + 1)
@@ -112,18 +112,22 @@ def _partial_kernel(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
         owner = (start <= pos) & (pos < end)
         tl.store(k_base + pos * stride_ks + d, new_k, mask=(d < D) & owner)
         tl.store(v_base + pos * stride_vs + d, new_v, mask=(d < D) & owner)
+        # The loop reads only slots before pos. Selecting the register copy for slot pos inside it
+        # (a where on every loaded tile of K and V, the eighth session's design) made the loop
+        # stream the cache slower: on the H200 (RESULTS.md, tenth session) 52.6 against 39.4 us a
+        # layer for the kernel without rope at 8B shapes, batch 8, position 4000.
+        loop_end = tl.minimum(end, pos)
     else:
         # the step's own K and V are already in the cache at slot pos
         q = tl.load(q_rows + d[None, :], mask=r_mask[:, None], other=0.0)
+        loop_end = end
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    for s0 in range(start, end, BLOCK_S):
+    for s0 in range(start, loop_end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        s_mask = s < end
+        s_mask = s < loop_end
         k = tl.load(k_base + s[:, None] * stride_ks + d[None, :], mask=s_mask[:, None], other=0.0)
-        if ROPE:
-            k = tl.where((s == pos)[:, None], new_k[None, :], k)
         scores = tl.dot(q, tl.trans(k)) * SCALE
         scores = tl.where(s_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -131,9 +135,19 @@ def _partial_kernel(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
         p = tl.exp(scores - m_new[:, None])
         total = total * alpha + tl.sum(p, 1)
         v = tl.load(v_base + s[:, None] * stride_vs + d[None, :], mask=s_mask[:, None], other=0.0)
-        if ROPE:
-            v = tl.where((s == pos)[:, None], new_v[None, :], v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    if ROPE:
+        # slot pos, in the slice that holds it: one more step of the same online softmax, its weight
+        # rounded to the cache's dtype for the product with V as the loop's are before their dot
+        score = tl.sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * SCALE
+        score = tl.where(owner, score, float("-inf"))
+        m_new = tl.maximum(m, score)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slice with no slot at all stays empty
+        alpha = tl.exp(m - m_ref)
+        p = tl.exp(score - m_ref)
+        total = total * alpha + p
+        acc = acc * alpha[:, None] + p.to(new_v.dtype).to(tl.float32)[:, None] * new_v.to(tl.float32)[None, :]
         m = m_new
     # Partials, unnormalized, of the query rows only, and only from a slice that holds filled slots: the
     # merge reads no others. Slices past the filled length (most of them in a short sequence: 27 of 32 at
