@@ -29,9 +29,9 @@ def test_ratios_are_judged_against_the_recipes_limits_and_missing_figures_are_un
     assert v["decode batch 1 <= 1.12x floor"]["met"] is True
     assert v["decode batch 8 <= 1.30x floor"]["met"] is False
     assert v["prefill 2048 tokens <= 1.67x floor"]["met"] is True
-    assert v["restart (cold page cache) <= 2.0x reading the weights"]["met"] is True
+    assert v["restart (cold page cache), safetensors' loader <= 2.0x reading the weights"]["met"] is True
     # a restart whose engine failed has no ratio to trust, whatever the number says
-    assert v["restart (warm page cache) <= 2.0x reading the weights"]["met"] is None
+    assert v["restart (warm page cache), safetensors' loader <= 2.0x reading the weights"]["met"] is None
     assert v["rebuild with the tactic cache <= 0.5x the cold build"]["met"] is False
     assert v["ahead of every peer in the same run"] == {"target": "ahead of every peer in the same run",
                                                         "measured": "no peer measured", "met": None}
@@ -51,5 +51,5 @@ def test_ahead_means_faster_than_every_peer_on_that_row_and_a_tie_is_not_a_lead(
     tie = v["prefill 2048 tokens: ahead of compile, eager"]
     assert tie["met"] is False and "compile 0.3% faster" in tie["measured"]
     assert v["prefill 128 tokens: ahead of eager"]["met"] is True  # only the peers that measured the row
-    assert "restart (cold page cache) <= 2.0x reading the weights" not in v  # not a 1B target
+    assert "restart (cold page cache), safetensors' loader <= 2.0x reading the weights" not in v  # not a 1B target
     assert "== targets, llama-3.2-1b" in targets.table({"recipes": {"r": {**rec, "targets": list(v.values())}}})
