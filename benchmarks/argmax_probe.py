@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
-from trtbuild.models.decode_matmul import graph_seconds  # noqa: E402
+from trtbuild.timing import graph_seconds  # noqa: E402
 from trtbuild.models.llama import greedy_token  # noqa: E402
 
 

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from trtbuild.backends.torch_runtime import decode_windows  # noqa: E402
 from trtbuild.models.decode_attention import decode_attention, decode_attention_rope, num_splits  # noqa: E402
-from trtbuild.models.decode_matmul import graph_seconds  # noqa: E402
+from trtbuild.timing import graph_seconds  # noqa: E402
 from trtbuild.models.llama import LlamaConfig, _cached_attention, rope_and_store, rope_table  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 

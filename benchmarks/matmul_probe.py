@@ -29,7 +29,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from trtbuild.backends.decode_kernels import fastest  # noqa: E402
-from trtbuild.models.decode_matmul import MatmulConfig, decode_matmul, graph_seconds, select  # noqa: E402
+from trtbuild.models.decode_matmul import MatmulConfig, decode_matmul, select  # noqa: E402
+from trtbuild.timing import graph_seconds  # noqa: E402
 from trtbuild.models.llama import LlamaConfig  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 

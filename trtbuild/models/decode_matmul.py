@@ -19,7 +19,7 @@ with the model code because it changes what is built: its source is part of ever
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
+
+from trtbuild.timing import graph_seconds
 
 
 @dataclass(frozen=True)
@@ -205,33 +207,6 @@ def reference(x: Tensor, w: Tensor, fusion: str, norm: Tensor | None = None, eps
         a, b = y.chunk(2, dim=-1)
         y = F.silu(a) * b
     return y if residual is None else residual + y
-
-
-def graph_seconds(calls: Callable[[], None], reps: int = 15) -> float:
-    """Seconds per replay of one CUDA graph holding `calls`: the median of `reps` event-timed replays.
-
-    In a graph, as in the engine's decode, there is no launch overhead between kernels; outside one,
-    Python's ~20 us per launch would hide a 2 us matmul."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()  # compiles and warms outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int = 15) -> dict[str, Any]:
