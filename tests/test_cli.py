@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from trtbuild.cli import main
@@ -83,3 +85,29 @@ def test_prompt_ids_are_parsed_strictly(tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, tiny_recipe_doc())
     result = CliRunner().invoke(main, ["run", str(recipe), "--prompt-ids", "1,x,3"])
     assert result.exit_code == 2 and "--prompt-ids: expected comma-separated integers" in result.output
+
+
+def test_a_full_disk_while_writing_the_weights_is_a_clear_error_and_leaves_no_entry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors reports a full disk as SafetensorError("... (os error 28)"), not OSError: the build
+    says what ran out and where, in one line without a traceback, exits non-zero, and the store holds
+    neither an entry nor a build folder (an 8B build on the H200 hit this, tenth session)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from trtbuild.store import Store
+
+    real = safetensors.torch.save_file
+
+    def full(tensors: Any, path: str, **kwargs: Any) -> None:
+        if "/v1/.tmp/" not in path:  # the synthetic model's own checkpoint is written the same way
+            return real(tensors, path, **kwargs)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    recipe = write_recipe(tmp_path, tiny_recipe_doc())
+    result = CliRunner().invoke(main, ["build", str(recipe), "--engines", str(tmp_path / "engines")])
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert "No space left on device while building 'tiny'; nothing was published" in result.output
+    store = Store(tmp_path / "engines")
+    assert store.entries() == [] and list(store.tmp_dir.iterdir()) == []

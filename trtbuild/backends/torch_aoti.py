@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -89,10 +90,8 @@ class TorchAOTIBackend:
         phases["load_weights_s"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        from safetensors.torch import save_file
-
         stored = {k: v.contiguous() for k, v in state.items() if not (cfg.tie_word_embeddings and k == "output.weight")}
-        save_file(stored, str(job.workdir / WEIGHTS))
+        save_weights(stored, job.workdir / WEIGHTS)
         phases["write_weights_s"] = time.perf_counter() - t
 
         model = place_model(cfg, shapes, dtype, device, state)
@@ -180,6 +179,22 @@ class TorchAOTIBackend:
         from trtbuild.backends.torch_runtime import TorchEngine
 
         return TorchEngine(entry)
+
+
+def save_weights(tensors: dict[str, Any], path: Path) -> None:
+    """safetensors' save_file, with its I/O failures raised as the OSError they are: it reports them as
+    SafetensorError("... (os error 28)"), which the builder would not recognize as a full disk (an 8B
+    build on the H200 hit one: RESULTS.md, tenth session) and the CLI would show as a crash."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path))
+    except Exception as exc:
+        found = re.search(r"\(os error (\d+)\)", str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc
 
 
 def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str, Any]:
