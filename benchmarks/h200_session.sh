@@ -3,7 +3,7 @@
 # recipe (build / restart / variants), a retry under LD_PRELOAD if the engine did not load in a new
 # process, and the CLI report of a cache-hit run. At most 8 files under $OUT.
 #
-#   [PROFILE=0] [PROBE="--graph decode --batch 8 --options plain,autotune"] [RESERVE=100] [GPU_TESTS=1 [GPU_TESTS_K=expr]] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [LOAD_THREADS=8] [BUDGET=545] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
+#   [PROFILE=0] [PROBE="--graph decode --batch 8 --options plain,autotune"] [RESERVE=100] [GPU_TESTS=1 [GPU_TESTS_K=expr]] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [SAVE_PEER_CACHE=1] [SEED_PEER_CACHE=DIR] [LOAD_THREADS=8] [BUDGET=545] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -39,6 +39,17 @@ if [ -n "${SEED_TACTICS:-}" ] && ls "$SEED_TACTICS"/tactics.tar.gz* > /dev/null 
   mkdir -p /tmp/bench-engines && cat "$SEED_TACTICS"/tactics.tar.gz* | tar -xz -C /tmp/bench-engines
   log "tactic cache seeded from $SEED_TACTICS: $(ls /tmp/bench-engines/tactics/torch/*/graphs | wc -l) compiled graphs, $(ls /tmp/bench-engines/tactics/torch/*/decode_matmul 2>/dev/null | wc -l) decode-matmul timings"
 fi
+# The peers' torch.compile caches (Inductor's compiled graphs and GEMM autotuning, Triton's kernels) in a
+# folder of their own, which SAVE_PEER_CACHE=1 returns as $OUT/peer-cache.tar.gz.part-* and SEED_PEER_CACHE=DIR
+# (those parts, carried) restores: torch.compile(max-autotune) of the 8B decode graphs took more than the
+# benchmark's whole call (2026-12-04, call 25), and a cache hit only changes how long the peer takes to
+# compile, not what it runs. The engine's own build points Inductor at its tactic cache while it builds.
+export TORCHINDUCTOR_CACHE_DIR=/tmp/peer-cache/inductor TRITON_CACHE_DIR=/tmp/peer-cache/triton
+mkdir -p /tmp/peer-cache
+if [ -n "${SEED_PEER_CACHE:-}" ] && ls "$SEED_PEER_CACHE"/peer-cache.tar.gz.part-* > /dev/null 2>&1; then
+  cat "$SEED_PEER_CACHE"/peer-cache.tar.gz.part-* | tar -xz -C /tmp/peer-cache
+  log "peer caches seeded from $SEED_PEER_CACHE: $(du -sh /tmp/peer-cache | cut -f1)"
+fi
 log "bench $RECIPE sections=$SECTIONS variants=$VARIANTS (time left $(left) s)"
 # TERM at the limit (the benchmark then prints the table of what it measured), KILL 15 s later
 timeout -k 15 $(( $(left) - ${RESERVE:-45} - 15 )) python3 benchmarks/bench.py "$RECIPE" --engines /tmp/bench-engines --out "$OUT" \
@@ -53,6 +64,11 @@ grep -v "^  File\|^DEBUG" "$OUT/bench.log" | tail -40
 if [ "${SAVE_TACTICS:-0}" = 1 ] && [ -d /tmp/bench-engines/tactics ]; then
   (cd /tmp/bench-engines && tar -cz tactics/torch/*/graphs $(ls -d tactics/torch/*/decode_matmul 2>/dev/null) | split -b 15m - "$OUT/tactics.tar.gz.part-")
   log "tactics saved: $(du -ch "$OUT"/tactics.tar.gz.part-* | tail -1 | cut -f1) in $(ls "$OUT"/tactics.tar.gz.part-* | wc -l) part(s)"
+fi
+
+if [ "${SAVE_PEER_CACHE:-0}" = 1 ]; then
+  (cd /tmp/peer-cache && tar -cz . | split -b 15m - "$OUT/peer-cache.tar.gz.part-")
+  log "peer caches saved: $(du -ch "$OUT"/peer-cache.tar.gz.part-* | tail -1 | cut -f1) in $(ls "$OUT"/peer-cache.tar.gz.part-* | wc -l) part(s) (at most 8 files come back from a call)"
 fi
 
 # -- the GPU tests (GPU_TESTS=1), right after the benchmark so a long one cannot crowd them out: pytest
