@@ -178,8 +178,7 @@ class Attention(nn.Module):
     # or "kernel-unfused" (the kernel attends; rope and the cache writes stay the model's ATen code).
     # Prefill, CPU builds and eager runs keep "aten": `_cached_attention`.
     decode_kernel: str = "aten"
-    # Set by the backend only while it exports the prefill graph (options.prefill_attention): the
-    # kernel of the prompt's causal attention, "sdpa" or "cudnn" (see `causal_attention`).
+    # Set by the backend only while it exports the prefill graph: "sdpa" or "cudnn" (causal_attention).
     prefill_kernel: str = "sdpa"
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -243,12 +242,10 @@ def rope_and_store(qkv: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_c
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, kernel: str = "sdpa") -> Tensor:
     """Causal attention of a prompt over itself: q (B, H, T, D), k and v (B, KV, T, D) -> (B, H, T, D).
-
-    "sdpa": SDPA's dispatch, which on CUDA takes its FlashAttention-2 kernel first. "cudnn": cuDNN's
-    fused attention called directly (CUDA only), which SDPA ranks fourth, behind flash, although on
-    Hopper it can be the faster of the two; the build times both (backends/prefill_attention.py).
-    Both take the KV heads as they are (GQA): repeating them here would put the shape guards of the
-    repeat's view arithmetic on the dynamic prompt length, which export cannot discharge on CUDA."""
+    "sdpa": SDPA's dispatch (FlashAttention-2 first on CUDA); "cudnn": cuDNN's fused attention, called
+    directly (CUDA only; SDPA ranks it fourth); the build times both (backends/prefill_attention.py).
+    Both take the KV heads as they are (GQA): repeating them would put the shape guards of the repeat's
+    view arithmetic on the dynamic prompt length, which export cannot discharge on CUDA."""
     if kernel == "cudnn":
         # (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask)
         return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, True, False)[0]
