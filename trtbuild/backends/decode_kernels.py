@@ -27,8 +27,9 @@ DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
 # cache writes in the same launch; aten = the masked attention Inductor compiles from the model code;
 # kernel = the kernel, or a recipe error where it cannot serve; kernel-unfused = the kernel for the
 # attention alone, rope and the cache writes compiled by Inductor (what the kernel did before the
-# ninth session, kept for A/B runs).
-DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
+# ninth session, kept for A/B runs); kernel-one-pass = the kernel in one launch instead of two, the
+# last program of each sequence and KV head merging the partials (opt-in: not yet run on a GPU).
+DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused", "kernel-one-pass")
 # options.decode_fusion: none (the default) = the kernel does the matmul alone and Inductor compiles the
 # norms, gating and adds around it; fused = a decode matmul through the kernel also does the RMSNorm
 # before it, the SiLU gating after gate/up, or the residual add after it (one launch instead of two or
@@ -182,8 +183,7 @@ def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, st
         else:
             why = decode_attention.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, dtype)
     if why is None:
-        return {"used": "kernel-unfused" if mode == "kernel-unfused" else "kernel",
-                "note": f"options.decode_attention is {mode}"}
+        return {"used": mode if mode.startswith("kernel-") else "kernel", "note": f"options.decode_attention is {mode}"}
     if mode.startswith("kernel"):
         raise TrtbuildError(f"options.decode_attention: {mode!r} cannot serve this build: {why}")
     return {"used": "aten", "note": f"aten: {why}"}

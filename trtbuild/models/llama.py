@@ -174,8 +174,9 @@ class Linear(nn.Linear):
 
 class Attention(nn.Module):
     # Set by the backend only while it exports a decode graph that uses trtbuild's decode attention
-    # kernel (options.decode_attention): "kernel" (rope, the cache writes and attention in one custom op)
-    # or "kernel-unfused" (the kernel attends; rope and the cache writes stay the model's ATen code).
+    # kernel (options.decode_attention): "kernel" (rope, the cache writes and attention in one custom op),
+    # "kernel-one-pass" (the same in one launch, counting in the model's `attention_sem`) or
+    # "kernel-unfused" (the kernel attends; rope and the cache writes stay the model's ATen code).
     # Prefill, CPU builds and eager runs keep "aten": `_cached_attention`.
     decode_kernel: str = "aten"
     # Set by the backend only while it exports the prefill graph: "sdpa" or "cudnn" (causal_attention).
@@ -189,7 +190,7 @@ class Attention(nn.Module):
         self.wo = Linear(q, cfg.hidden_size, bias=cfg.o_bias, fusion="residual")
 
     def forward(self, x: Tensor, rope: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                from_start: bool, span: Tensor | None, norm: RMSNorm, residual: Tensor) -> Tensor:
+                from_start: bool, span: Tensor | None, norm: RMSNorm, residual: Tensor, sem: Tensor) -> Tensor:
         """residual + attention(norm(x)): the norm and the add are the projections' (see Linear).
         `rope` is the whole (max_seq_len, D/2, 2) table, `table` its rows at `pos`."""
         c = self.cfg
@@ -200,6 +201,11 @@ class Attention(nn.Module):
             from trtbuild.models.decode_attention import decode_attention_rope_op  # needs Triton: CUDA builds only
 
             y = decode_attention_rope_op(qkv, rope, k_cache, v_cache, pos, c.num_heads)
+            return self.wo(y.reshape(b, t, q_size), residual=residual)
+        if self.decode_kernel == "kernel-one-pass":
+            from trtbuild.models.decode_attention import decode_attention_one_pass_op
+
+            y = decode_attention_one_pass_op(qkv, rope, k_cache, v_cache, pos, sem, c.num_heads)
             return self.wo(y.reshape(b, t, q_size), residual=residual)
         q_rows, k, v = rope_and_store(qkv, table, pos, k_cache, v_cache, c)
         q = q_rows.transpose(1, 2)
@@ -299,8 +305,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, rope: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                from_start: bool, span: Tensor | None) -> Tensor:
-        h = self.attention(x, rope, table, pos, k_cache, v_cache, from_start, span, self.attention_norm, x)
+                from_start: bool, span: Tensor | None, sem: Tensor) -> Tensor:
+        h = self.attention(x, rope, table, pos, k_cache, v_cache, from_start, span, self.attention_norm, x, sem)
         return self.feed_forward(h, self.ffn_norm, h)
 
 
@@ -327,6 +333,9 @@ class Transformer(nn.Module):
         for i in range(cfg.num_layers):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
+        # the one-pass decode attention's counters, one per sequence and KV head, zero between launches
+        self.register_buffer("attention_sem", torch.zeros(max_batch_size * cfg.num_kv_heads, dtype=torch.int32),
+                             persistent=False)
 
     def forward(self, tokens: Tensor, input_pos: Tensor, all_logits: bool = False, from_start: bool = False,
                 span: Tensor | None = None) -> Tensor:
@@ -334,7 +343,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, self.rope, table, input_pos, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), from_start,
-                      span)
+                      span, self.attention_sem)
         return self.output(x if all_logits else x[:, -1], norm=self.norm)
 
 
