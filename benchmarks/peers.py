@@ -81,8 +81,8 @@ def decode_kernels(manifest: dict[str, Any]) -> str:
 # -- (2) eager PyTorch and (3) torch.compile on the same model code -----------------------------------
 def load_transformer(folder: Path, dtype: torch.dtype, device: str, max_batch: int, max_seq: int) -> Any:
     """trtbuild's Transformer with the checkpoint's weights, the way the backend builds it."""
-    from trtbuild.models.checkpoint import load_weights, read_config
-    from trtbuild.models.llama import Transformer, convert_hf_state_dict
+    from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
+    from trtbuild.models.llama import Transformer
 
     _, cfg = read_config(folder)
     state = convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg)

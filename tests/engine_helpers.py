@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from trtbuild.models.checkpoint import load_weights, read_config
-from trtbuild.models.llama import Transformer, convert_hf_state_dict
+from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
+from trtbuild.models.llama import Transformer
 
 
 def eager_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, max_seq_len: int,

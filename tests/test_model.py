@@ -16,8 +16,8 @@ import transformers
 from torch import Tensor
 
 from tests.conftest import TINY_CONFIG, make_hf_folder
-from trtbuild.models.checkpoint import load_weights, read_config
-from trtbuild.models.llama import Transformer, convert_hf_state_dict
+from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
+from trtbuild.models.llama import Transformer
 
 ATOL = RTOL = 1e-4
 BATCH, PROMPT_LEN, DECODE_STEPS = 2, 9, 12

@@ -177,13 +177,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     spec: folder (the model folder, for config.json), precision, device, max_batch_size, max_input_len,
     max_seq_len, level (tactics level), graph ("prefill" or "decode_b<N>"), matmuls ({"<out>x<in>[+fusion]":
     configuration name} for trtbuild's decode matmul), attention (Attention.decode_kernel), prefill_attention
-    (Attention.prefill_kernel, for a prefill graph), tactics (the tactic cache folder), workdir (a folder of its own), digest (the cache key the build computed for this graph).
+    (Attention.prefill_kernel, for a prefill graph), tactics (the tactic cache folder), workdir (a folder
+    of its own), digest (the cache key the build computed for this graph).
     """
     import torch
 
     from trtbuild.backends import decode_kernels, graph_cache, torch_aoti
-    from trtbuild.models.checkpoint import hf_parameter_shapes, read_config
-    from trtbuild.models.llama import convert_hf_state_dict
+    from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes, read_config
 
     _, cfg = read_config(Path(spec["folder"]))
     dtype = getattr(torch, torch_aoti.DTYPE_NAMES[spec["precision"]])

@@ -75,8 +75,7 @@ class TorchAOTIBackend:
     def build(self, job: BuildJob) -> BuildOutput:
         import torch
 
-        from trtbuild.models.checkpoint import load_weights, read_config
-        from trtbuild.models.llama import convert_hf_state_dict
+        from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
 
         recipe, shapes = job.recipe, job.recipe.shapes
         dtype = getattr(torch, DTYPE_NAMES[recipe.precision])

@@ -1,4 +1,5 @@
-"""Hugging Face-format model folders: read config.json and safetensors, write seeded synthetic ones.
+"""Hugging Face-format model folders: read config.json and safetensors, write seeded synthetic ones, and
+map a checkpoint's tensors onto the model's fused layout (`convert_hf_state_dict`).
 
 Every problem names the file and the field or tensor: a folder that does not load is the user's to
 fix, so it is an `InputError`, never a traceback from deep inside safetensors.
@@ -155,3 +156,27 @@ def write_synthetic(folder: Path, config: dict[str, Any], seed: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def convert_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
+    """Hugging Face parameter names → this module's fused layout. Raises KeyError naming a missing tensor."""
+    out: dict[str, Tensor] = {"tok_embeddings.weight": hf["model.embed_tokens.weight"],
+                              "norm.weight": hf["model.norm.weight"]}
+    out["output.weight"] = hf["model.embed_tokens.weight"] if cfg.tie_word_embeddings else hf["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        o = f"layers.{i}."
+        out[o + "attention.wqkv.weight"] = torch.cat([hf[a + f"{n}_proj.weight"] for n in "qkv"])
+        if cfg.qkv_bias:
+            out[o + "attention.wqkv.bias"] = torch.cat([hf[a + f"{n}_proj.bias"] for n in "qkv"])
+        out[o + "attention.wo.weight"] = hf[a + "o_proj.weight"]
+        if cfg.o_bias:
+            out[o + "attention.wo.bias"] = hf[a + "o_proj.bias"]
+        out[o + "feed_forward.w13.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
+        out[o + "feed_forward.w2.weight"] = hf[m + "down_proj.weight"]
+        if cfg.mlp_bias:
+            out[o + "feed_forward.w13.bias"] = torch.cat([hf[m + "gate_proj.bias"], hf[m + "up_proj.bias"]])
+            out[o + "feed_forward.w2.bias"] = hf[m + "down_proj.bias"]
+        out[o + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
+        out[o + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    return out

@@ -2,8 +2,8 @@
 
 Written to be exported: no data-dependent control flow, the KV cache is a set of registered buffers
 updated in place, and the attention mask is computed from positions rather than stored. Q/K/V and
-gate/up projections are fused into one matmul each (fewer, larger kernels); `convert_hf_state_dict`
-maps a Hugging Face checkpoint onto this layout.
+gate/up projections are fused into one matmul each (fewer, larger kernels);
+`checkpoint.convert_hf_state_dict` maps a Hugging Face checkpoint onto this layout.
 """
 
 from __future__ import annotations
@@ -382,27 +382,3 @@ def greedy_token(logits: Tensor) -> Tensor:
     best, where = padded.max(-1)  # (B, chunks)
     chunk = best.argmax(-1, keepdim=True)
     return chunk * ARGMAX_CHUNK + where.gather(-1, chunk)
-
-
-def convert_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, Tensor]:
-    """Hugging Face parameter names → this module's fused layout. Raises KeyError naming a missing tensor."""
-    out: dict[str, Tensor] = {"tok_embeddings.weight": hf["model.embed_tokens.weight"],
-                              "norm.weight": hf["model.norm.weight"]}
-    out["output.weight"] = hf["model.embed_tokens.weight"] if cfg.tie_word_embeddings else hf["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        o = f"layers.{i}."
-        out[o + "attention.wqkv.weight"] = torch.cat([hf[a + f"{n}_proj.weight"] for n in "qkv"])
-        if cfg.qkv_bias:
-            out[o + "attention.wqkv.bias"] = torch.cat([hf[a + f"{n}_proj.bias"] for n in "qkv"])
-        out[o + "attention.wo.weight"] = hf[a + "o_proj.weight"]
-        if cfg.o_bias:
-            out[o + "attention.wo.bias"] = hf[a + "o_proj.bias"]
-        out[o + "feed_forward.w13.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
-        out[o + "feed_forward.w2.weight"] = hf[m + "down_proj.weight"]
-        if cfg.mlp_bias:
-            out[o + "feed_forward.w13.bias"] = torch.cat([hf[m + "gate_proj.bias"], hf[m + "up_proj.bias"]])
-            out[o + "feed_forward.w2.bias"] = hf[m + "down_proj.bias"]
-        out[o + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
-        out[o + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
-    return out
