@@ -67,7 +67,10 @@ if [ "${SAVE_TACTICS:-0}" = 1 ] && [ -d /tmp/bench-engines/tactics ]; then
 fi
 
 if [ "${SAVE_PEER_CACHE:-0}" = 1 ]; then
-  (cd /tmp/peer-cache && tar -cz . | split -b 15m - "$OUT/peer-cache.tar.gz.part-")
+  # Inductor's folder only (compiled graphs' code, GEMM autotuning results): Triton's holds a binary of every
+  # autotuning candidate, too large to come back; on a cache hit the chosen kernels compile again from the
+  # code, without autotuning.
+  (cd /tmp/peer-cache && tar -cz inductor | split -b 15m - "$OUT/peer-cache.tar.gz.part-")
   log "peer caches saved: $(du -ch "$OUT"/peer-cache.tar.gz.part-* | tail -1 | cut -f1) in $(ls "$OUT"/peer-cache.tar.gz.part-* | wc -l) part(s) (at most 8 files come back from a call)"
 fi
 
