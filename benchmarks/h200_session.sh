@@ -66,7 +66,7 @@ if [ "${SAVE_TACTICS:-0}" = 1 ] && [ -d /tmp/bench-engines/tactics ]; then
   log "tactics saved: $(du -ch "$OUT"/tactics.tar.gz.part-* | tail -1 | cut -f1) in $(ls "$OUT"/tactics.tar.gz.part-* | wc -l) part(s)"
 fi
 
-if [ "${SAVE_PEER_CACHE:-0}" = 1 ]; then
+if [ "${SAVE_PEER_CACHE:-0}" = 1 ] && [ -d /tmp/peer-cache/inductor ]; then
   # Inductor's folder only (compiled graphs' code, GEMM autotuning results): Triton's holds a binary of every
   # autotuning candidate, too large to come back; on a cache hit the chosen kernels compile again from the
   # code, without autotuning.
