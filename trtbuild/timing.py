@@ -88,13 +88,20 @@ def graph_seconds(calls: Callable[[], object], reps: int = 15) -> float:
         calls()
     for _ in range(3):
         graph.replay()
+    return event_seconds(graph.replay, reps)
+
+
+def event_seconds(run: Callable[[], object], reps: int) -> float:
+    """Seconds of one `run`: the median (the upper one for an even `reps`) of `reps` runs, each between two
+    CUDA events. CUDA only."""
+    import torch
+
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        graph.replay()
+        run()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
-    times.sort()
-    return times[len(times) // 2]
+    return sorted(times)[len(times) // 2]

@@ -171,7 +171,7 @@ def fusion_of(linear: Any, mode: str) -> str:
 
 def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, str]:
     """Whether the decode graphs use trtbuild's decode attention kernel, and how:
-    {"used": "kernel" | "kernel-unfused" | "aten", "note"}."""
+    {"used": "kernel" | "kernel-unfused" | "kernel-one-pass" | "aten", "note"}."""
     if mode == "aten":
         return {"used": "aten", "note": "options.decode_attention is aten"}
     why = None if device.startswith("cuda") else "a CPU build"

@@ -25,7 +25,6 @@ from trtbuild.errors import TrtbuildError
 # error where it cannot serve (a CPU build, or cuDNN refusing the shape). The first mode is the default.
 PREFILL_ATTENTION_MODES = ("auto", "sdpa", "cudnn")
 OPTIONS = {"prefill_attention": PREFILL_ATTENTION_MODES}
-KERNELS = ("sdpa", "cudnn")
 # auto takes cuDNN's kernel only when it measures at least this much faster: on the H200 (torch 2.11,
 # cuDNN 9.19; RESULTS.md, tenth session) the two ran within 1-5% of each other at Llama-3 shapes, either
 # ahead, and a tie should keep the kernel SDPA itself would pick rather than follow the timing's noise.
@@ -126,22 +125,17 @@ def _graph_us(call: Any, reps: int) -> float:
     back to back between two events (the prefill graph does not run in a CUDA graph anyway)."""
     import torch
 
-    from trtbuild.timing import graph_seconds
+    from trtbuild.timing import event_seconds, graph_seconds
 
-    try:
-        return graph_seconds(lambda: [call() for _ in range(10)], reps) / 10 * 1e6
-    except RuntimeError:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    def ten() -> None:
         for _ in range(10):
             call()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / 10)
-    return sorted(times)[len(times) // 2]
+
+    try:
+        return graph_seconds(ten, reps) / 10 * 1e6
+    except RuntimeError:
+        torch.cuda.synchronize()
+    return event_seconds(ten, reps) / 10 * 1e6
 
 
 @contextlib.contextmanager

@@ -11,12 +11,13 @@ filled slots, and keeps an online softmax. The second merges the slices' partial
 The filled length is read from the position tensor on the device, not from the graph's shapes: the
 kernel reads exactly slots 0..pos, whatever window the runtime captured the step for.
 
-Registered as two custom ops, which AOTInductor compiles into the decode packages:
+Registered as three custom ops, which AOTInductor compiles into the decode packages:
 `trtbuild::decode_attention_rope` (the default) takes the QKV projection's output as it is and also
 rotates the query and the new key and writes the new key and value into the cache. In the H200 profile
 of a 1B step, those were three Inductor kernels per layer (56 us of 1111 at batch 1, plus their launch
 gaps) for a few kilobytes each; here they are a few loads in programs that run anyway.
-`trtbuild::decode_attention` attends only (options.decode_attention: kernel-unfused, for A/B runs).
+`trtbuild::decode_attention` attends only (options.decode_attention: kernel-unfused, for A/B runs);
+`trtbuild::decode_attention_one_pass` is the first in one launch (kernel-one-pass, opt-in).
 Used for 16-bit models only: its dots run on tensor cores, which would round fp32 to tf32.
 Imported only where Triton and a GPU are present; lives with the model code because its source is
 part of every engine's key.
@@ -220,13 +221,13 @@ def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache
                          f"[B', KV, S, D] with contiguous rows, got {tuple(q.shape)}, {tuple(k_cache.shape)}")
     rep, splits = heads // kv, num_splits(b, kv)
     block_r = max(16, triton.next_power_of_2(rep))
+    if sem is not None and (sem.dtype != torch.int32 or sem.numel() < b * kv):
+        raise ValueError(f"decode_attention: sem must be int32 with at least {b * kv} counters, got "
+                         f"{sem.dtype} {tuple(sem.shape)}")
     o = torch.empty((b * kv, splits, block_r, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((b * kv, splits, block_r, 2), dtype=torch.float32, device=q.device)
     y = torch.empty((b, 1, heads, d), dtype=q.dtype, device=q.device)
     stride_qh = d if rope is not None else q.stride(2)
-    if sem is not None and (sem.dtype != torch.int32 or sem.numel() < b * kv):
-        raise ValueError(f"decode_attention: sem must be int32 with at least {b * kv} counters, got "
-                         f"{sem.dtype} {tuple(sem.shape)}")
     # Pointers a compile-time flag keeps from being read stand in as pos: the table without ROPE, the
     # counters without ONE_PASS.
     partial[(b * kv, splits)](  # type: ignore[index]

@@ -197,15 +197,12 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q_size = c.num_heads * c.head_dim
         qkv = self.wqkv(x, norm=norm)
-        if self.decode_kernel == "kernel":
-            from trtbuild.models.decode_attention import decode_attention_rope_op  # needs Triton: CUDA builds only
+        if self.decode_kernel in ("kernel", "kernel-one-pass"):
+            from trtbuild.models import decode_attention as kernels  # needs Triton: CUDA builds only
 
-            y = decode_attention_rope_op(qkv, rope, k_cache, v_cache, pos, c.num_heads)
-            return self.wo(y.reshape(b, t, q_size), residual=residual)
-        if self.decode_kernel == "kernel-one-pass":
-            from trtbuild.models.decode_attention import decode_attention_one_pass_op
-
-            y = decode_attention_one_pass_op(qkv, rope, k_cache, v_cache, pos, sem, c.num_heads)
+            y = (kernels.decode_attention_one_pass_op(qkv, rope, k_cache, v_cache, pos, sem, c.num_heads)
+                 if self.decode_kernel == "kernel-one-pass" else
+                 kernels.decode_attention_rope_op(qkv, rope, k_cache, v_cache, pos, c.num_heads))
             return self.wo(y.reshape(b, t, q_size), residual=residual)
         q_rows, k, v = rope_and_store(qkv, table, pos, k_cache, v_cache, c)
         q = q_rows.transpose(1, 2)
