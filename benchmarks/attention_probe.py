@@ -10,8 +10,7 @@ over all layers:
   - from the QKV projection's output, as a decode step starts: `rope`, the kernel with the rotation and the
     cache writes inside it (`decode_attention_rope`, options.decode_attention kernel), against `split`,
     the rotation and cache writes compiled by Inductor from the model's code, then the kernel
-    (options.decode_attention kernel-unfused), and `one pass`, the rope kernel in one launch
-    (kernel-one-pass), whose counters must all be back at zero after the replays.
+    (options.decode_attention kernel-unfused).
 It also reports the largest difference between the aten and kernel outputs, and between rope and split
 (bf16). A probe for choosing a
 default, not a benchmark of the engine (bench.py is that). Needs CUDA + Triton.
@@ -34,7 +33,7 @@ import torch  # noqa: E402
 
 from trtbuild.backends.torch_runtime import decode_windows  # noqa: E402
 from trtbuild.models.decode_attention import (  # noqa: E402
-    decode_attention, decode_attention_one_pass, decode_attention_rope, num_splits)
+    decode_attention, decode_attention_rope, num_splits)
 from trtbuild.timing import graph_seconds  # noqa: E402
 from trtbuild.models.llama import LlamaConfig, _cached_attention, rope_and_store, rope_table  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
@@ -92,15 +91,6 @@ def probe_recipe(path: str, batches: list[int], positions: list[int], reps: int)
                 for qkv, (k, v) in zip(qkvs, caches, strict=True):
                     ys.append(decode_attention_rope(qkv, rope, k, v, pos, cfg.num_heads))
 
-            ys_one: list[torch.Tensor] = []
-            sem = torch.zeros(b * cfg.num_kv_heads, dtype=torch.int32, device=dev)
-
-            def run_one_pass(ys: list[torch.Tensor] = ys_one, qkvs: list[torch.Tensor] = qkvs,
-                             pos: torch.Tensor = pos, sem: torch.Tensor = sem) -> None:
-                ys.clear()
-                for qkv, (k, v) in zip(qkvs, caches, strict=True):
-                    ys.append(decode_attention_one_pass(qkv, rope, k, v, pos, sem, cfg.num_heads))
-
             def run_split(ys: list[torch.Tensor] = ys_split, qkvs: list[torch.Tensor] = qkvs,
                           pos: torch.Tensor = pos) -> None:
                 ys.clear()
@@ -112,11 +102,9 @@ def probe_recipe(path: str, batches: list[int], positions: list[int], reps: int)
             kernel_s = graph_seconds(run_kernel, reps)
             rope_s = graph_seconds(run_rope, reps)
             split_s = graph_seconds(run_split, reps)
-            one_s = graph_seconds(run_one_pass, reps)
             # both write the same new K and V at slot p, so the two last runs read the same caches
             rope_err = max((yr.float() - yp.float()).abs().max().item()
                            for yr, yp in zip(ys_rope, ys_split, strict=True))
-            one_err = max((yr.float() - yo.float()).abs().max().item() for yr, yo in zip(ys_rope, ys_one, strict=True))
             err = max((ya.transpose(1, 2).float() - yk.float()).abs().max().item()
                       for ya, yk in zip(ys_aten, ys_kernel, strict=True))
             kv_bytes = 2 * b * cfg.num_kv_heads * (p + 1) * cfg.head_dim * 2 * cfg.num_layers
@@ -126,15 +114,13 @@ def probe_recipe(path: str, batches: list[int], positions: list[int], reps: int)
                    "step_saving_us": (aten_s - kernel_s) * 1e6, "kv_bytes_per_step": kv_bytes,
                    "kernel_TBps": kv_bytes / kernel_s / 1e12, "max_abs_diff": err,
                    "rope_us_per_layer": rope_s / cfg.num_layers * 1e6, "split_us_per_layer": split_s / cfg.num_layers * 1e6,
-                   "rope_max_abs_diff": rope_err, "one_pass_us_per_layer": one_s / cfg.num_layers * 1e6,
-                   "one_pass_max_abs_diff": one_err, "one_pass_counters_zero": bool((sem == 0).all())}
+                   "rope_max_abs_diff": rope_err}
             out["rows"].append(row)
             print(f"{recipe.name} b{b} pos {p:5d} (window {window:5d}): aten {row['aten_us_per_layer']:7.2f} us/layer, "
                   f"kernel {row['kernel_us_per_layer']:7.2f} us/layer ({row['kernel_TBps']:.2f} TB/s), "
                   f"step {row['step_saving_us']:+8.1f} us saved, max |diff| {err:.3g}; from QKV: rope in the kernel "
                   f"{row['rope_us_per_layer']:7.2f} us/layer, split {row['split_us_per_layer']:7.2f} us/layer, "
-                  f"max |diff| {rope_err:.3g}; one pass {row['one_pass_us_per_layer']:7.2f} us/layer, max |diff| "
-                  f"{one_err:.3g}, counters zero: {row['one_pass_counters_zero']}", flush=True)
+                  f"max |diff| {rope_err:.3g}", flush=True)
     return out
 
 

@@ -157,10 +157,10 @@ def test_prefill_attention_through_cudnn_is_compiled_into_the_prefill_graph_and_
     assert short[0][:4] == want_short[0][:4]
 
 
-@pytest.mark.parametrize("mode", ["kernel", "kernel-unfused", "kernel-one-pass"])
+@pytest.mark.parametrize("mode", ["kernel", "kernel-unfused"])
 def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_eager(tmp_path: Path, mode: str) -> None:
-    """options.decode_attention kernel (rope and the cache writes in the kernel), kernel-unfused and
-    kernel-one-pass (the same as kernel, in one launch) on a bf16 model with head_dim 16 (the kernel's
+    """options.decode_attention kernel (rope and the cache writes in the kernel) and kernel-unfused on a
+    bf16 model with head_dim 16 (the kernel's
     smallest): the decode graphs call trtbuild's attention kernel, prefill keeps SDPA, and the leading
     tokens are the eager model's, across two cache windows and at both batch sizes (so the cache the
     kernel writes is what later steps and windows read)."""

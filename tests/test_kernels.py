@@ -35,15 +35,13 @@ def test_decode_attention_matches_the_masked_attention_of_the_model(
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize(("batch", "heads", "kv_heads", "pos"), [(1, 8, 2, 0), (2, 8, 2, 40), (3, 6, 2, 250)])
 def test_decode_attention_with_rope_rotates_writes_the_cache_and_attends_as_the_model_does(
-        batch: int, heads: int, kv_heads: int, pos: int, one_pass: bool) -> None:
+        batch: int, heads: int, kv_heads: int, pos: int) -> None:
     """From the QKV projection's output: the query and new key rotated by the table's row for pos, the new
     key and value stored at slot pos of the first `batch` sequences (every other slot untouched), and the
-    attention over slots 0..pos the model's ATen code computes after its own rope and cache writes. In one
-    pass (the last program of each sequence and KV head merges), the same, with every counter back at 0."""
-    from trtbuild.models.decode_attention import decode_attention_one_pass, decode_attention_rope
+    attention over slots 0..pos the model's ATen code computes after its own rope and cache writes."""
+    from trtbuild.models.decode_attention import decode_attention_rope
     from trtbuild.models.llama import LlamaConfig, _cached_attention, apply_rope, rope_table
 
     d, slots = 16, 300
@@ -63,18 +61,13 @@ def test_decode_attention_with_rope_rotates_writes_the_cache_and_attends_as_the_
     v_want[:batch, :, pos] = v.view(batch, kv_heads, d)
     want = _cached_attention(q.transpose(1, 2), k_want[:batch], v_want[:batch], p,
                              torch.arange(pos + 1, device=DEVICE)).transpose(1, 2)
-    if one_pass:
-        sem = torch.zeros((batch + 1) * kv_heads, dtype=torch.int32, device=DEVICE)
-        got = decode_attention_one_pass(qkv, rope, k_cache, v_cache, p, sem, heads)
-        assert sem.tolist() == [0] * sem.numel()
-    else:
-        got = decode_attention_rope(qkv, rope, k_cache, v_cache, p, heads)
+    got = decode_attention_rope(qkv, rope, k_cache, v_cache, p, heads)
     torch.testing.assert_close(k_cache, k_want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v_cache, v_want, atol=0, rtol=0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["kernel", "kernel-unfused", "kernel-one-pass"])
+@pytest.mark.parametrize("attention", ["kernel", "kernel-unfused"])
 def test_decode_steps_through_the_attention_kernel_give_the_logits_of_the_aten_model(attention: str) -> None:
     """A prompt through the model's ATen path, then decode steps with every Attention routed to the kernel
     (as a decode graph routes them): the same logits as the unrouted model, step after step, so the cache

@@ -27,9 +27,9 @@ DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
 # cache writes in the same launch; aten = the masked attention Inductor compiles from the model code;
 # kernel = the kernel, or a recipe error where it cannot serve; kernel-unfused = the kernel for the
 # attention alone, rope and the cache writes compiled by Inductor (what the kernel did before the
-# ninth session, kept for A/B runs); kernel-one-pass = the kernel in one launch instead of two, the
-# last program of each sequence and KV head merging the partials (opt-in: not yet run on a GPU).
-DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused", "kernel-one-pass")
+# ninth session, kept for A/B runs). (A one-launch mode, the last program of each sequence and KV head
+# merging the partials, measured slower on the H200 and was removed: RESULTS.md, eleventh session.)
+DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
 # options.decode_fusion: none (the default) = the kernel does the matmul alone and Inductor compiles the
 # norms, gating and adds around it; fused = a decode matmul through the kernel also does the RMSNorm
 # before it, the SiLU gating after gate/up, or the residual add after it (one launch instead of two or
@@ -171,7 +171,7 @@ def fusion_of(linear: Any, mode: str) -> str:
 
 def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, str]:
     """Whether the decode graphs use trtbuild's decode attention kernel, and how:
-    {"used": "kernel" | "kernel-unfused" | "kernel-one-pass" | "aten", "note"}."""
+    {"used": "kernel" | "kernel-unfused" | "aten", "note"}."""
     if mode == "aten":
         return {"used": "aten", "note": "options.decode_attention is aten"}
     why = None if device.startswith("cuda") else "a CPU build"

@@ -60,10 +60,6 @@ class TorchEngine:
         for i in range(c.num_layers):
             consts[f"model.k_cache_{i}"] = torch.zeros(cache_shape, dtype=dtype, device=self.device)
             consts[f"model.v_cache_{i}"] = torch.zeros(cache_shape, dtype=dtype, device=self.device)
-        # the one-pass decode attention's counters (options.decode_attention kernel-one-pass): zeros, which
-        # each launch leaves zero
-        consts["model.attention_sem"] = torch.zeros(shapes["max_batch_size"] * c.num_kv_heads, dtype=torch.int32,
-                                                    device=self.device)
         self._consts = consts
         for name, graph in self.spec["graphs"].items():
             model = _Model(self.entry / graph["so"], self.device)

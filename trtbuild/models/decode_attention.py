@@ -11,13 +11,12 @@ filled slots, and keeps an online softmax. The second merges the slices' partial
 The filled length is read from the position tensor on the device, not from the graph's shapes: the
 kernel reads exactly slots 0..pos, whatever window the runtime captured the step for.
 
-Registered as three custom ops, which AOTInductor compiles into the decode packages:
+Registered as two custom ops, which AOTInductor compiles into the decode packages:
 `trtbuild::decode_attention_rope` (the default) takes the QKV projection's output as it is and also
 rotates the query and the new key and writes the new key and value into the cache. In the H200 profile
 of a 1B step, those were three Inductor kernels per layer (56 us of 1111 at batch 1, plus their launch
 gaps) for a few kilobytes each; here they are a few loads in programs that run anyway.
-`trtbuild::decode_attention` attends only (options.decode_attention: kernel-unfused, for A/B runs);
-`trtbuild::decode_attention_one_pass` is the first in one launch (kernel-one-pass, opt-in).
+`trtbuild::decode_attention` attends only (options.decode_attention: kernel-unfused, for A/B runs).
 Used for 16-bit models only: its dots run on tensor cores, which would round fp32 to tf32.
 Imported only where Triton and a GPU are present; lives with the model code because its source is
 part of every engine's key.
@@ -78,11 +77,10 @@ def _rotate(ptr, cos, sin, d, HALF: tl.constexpr, mask):
 
 
 @triton.jit
-def _partial_kernel(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, y_ptr, sem_ptr, KV,
+def _partial_kernel(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
                     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                    stride_yb, stride_yh,
                     REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                    SPLITS: tl.constexpr, SCALE: tl.constexpr, ROPE: tl.constexpr, ONE_PASS: tl.constexpr):
+                    SPLITS: tl.constexpr, SCALE: tl.constexpr, ROPE: tl.constexpr):
     bkv = tl.program_id(0)  # sequence * KV + KV head
     split = tl.program_id(1)
     b = bkv // KV
@@ -160,58 +158,34 @@ def _partial_kernel(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, y_ptr
     tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=keep[:, None])
     tl.store(ml_ptr + row * 2, m, mask=keep)
     tl.store(ml_ptr + row * 2 + 1, total, mask=keep)
-    if ONE_PASS:
-        # The last of the sequence and KV head's SPLITS programs to arrive merges their partials, in this
-        # launch rather than a second one. The counter's add releases this program's stores above and, for
-        # the last, acquires the others'; the last puts the counter back to 0 for the next layer and step
-        # (sem_ptr is a buffer of the model that starts at zero and is shared by every layer).
-        # The barriers: every thread's stores precede the one atomic add of the program, and every
-        # thread's loads follow it (a release and an acquire only order their own thread's accesses).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(sem_ptr + bkv, 1, sem="acq_rel")
-        tl.debug_barrier()
-        if arrived == SPLITS - 1:
-            for rr in tl.static_range(REP):
-                _merge_row(o_ptr, ml_ptr, y_ptr + b * stride_yb + (kv * REP + rr) * stride_yh, bkv, rr, filled,
-                           BLOCK_R, D, SPLITS, BLOCK_S, ".cg")
-            tl.atomic_xchg(sem_ptr + bkv, 0)
-
-
-@triton.jit
-def _merge_row(o_ptr, ml_ptr, y_row, bkv, rr, filled, BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-               BLOCK_S: tl.constexpr, CACHE: tl.constexpr):
-    """One query head's output from the SPLITS partials of its sequence and KV head (bkv) at row rr."""
-    sp = tl.arange(0, SPLITS)
-    d = tl.arange(0, D)
-    # the slices that hold filled slots, the only ones the partial kernel wrote (slice 0 always: the
-    # maximum below is finite); the others load as m = -inf, total = 0, o = 0 and weigh nothing.
-    # CACHE ".cg" (one pass): read from L2, where the other programs' stores are, never from this SM's L1.
-    held = sp < tl.cdiv(filled, _slice_len(filled, SPLITS, BLOCK_S))
-    row = (bkv * SPLITS + sp) * BLOCK_R + rr
-    m = tl.load(ml_ptr + row * 2, mask=held, other=float("-inf"), cache_modifier=CACHE)
-    total = tl.load(ml_ptr + row * 2 + 1, mask=held, other=0.0, cache_modifier=CACHE)
-    weight = tl.exp(m - tl.max(m, 0))
-    o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=held[:, None], other=0.0, cache_modifier=CACHE)
-    y = tl.sum(o * weight[:, None], 0) / tl.sum(total * weight, 0)
-    tl.store(y_row + d, y.to(y_row.dtype.element_ty))
 
 
 @triton.jit
 def _merge_kernel(o_ptr, ml_ptr, y_ptr, pos_ptr, KV, stride_yb, stride_yh,
                   REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                   BLOCK_S: tl.constexpr):
+    """One query head's output from the SPLITS partials of its sequence and KV head."""
     pid = tl.program_id(0)  # sequence * heads + head
     b = pid // (KV * REP)
     h = pid % (KV * REP)
     filled = tl.load(pos_ptr) + 1
-    _merge_row(o_ptr, ml_ptr, y_ptr + b * stride_yb + h * stride_yh, b * KV + h // REP, h % REP, filled,
-               BLOCK_R, D, SPLITS, BLOCK_S, "")
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    # the slices that hold filled slots, the only ones the partial kernel wrote (slice 0 always: the
+    # maximum below is finite); the others load as m = -inf, total = 0, o = 0 and weigh nothing.
+    held = sp < tl.cdiv(filled, _slice_len(filled, SPLITS, BLOCK_S))
+    row = ((b * KV + h // REP) * SPLITS + sp) * BLOCK_R + h % REP
+    m = tl.load(ml_ptr + row * 2, mask=held, other=float("-inf"))
+    total = tl.load(ml_ptr + row * 2 + 1, mask=held, other=0.0)
+    weight = tl.exp(m - tl.max(m, 0))
+    o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=held[:, None], other=0.0)
+    y = tl.sum(o * weight[:, None], 0) / tl.sum(total * weight, 0)
+    tl.store(y_ptr + b * stride_yb + h * stride_yh + d, y.to(y_ptr.dtype.element_ty))
 
 
 def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache: Tensor, v_cache: Tensor,
-         pos: Tensor, heads: int, sem: Tensor | None = None) -> Tensor:
-    """q: [B, 1, H, D] after rope, or with `rope` the QKV projection's output [B, 1, (H + 2 KV) D].
-    With `sem` (int32, at least B * KV zeros, left zero), one launch: the partial kernel merges too."""
+         pos: Tensor, heads: int) -> Tensor:
+    """q: [B, 1, H, D] after rope, or with `rope` the QKV projection's output [B, 1, (H + 2 KV) D]."""
     b, t = q.shape[:2]
     kv, d = k_cache.shape[1], k_cache.shape[3]
     width = (heads + 2 * kv) * d if rope is not None else d
@@ -221,25 +195,19 @@ def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache
                          f"[B', KV, S, D] with contiguous rows, got {tuple(q.shape)}, {tuple(k_cache.shape)}")
     rep, splits = heads // kv, num_splits(b, kv)
     block_r = max(16, triton.next_power_of_2(rep))
-    if sem is not None and (sem.dtype != torch.int32 or sem.numel() < b * kv):
-        raise ValueError(f"decode_attention: sem must be int32 with at least {b * kv} counters, got "
-                         f"{sem.dtype} {tuple(sem.shape)}")
     o = torch.empty((b * kv, splits, block_r, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((b * kv, splits, block_r, 2), dtype=torch.float32, device=q.device)
     y = torch.empty((b, 1, heads, d), dtype=q.dtype, device=q.device)
     stride_qh = d if rope is not None else q.stride(2)
-    # Pointers a compile-time flag keeps from being read stand in as pos: the table without ROPE, the
-    # counters without ONE_PASS.
+    # Without ROPE, pos stands in for the table's pointer (a compile-time flag keeps it from being read).
     partial[(b * kv, splits)](  # type: ignore[index]
-        q, rope if rope is not None else pos, k_cache, v_cache, pos, o, ml, y, sem if sem is not None else pos, kv,
+        q, rope if rope is not None else pos, k_cache, v_cache, pos, o, ml, kv,
         q.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), y.stride(0), y.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         # the scale a compile-time constant: AOTInductor passes a float argument as fp64, which would
         # promote the scores and the running maximum to fp64 (refused by Triton inside the loop)
         REP=rep, BLOCK_R=block_r, D=d, BLOCK_S=BLOCK_S, SPLITS=splits, SCALE=d**-0.5, ROPE=rope is not None,
-        ONE_PASS=sem is not None, num_warps=4)
-    if sem is not None:
-        return y
+        num_warps=4)
     merge[(b * heads,)](  # type: ignore[index]
         o, ml, y, pos, kv, y.stride(0), y.stride(2), REP=rep, BLOCK_R=block_r, D=d, SPLITS=splits, BLOCK_S=BLOCK_S,
         num_warps=1)
@@ -260,13 +228,6 @@ def decode_attention_rope(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: T
     return _run(_partial_kernel, _merge_kernel, qkv, rope, k_cache, v_cache, pos, heads)
 
 
-def decode_attention_one_pass(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                              sem: Tensor, heads: int) -> Tensor:
-    """`decode_attention_rope` in one launch: the last program of each sequence and KV head merges the
-    partials, counted in `sem` (int32 zeros, one per sequence and KV head; left zero). Eager."""
-    return _run(_partial_kernel, _merge_kernel, qkv, rope, k_cache, v_cache, pos, heads, sem)
-
-
 @triton_op("trtbuild::decode_attention", mutates_args=())
 def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> Tensor:
     """The kernel as a custom op, attention only (options.decode_attention: kernel-unfused)."""
@@ -278,11 +239,3 @@ def decode_attention_rope_op(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache
                              heads: int) -> Tensor:
     """The kernel as a custom op with rope and the cache writes: what the decode graphs call by default."""
     return _run(wrap_triton(_partial_kernel), wrap_triton(_merge_kernel), qkv, rope, k_cache, v_cache, pos, heads)
-
-
-@triton_op("trtbuild::decode_attention_one_pass", mutates_args=("k_cache", "v_cache", "sem"))
-def decode_attention_one_pass_op(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                                 sem: Tensor, heads: int) -> Tensor:
-    """The one-launch kernel as a custom op (options.decode_attention: kernel-one-pass, opt-in)."""
-    return _run(wrap_triton(_partial_kernel), wrap_triton(_merge_kernel), qkv, rope, k_cache, v_cache, pos, heads,
-                sem)

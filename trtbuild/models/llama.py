@@ -174,8 +174,7 @@ class Linear(nn.Linear):
 
 class Attention(nn.Module):
     # Set by the backend only while it exports a decode graph that uses trtbuild's decode attention
-    # kernel (options.decode_attention): "kernel" (rope, the cache writes and attention in one custom op),
-    # "kernel-one-pass" (the same in one launch, counting in the model's `attention_sem`) or
+    # kernel (options.decode_attention): "kernel" (rope, the cache writes and attention in one custom op) or
     # "kernel-unfused" (the kernel attends; rope and the cache writes stay the model's ATen code).
     # Prefill, CPU builds and eager runs keep "aten": `_cached_attention`.
     decode_kernel: str = "aten"
@@ -190,19 +189,17 @@ class Attention(nn.Module):
         self.wo = Linear(q, cfg.hidden_size, bias=cfg.o_bias, fusion="residual")
 
     def forward(self, x: Tensor, rope: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                from_start: bool, span: Tensor | None, norm: RMSNorm, residual: Tensor, sem: Tensor) -> Tensor:
+                from_start: bool, span: Tensor | None, norm: RMSNorm, residual: Tensor) -> Tensor:
         """residual + attention(norm(x)): the norm and the add are the projections' (see Linear).
         `rope` is the whole (max_seq_len, D/2, 2) table, `table` its rows at `pos`."""
         c = self.cfg
         b, t, _ = x.shape
         q_size = c.num_heads * c.head_dim
         qkv = self.wqkv(x, norm=norm)
-        if self.decode_kernel in ("kernel", "kernel-one-pass"):
-            from trtbuild.models import decode_attention as kernels  # needs Triton: CUDA builds only
+        if self.decode_kernel == "kernel":
+            from trtbuild.models.decode_attention import decode_attention_rope_op  # needs Triton: CUDA builds only
 
-            y = (kernels.decode_attention_one_pass_op(qkv, rope, k_cache, v_cache, pos, sem, c.num_heads)
-                 if self.decode_kernel == "kernel-one-pass" else
-                 kernels.decode_attention_rope_op(qkv, rope, k_cache, v_cache, pos, c.num_heads))
+            y = decode_attention_rope_op(qkv, rope, k_cache, v_cache, pos, c.num_heads)
             return self.wo(y.reshape(b, t, q_size), residual=residual)
         q_rows, k, v = rope_and_store(qkv, table, pos, k_cache, v_cache, c)
         q = q_rows.transpose(1, 2)
@@ -302,8 +299,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, rope: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                from_start: bool, span: Tensor | None, sem: Tensor) -> Tensor:
-        h = self.attention(x, rope, table, pos, k_cache, v_cache, from_start, span, self.attention_norm, x, sem)
+                from_start: bool, span: Tensor | None) -> Tensor:
+        h = self.attention(x, rope, table, pos, k_cache, v_cache, from_start, span, self.attention_norm, x)
         return self.feed_forward(h, self.ffn_norm, h)
 
 
@@ -330,9 +327,6 @@ class Transformer(nn.Module):
         for i in range(cfg.num_layers):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
-        # the one-pass decode attention's counters, one per sequence and KV head, zero between launches
-        self.register_buffer("attention_sem", torch.zeros(max_batch_size * cfg.num_kv_heads, dtype=torch.int32),
-                             persistent=False)
 
     def forward(self, tokens: Tensor, input_pos: Tensor, all_logits: bool = False, from_start: bool = False,
                 span: Tensor | None = None) -> Tensor:
@@ -340,7 +334,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, self.rope, table, input_pos, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), from_start,
-                      span, self.attention_sem)
+                      span)
         return self.output(x if all_logits else x[:, -1], norm=self.norm)
 
 
