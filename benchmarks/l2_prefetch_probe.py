@@ -14,7 +14,8 @@ attention:
   - load: programs that load the weight (evict_last) and discard it (what a kernel without inline PTX can do).
 The output projection runs through cuBLAS and through trtbuild's decode matmul kernel (its best
 configuration for the shape, selected here). The final hidden state must be the same in every variant.
-Needs CUDA + Triton (sm_90 for `bulk`).
+Needs CUDA + Triton (sm_90 for `bulk`). First run (RESULTS.md, eleventh session): no gain; the prefetch
+made the 8B layer slower.
 
     python benchmarks/l2_prefetch_probe.py recipes/llama-3.2-1b.yaml recipes/llama-3.1-8b.yaml --out $OUT
 """
@@ -138,7 +139,9 @@ def probe_recipe(path: str, batches: list[int], position: int, gu_mb: float, rep
                         o = F.linear(y, L["o"]) if o_kernel == "cublas" or o_cfg is None else decode_matmul(y, L["o"], o_cfg)
                         h = x + o
                         gu = F.linear(h, L["gu"])
-                        x = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["down"])
+                        # normalized, as the next layer's norm would: random weights otherwise grow the
+                        # residual stream to inf over 16-32 layers (the first run's outputs were NaN)
+                        x = F.rms_norm(h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], L["down"]), (hidden,))
                     finals[variant] = x
 
                 try:
