@@ -110,25 +110,32 @@ def prefill_flops(cfg: Any, t: int) -> float:
 def measure_peer(peer: Any, plan: Plan, batches: list[int], vocab: int, out: dict[str, Any],
                  saved: Callable[[], None]) -> None:
     """Fill `out` one figure at a time, calling `saved` after each: a peer that runs out of the
-    call's time (torch.compile's autotuning has) keeps the batch sizes and lengths it finished."""
+    call's time (torch.compile's autotuning has) keeps the batch sizes and lengths it finished.
+
+    The order: decode at the smallest batch, then every prefill length (batch 1), then the larger
+    batches. A compiled peer's prefill graph is compiled by its first generation, and each further decode
+    batch is a new graph to compile (and autotune): on the 8B shape torch.compile's batch-8 decode graph
+    outlasted a whole 10-minute device call (RESULTS.md, tenth session) and took the prefill rows, which
+    would have taken seconds, with it."""
     from trtbuild.runner import default_prompt
     from trtbuild.timing import percentiles
 
     out.update(label=peer.label, decode={}, prefill={}, complete=False)
-    for b in batches:
-        prompts = default_prompt(b, plan.prompt_len, vocab)
-        for _ in range(plan.warmup):  # same shapes as the timed runs: compiles/captures happen here
-            peer.generate(prompts, plan.new_tokens)
-        steps = [s for _ in range(plan.decode_reps) for s in peer.generate(prompts, plan.new_tokens)[1]]
-        out["decode"][str(b)] = {**percentiles(steps), "n": len(steps)}
-        out["label"] = peer.label  # some peers only know what ran after the first call
-        saved()
-    for t in plan.prefill_lens:
-        prompt = default_prompt(1, t, vocab)
-        for _ in range(2):
-            peer.generate(prompt, 1)
-        samples = [peer.generate(prompt, 1)[0] for _ in range(plan.prefill_reps)]
-        out["prefill"][str(t)] = {"p50": statistics.median(samples), "n": len(samples)}
+    first, *rest = sorted(batches)
+    for kind, n in [("decode", first)] + [("prefill", t) for t in plan.prefill_lens] + [("decode", b) for b in rest]:
+        if kind == "decode":
+            prompts = default_prompt(n, plan.prompt_len, vocab)
+            for _ in range(plan.warmup):  # same shapes as the timed runs: compiles/captures happen here
+                peer.generate(prompts, plan.new_tokens)
+            steps = [s for _ in range(plan.decode_reps) for s in peer.generate(prompts, plan.new_tokens)[1]]
+            out["decode"][str(n)] = {**percentiles(steps), "n": len(steps)}
+            out["label"] = peer.label  # some peers only know what ran after the first call
+        else:
+            prompt = default_prompt(1, n, vocab)
+            for _ in range(2):
+                peer.generate(prompt, 1)
+            samples = [peer.generate(prompt, 1)[0] for _ in range(plan.prefill_reps)]
+            out["prefill"][str(n)] = {"p50": statistics.median(samples), "n": len(samples)}
         saved()
     out["complete"] = True
 

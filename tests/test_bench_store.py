@@ -94,3 +94,33 @@ def test_a_variant_engine_is_deleted_once_measured_and_the_store_stays_whole(tmp
     assert gone.name in note and not gone.exists() and store.lookup("12" * 32) is None
     assert kept.is_dir() and store.lookup("34" * 32) is not None
     assert list(store.tmp_dir.iterdir()) == []
+
+
+def test_a_peer_cut_off_while_compiling_its_second_batch_keeps_its_prefill_rows() -> None:
+    """A peer measures decode at the smallest batch, then every prefill length, then the other batches;
+    what finished before it stops (here: an error in its first batch-8 generation, as a call's time
+    limit stops a compile) is kept, figure by figure."""
+
+    class Peer:
+        label = "fake"
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, int]] = []
+
+        def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+            self.calls.append((len(prompts), len(prompts[0])))
+            if len(prompts) == 8:
+                raise TimeoutError("still autotuning")
+            return 0.001 * len(prompts[0]), [0.002] * (new_tokens - 1)
+
+    peer, out, saves = Peer(), {}, []
+    try:
+        bench.measure_peer(peer, bench.QUICK, [8, 1], 256, out, lambda: saves.append(sorted(out["prefill"])))
+    except TimeoutError:
+        pass
+    assert sorted(out["decode"]) == ["1"]
+    assert sorted(out["prefill"], key=int) == [str(t) for t in bench.QUICK.prefill_lens]
+    assert out["prefill"]["64"]["p50"] == 0.064
+    assert out["complete"] is False
+    assert len(saves) == 1 + len(bench.QUICK.prefill_lens)  # saved after each figure
+    assert peer.calls[0][0] == 1 and peer.calls[-1][0] == 8  # batch 1 first, batch 8 last
