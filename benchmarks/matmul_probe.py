@@ -8,7 +8,8 @@ inside one CUDA graph per candidate (no launch overhead, as in the engine):
   - every candidate launch configuration of `trtbuild.models.decode_matmul` (the build's own
     selection, `decode_matmul.select`),
 then the whole step's matmuls in layer order (QKV, output, gate/up, down per layer, then the LM head)
-with cuBLAS only and with what the selection chose per shape. Bandwidth is weight bytes read / time (the copy rate of bench.py counts read + write).
+with cuBLAS only and with what the selection chose per shape. Bandwidth is weight bytes read / time (the copy
+rate of bench.py counts read + write).
 A probe for choosing a default, not a benchmark of the engine (bench.py is that). Needs CUDA + Triton.
 
     python benchmarks/matmul_probe.py recipes/llama-3.1-8b.yaml recipes/llama-3.2-1b.yaml --out $OUT
@@ -77,7 +78,7 @@ def probe_recipe(path: str, batches: list[int], reps: int) -> dict[str, Any]:
                   f"{tb.get('TBps', float('nan')):.2f} TB/s {tb.get('config', '-')} | "
                   f"{sum(1 for v in row['candidates'].values() if isinstance(v, str))} refused/failed", flush=True)
 
-        def step(plan: dict[str, str]) -> Callable[[], None]:
+        def step(plan: dict[str, str], m: int = m) -> Callable[[], None]:
             xs = {name: torch.randn(m, shapes[name][1], device=dev, dtype=dtype, generator=gen) for name in shapes}
             ys = {name: torch.empty(m, shapes[name][0], device=dev, dtype=dtype) for name in shapes}
 
@@ -100,7 +101,7 @@ def probe_recipe(path: str, batches: list[int], reps: int) -> dict[str, Any]:
             out["step"].setdefault(str(m), {})[plan] = {"ms": t * 1e3, "TBps": total / t / 1e12, "choice": chosen}
             print(f"[probe] {recipe.name} b{m} whole step's matmuls, {plan:9s} {t * 1e3:7.3f} ms "
                   f"{total / t / 1e12:.2f} TB/s {chosen if plan == 'selected' else ''}", flush=True)
-    del weights
+    weights.clear()  # free this recipe's weights before the next
     torch.cuda.empty_cache()
     return out
 

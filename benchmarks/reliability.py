@@ -32,7 +32,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tests.conftest import TINY_CONFIG, tiny_recipe_doc, write_recipe  # the tests' tiny recipe, built the same way
+from tests.conftest import TINY_CONFIG, tiny_recipe_doc, write_recipe  # noqa: E402  (the tests' tiny recipe, built the same way)
 
 WAITING = "waiting for the build of this engine by pid"
 SRC: Path = REPO  # where children import trtbuild from; main() points it at a snapshot
@@ -149,7 +149,7 @@ def kills(root: Path, a: argparse.Namespace, rng: random.Random, report: dict[st
                            "secs": round(proc.secs, 1), "orphans": orphans, "traceback": "Traceback" in proc.err,
                            "err_tail": "" if killed else proc.err[-400:], **inspect(store, a.timeout)})
         final = finish(spawn("build", recipe, "--engines", store, "--json"), a.timeout)
-        for ev, nxt in zip(events, procs[1:] + [final]):  # stuck: the next builder had to wait, or never got it
+        for ev, nxt in zip(events, procs[1:] + [final], strict=True):  # stuck: the next builder had to wait, or never got it
             ev["stuck"] = WAITING in nxt.err or nxt.rc == 124
         rep = served(final)  # a kill landing after the publish rename leaves a whole engine: a hit is a success too
         rounds.append({"recipe": str(recipe), "events": events, "final": (final.rc, round(final.secs, 1), final.err[-600:]),

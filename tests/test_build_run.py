@@ -219,7 +219,8 @@ def test_local_folder_with_tokenizer_runs_a_text_prompt(tmp_path: Path) -> None:
     assert report["shape"]["input_len"] == 4
     text = report["output_text"][0].split()
     assert len(text) == 5 and all(w in vocab for w in text)
-    identity = json.loads((Path(report["engine"]["path"]) / "manifest.json").read_text())["key_material"]["recipe"]["model"]["identity"]
+    manifest = json.loads((Path(report["engine"]["path"]) / "manifest.json").read_text())
+    identity = manifest["key_material"]["recipe"]["model"]["identity"]
     assert identity["kind"] == "local" and len(identity["sha256"]) == 64
 
 

@@ -32,7 +32,8 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, An
     return [(k, fa.get(k, "<absent>"), fb.get(k, "<absent>")) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 
-def nearest(material: dict[str, Any], entries: list[Entry], name: str | None = None) -> tuple[Entry, list[tuple[str, Any, Any]]] | None:
+def nearest(material: dict[str, Any], entries: list[Entry],
+            name: str | None = None) -> tuple[Entry, list[tuple[str, Any, Any]]] | None:
     """The entry whose key material differs from `material` in the fewest fields (same name first)."""
     scored = [(len(d), e.name != name, e.path.name, e, d)
               for e in entries for d in [differences(e.manifest.get("key_material", {}), material)]]

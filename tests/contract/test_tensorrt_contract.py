@@ -81,20 +81,20 @@ def test_backend_runs_on_every_10x(install_trt: Any, onnx_recipe: Any, tmp_path:
 def test_double_rejects_names_the_real_api_lacks(install_trt: Any) -> None:
     trt = install_trt("10.16")
     with pytest.raises(AttributeError):
-        trt.BuilderFlag.STRICT_TYPES  # removed before 10.0
+        _ = trt.BuilderFlag.STRICT_TYPES  # removed before 10.0
     builder = trt.Builder(trt.Logger(trt.Logger.WARNING))
     with pytest.raises(AttributeError):
-        builder.build_engine  # not in 10.x
+        _ = builder.build_engine  # not in 10.x
     config = builder.create_builder_config()
     with pytest.raises(TypeError):
         config.set_timing_cache(config.create_timing_cache(b""), ignore=True)  # the keyword is ignore_mismatch
     with pytest.raises(TypeError):
         trt.IBuilderConfig()  # no constructor in the bindings
     with pytest.raises(AttributeError):
-        trt.nonexistent_function
+        _ = trt.nonexistent_function
     eleven = install_trt("11.1")
     with pytest.raises(AttributeError):
-        eleven.BuilderFlag.FP16  # precision flags were removed in 11.0
+        _ = eleven.BuilderFlag.FP16  # precision flags were removed in 11.0
     with pytest.raises(AttributeError):
         install_trt("10.x").Builder(trt.Logger()).create_builder_config().max_num_tactics = 4  # 10.4+
 

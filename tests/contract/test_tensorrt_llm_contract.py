@@ -170,7 +170,7 @@ def test_double_rejects_names_the_real_api_lacks(install_trtllm: Any) -> None:
     with pytest.raises(TypeError):
         SamplingParams(16)  # keyword-only dataclass
     with pytest.raises(AttributeError):
-        QuantAlgo.INT4_AWQ  # the member is W4A16_AWQ
+        _ = QuantAlgo.INT4_AWQ  # the member is W4A16_AWQ
     with pytest.raises(ValueError, match="got invalid argument"):
         LLM(model="x", max_batch=4)
     with pytest.raises(ImportError):

@@ -59,7 +59,8 @@ class LoggerImpl(ILoggerImpl):
     _fake_impl = True
 
     def __init__(self, min_severity: Any = None) -> None:
-        self._fake_min = min_severity if min_severity is not None else type(self)._fake_module._fake_enum("ILogger.Severity", "WARNING")
+        default = type(self)._fake_module._fake_enum("ILogger.Severity", "WARNING")
+        self._fake_min = min_severity if min_severity is not None else default
 
     @property
     def min_severity(self) -> Any:
@@ -83,7 +84,7 @@ class IOptimizationProfileImpl(StrictBase):
     def set_shape(self, input: str, min: Any, opt: Any, max: Any) -> None:
         shapes = tuple(tuple(int(d) for d in s) for s in (min, opt, max))
         if len({len(s) for s in shapes}) != 1 or any(a > b for lo, hi in ((shapes[0], shapes[1]), (shapes[1], shapes[2]))
-                                                      for a, b in zip(lo, hi)):
+                                                      for a, b in zip(lo, hi, strict=True)):
             raise RuntimeError("Shape provided for min|opt|max is inconsistent with other shapes.")
         self._fake_shapes[input] = shapes
 
@@ -271,7 +272,8 @@ class BuilderImpl(StrictBase):
 def build_plan(mod: Any, logger: Any, network: Any, config: Any) -> Any:
     """What the fake builder checks and records; returns IHostMemory, or None after logging, as TRT does."""
     state = mod._fake_state
-    strongly_typed = mod._fake_eleven or bool(network._fake_flags & (1 << int(mod._fake_enum("NetworkDefinitionCreationFlag", "STRONGLY_TYPED"))))
+    strongly_typed_bit = 1 << int(mod._fake_enum("NetworkDefinitionCreationFlag", "STRONGLY_TYPED"))
+    strongly_typed = mod._fake_eleven or bool(network._fake_flags & strongly_typed_bit)
     weak_flags = {mod._fake_enum("BuilderFlag", f)._fake_value for f in WEAK_PRECISION_FLAGS
                   if mod._fake_surface.has("BuilderFlag", f)}
     if strongly_typed and config._fake_flags & weak_flags:
@@ -289,7 +291,8 @@ def build_plan(mod: Any, logger: Any, network: Any, config: Any) -> Any:
     for i, profile in enumerate(config._fake_profiles):
         for t in dynamic:
             shapes = profile._fake_shapes.get(t._fake_name_)
-            if shapes is None or any(len(s) != len(t._fake_shape) or any(d not in (-1, v) for d, v in zip(t._fake_shape, s))
+            if shapes is None or any(len(s) != len(t._fake_shape)
+                                     or any(d not in (-1, v) for d, v in zip(t._fake_shape, s, strict=True))
                                      for s in shapes):
                 log(logger, "ERROR", f"Error Code 4: API Usage Error (optimization profile {i} has no valid "
                     f"dimensions for input {t._fake_name_})")

@@ -176,7 +176,7 @@ class IExecutionContextImpl(StrictBase):
         n, mode, static, _ = self._fake_engine._fake_tensor(name)
         profiles = self._fake_engine._fake_header["profiles"]
         lo, _, hi = profiles[self._fake_profile][name] if profiles and name in profiles[self._fake_profile] else (static,) * 3
-        if mode != "INPUT" or len(shape) != len(static) or any(not a <= s <= b for a, s, b in zip(lo, shape, hi)):
+        if mode != "INPUT" or len(shape) != len(static) or any(not a <= s <= b for a, s, b in zip(lo, shape, hi, strict=True)):
             _log(self._fake_engine._fake_logger, "ERROR", f"IExecutionContext::setInputShape: Error Code 3: "
                  f"API Usage Error (Given shape {shape} for {name} is outside profile {self._fake_profile}: "
                  f"min {lo}, max {hi})")
@@ -226,7 +226,7 @@ class IExecutionContextImpl(StrictBase):
         if self._fake_session is None:
             self._fake_session = ReferenceEvaluator(onnx.load_from_string(self._fake_engine._fake_onnx))
         outs = self._fake_session.run(None, feeds)
-        return {name: np.asarray(v) for name, v in zip(self._fake_session.output_names, outs)}
+        return {name: np.asarray(v) for name, v in zip(self._fake_session.output_names, outs, strict=True)}
 
     def execute_async_v3(self, stream_handle: int) -> bool:
         mod = type(self)._fake_module

@@ -179,7 +179,8 @@ def _add_profiles(builder: Any, config: Any, inputs: list[Any], shapes: Any) -> 
         for t in dynamic:
             dims = tuple(t.shape)
             rows = []
-            for _which, batch, seq in (("min", low, 1), ("opt", bucket, shapes.max_input_len), ("max", bucket, shapes.max_seq_len)):
+            for _which, batch, seq in (("min", low, 1), ("opt", bucket, shapes.max_input_len),
+                                       ("max", bucket, shapes.max_seq_len)):
                 rows.append([batch if i == 0 and d == -1 else seq if d == -1 else d for i, d in enumerate(dims)])
             profile.set_shape(t.name, *rows)
             described[t.name] = rows

@@ -21,6 +21,7 @@ import shutil
 import time
 import types
 import uuid
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -276,5 +277,5 @@ class TensorRTLLMEngine:
                     live.discard(i)
         steps = [max(a[k] for a in arrivals) for k in range(min(len(a) for a in arrivals))] if arrivals else []
         output_ids = [list(r.outputs[0].token_ids) for r in requests]
-        decode = [b - a for a, b in zip(steps, steps[1:])]
+        decode = [b - a for a, b in pairwise(steps)]
         return Generation(output_ids=output_ids, prefill_s=(steps[0] - t0) if steps else 0.0, decode_step_s=decode)

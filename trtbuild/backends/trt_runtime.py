@@ -149,7 +149,7 @@ class TensorRTEngine:
             if not t["input"]:
                 continue
             opt = shapes.get(name, [None, list(t["shape"])])[1]
-            shape = [batch if i == 0 and d == -1 else o for i, (d, o) in enumerate(zip(t["shape"], opt))]
+            shape = [batch if i == 0 and d == -1 else o for i, (d, o) in enumerate(zip(t["shape"], opt, strict=False))]
             if t["dtype"].is_floating_point:
                 feeds[name] = torch.randn(shape, generator=gen).to(self.device, t["dtype"])
             else:
