@@ -164,7 +164,8 @@ class HFPeer:
         from transformers import AutoModelForCausalLM, LogitsProcessor
 
         self.device = device
-        self.model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+        self.model = model.to(device).eval()
         self.model.generation_config.eos_token_id = None  # random weights: never stop early
         self.model.generation_config.pad_token_id = 0
         self.mode = mode
