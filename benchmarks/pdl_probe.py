@@ -1,18 +1,20 @@
 """Programmatic dependent launch (PDL): what it would save a decode step, before the engine can use it.
 
-Why: in the H200 profiles (benchmarks/RESULTS.md) a 1B decode step is ~170 launches, most of them
-kernels of 1-6 us whose ramp (blocks scheduled, first loads in flight) and tail are not hidden by the
-CUDA graph: gaps alone were 53 us of a 1032 us step. With PDL (Hopper+), a kernel's blocks may start
-while the previous kernel finishes and wait (`griddepcontrol.wait`) only before reading its output.
-Inductor emits that wait and the launch attribute for its own Triton kernels when
-`torch._inductor.config.triton.enable_pdl` is on, but only through its Python launcher: AOTInductor's
-C++ launcher (torch 2.11-2.13) calls cuLaunchKernel without the attribute, so an engine would need its
-launcher changed. This probe measures the gain first: one decode step of trtbuild's Transformer
-(random bf16 weights at the recipe's real shapes; attention through trtbuild's decode kernel, as the
-engine runs it), compiled by torch.compile (Inductor's defaults, fullgraph, static shapes) with and
-without PDL, replayed in a CUDA graph. cuBLAS's matmul kernels and trtbuild's kernels are launched
-without the attribute in both, so this is the gain at Inductor's own kernels only. The two must give
-the same token. Needs CUDA (sm_90) + Triton.
+Why: in the H200 profiles (benchmarks/RESULTS.md) a 1B decode step is ~170 launches, most of them kernels
+of 1-6 us whose ramp (blocks scheduled, first loads in flight) and tail are not hidden by the CUDA graph:
+gaps alone were 53 us of a 1032 us step. With PDL (Hopper+), a kernel's blocks may start while the
+previous kernel finishes and wait (`griddepcontrol.wait`) only before reading its output. Inductor emits
+that wait and the launch attribute for its own Triton kernels when
+`torch._inductor.config.triton.enable_pdl` is on, but only through its Python launcher: AOTInductor's C++
+launcher calls cuLaunchKernel without the attribute (read in the local torch 2.13's
+`codegen/cuda/device_op_overrides.py`; upstream added PDL launches to AOTInductor in 2026-08,
+pytorch#194079, after the device's torch 2.11), so an engine would need its launcher changed. This probe
+measures the gain first: one decode step of trtbuild's Transformer (random bf16 weights at the recipe's
+real shapes; attention through trtbuild's decode kernel, as the engine runs it), compiled by
+torch.compile (Inductor's defaults, fullgraph, static shapes) with and without PDL, replayed in a CUDA
+graph. cuBLAS's matmul kernels and trtbuild's kernels are launched without the attribute in both, so this
+is the gain at Inductor's own kernels only. The two must give the same token. Needs CUDA (sm_90) +
+Triton.
 
     python benchmarks/pdl_probe.py recipes/llama-3.2-1b.yaml --batches 1,8 --out $OUT
 """
