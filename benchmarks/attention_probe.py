@@ -21,14 +21,13 @@ default, not a benchmark of the engine (bench.py is that). Needs CUDA + Triton.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import probe_report  # noqa: E402  (a sibling script's module: this folder is on sys.path)
 import torch  # noqa: E402
 
 from trtbuild.backends.torch_runtime import decode_windows  # noqa: E402
@@ -132,16 +131,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    t0 = time.perf_counter()
-    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "recipes": []}
-    for path in args.recipes:
-        results["recipes"].append(probe_recipe(path, [int(b) for b in args.batches.split(",")],
-                                               [int(p) for p in args.positions.split(",")], args.reps))
-        torch.cuda.empty_cache()
-    results["seconds"] = time.perf_counter() - t0
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "attention-probe.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"probe done in {results['seconds']:.0f} s")
+    batches, positions = [int(b) for b in args.batches.split(",")], [int(p) for p in args.positions.split(",")]
+    probe_report.run(args.recipes, lambda path: probe_recipe(path, batches, positions, args.reps), args.out,
+                     "attention-probe.json")
 
 
 if __name__ == "__main__":

@@ -23,14 +23,13 @@ made the 8B layer slower.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import probe_report  # noqa: E402  (a sibling script's module: this folder is on sys.path)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
@@ -170,16 +169,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    t0 = time.perf_counter()
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "recipes": []}
-    for path in args.recipes:
-        results["recipes"].append(probe_recipe(path, [int(b) for b in args.batches.split(",")], args.position,
-                                               args.gate_up_mb, args.reps))
-        torch.cuda.empty_cache()
-    results["seconds"] = time.perf_counter() - t0
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "l2-prefetch-probe.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"probe done in {results['seconds']:.0f} s")
+    batches = [int(b) for b in args.batches.split(",")]
+    probe_report.run(args.recipes, lambda path: probe_recipe(path, batches, args.position, args.gate_up_mb, args.reps), args.out,
+                     "l2-prefetch-probe.json")
 
 
 if __name__ == "__main__":

@@ -183,7 +183,8 @@ def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, st
         else:
             why = decode_attention.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, dtype)
     if why is None:
-        return {"used": mode if mode.startswith("kernel-") else "kernel", "note": f"options.decode_attention is {mode}"}
+        return {"used": "kernel-unfused" if mode == "kernel-unfused" else "kernel",
+                "note": f"options.decode_attention is {mode}"}
     if mode.startswith("kernel"):
         raise TrtbuildError(f"options.decode_attention: {mode!r} cannot serve this build: {why}")
     return {"used": "aten", "note": f"aten: {why}"}
