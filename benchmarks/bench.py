@@ -177,6 +177,10 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
                    "cudnn-prefill": ("prefill_attention", "cudnn", "prefill attention through cuDNN's")}
 
 
+# engine@no-pdl: the recipe's own engine (the same entry, a cache hit) with its decode graphs captured
+# without programmatic dependent launch (TRTBUILD_PDL=0): an A/B of the launch alone, no build
+NO_PDL = "no-pdl"
+
 # engine@serial: the recipe's own engine with every graph compiled in the build process
 # (TRTBUILD_COMPILE_WORKERS=0), against the default, whose workers compile side by side
 SERIAL = "serial"
@@ -223,6 +227,11 @@ def engine_variant(recipe: Any, spec: str, engines: str, notes: list[str]) -> An
     from trtbuild.builder import build
     from trtbuild.store import Store
 
+    if spec == NO_PDL:
+        peer = peers.EnginePeer(recipe, engines)
+        peer.session.engine.pdl_allowed = False
+        peer.label += ", decode graphs captured without PDL (TRTBUILD_PDL=0)"
+        return peer
     if spec == SERIAL:
         variant, level = recipe, f"{recipe.tactics_level}, every graph compiled in the build process"
         engines = str(fresh_store(Store(engines).root, SERIAL))
@@ -276,13 +285,15 @@ def run_variants(ctx: dict[str, Any], args: argparse.Namespace, skipped: dict[st
         try:
             peer = make_peer(name, ctx, args, notes)
             measure_peer(peer, ctx["plan"], batches, ctx["vocab"], result, saved)
+            if hasattr(peer, "session") and hasattr(peer.session.engine, "launch_report"):
+                result["launch"] = peer.session.engine.launch_report()
         except Exception as exc:  # noqa: BLE001 - one failing peer must not cost the others' numbers
             result["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
             print(f"[bench]   failed: {result['error']}", flush=True)
         finally:
             if peer is not None:
                 peer.close()
-                if name.startswith("engine@") and not args.keep_variant_engines:
+                if name.startswith("engine@") and name != f"engine@{NO_PDL}" and not args.keep_variant_engines:
                     notes.append(discard_engine(peer))
             peers.free_device_memory()
         saved()
@@ -550,7 +561,8 @@ def main() -> None:
                          "(options.decode_attention), "
                          "engine@fused (options.decode_fusion), "
                          "engine@sdpa-prefill / engine@cudnn-prefill (options.prefill_attention), "
-                         "engine@serial (every graph compiled in the build process, in a fresh store)")
+                         "engine@serial (every graph compiled in the build process, in a fresh store), "
+                         "engine@no-pdl (the engine's decode graphs captured without PDL; after engine)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")
     ap.add_argument("--cpu-compile", action="store_true", help="run the torch.compile peer on CPU (mode='default')")
@@ -570,7 +582,7 @@ def main() -> None:
     args.variants = [v for v in args.variants.split(",") if v]
     from trtbuild.recipe import TACTIC_LEVELS
 
-    known = [*VARIANTS, *(f"engine@{spec}" for spec in (*TACTIC_LEVELS, *ENGINE_VARIANTS, SERIAL))]
+    known = [*VARIANTS, *(f"engine@{spec}" for spec in (*TACTIC_LEVELS, *ENGINE_VARIANTS, SERIAL, NO_PDL))]
     if unknown := [v for v in args.variants if v not in known]:
         ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     args.sections = [s for s in args.sections.split(",") if s]

@@ -183,3 +183,43 @@ def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_
     want = eager_greedy(outcome.model.materialize(), prompts, 24, 48, dtype=torch.bfloat16, device="cuda")
     assert [row[:4] for row in got] == [row[:4] for row in want]  # bf16 sums in another order
     assert one[0][:4] == want[0][:4]
+
+
+def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(tmp_path: Path) -> None:
+    """Programmatic dependent launch (trtbuild/backends/pdl.py) on Hopper: the decode graphs of an
+    engine whose matmuls and attention go through trtbuild's kernels are captured with programmatic
+    edges into those kernels and Inductor's, and every token equals the same engine's with its graphs
+    captured serialized (TRTBUILD_PDL=0), at both batch sizes, across two cache windows."""
+    import json
+
+    from trtbuild.backends import pdl
+
+    from .conftest import TINY_CONFIG
+
+    if pdl.available(torch.cuda.get_device_capability) is not None:
+        pytest.skip(f"no PDL here: {pdl.available(torch.cuda.get_device_capability)}")
+    doc = tiny_recipe_doc(precision="bf16", tactics={"level": "default"},
+                          options={"decode_matmul": "kernel", "decode_attention": "kernel"},
+                          shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
+    doc["model"]["config"] = {**TINY_CONFIG, "hidden_size": 64}  # 4 heads of 16: the attention kernel serves it
+    recipe = load_recipe(write_recipe(tmp_path, doc))
+    outcome = build(recipe, tmp_path / "store")
+    engine = json.loads((outcome.entry.path / "engine.json").read_text())
+    assert [engine["graphs"][g].get("pdl") for g in ("prefill", "decode_b1", "decode_b2")] == [False, True, True]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
+    runs = {}
+    for allowed in (True, False):
+        with open_session(recipe, tmp_path / "store", build=False) as session:
+            session.engine.pdl_allowed = allowed
+            runs[allowed] = (session.generate(prompts, 24), session.generate(prompts[:1], 24))
+            report = session.engine.launch_report()
+        assert sorted(report) == ["decode_b1", "decode_b2"]
+        for r in report.values():
+            assert r["on"] is allowed, r
+            if allowed:
+                assert r["inductor"] is True and r["programmatic_edges"] > 0 and r["kernels"] > r["programmatic_edges"], r
+                # cuBLAS's GEMMs never wait, so none may start early; trtbuild's kernels all may
+                assert not any(name.startswith(pdl.OWN_KERNELS) for name in r["serialized_kernels"]), r
+    assert runs[True] == runs[False]
+    want = eager_greedy(outcome.model.materialize(), prompts, 24, 48, dtype=torch.bfloat16, device="cuda")
+    assert [row[:4] for row in runs[True][0]] == [row[:4] for row in want]

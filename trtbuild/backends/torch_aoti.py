@@ -148,6 +148,7 @@ class TorchAOTIBackend:
                     graph["worker"] = {k: v for k, v in report.items() if k != "tuned"}
                     tuned.extend(report.get("tuned", []))
                 graph["compile_s"] = time.perf_counter() - g0
+                graph["pdl"] = bool(configs[name].get("triton.enable_pdl"))
                 del graph["program"]
         shutil.rmtree(spare, ignore_errors=True)
         phases["compile_s"] = time.perf_counter() - t
@@ -221,12 +222,28 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
     from trtbuild.backends import cxx
 
     base["cpp.cxx"] = (None, cxx.compiler().path)  # exactly the compiler the key records
+    if graph != "prefill" and pdl_compilable(device):
+        # Inductor's kernels wait for their predecessor inside the kernel, so the runtime may let them
+        # start early in the captured decode step (trtbuild/backends/pdl.py). The prefill graph is not
+        # captured: it gains nothing.
+        base["triton.enable_pdl"] = True
     if level == "none":
         return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
     if level == "default" or graph == "prefill":
         return base
     tuned = base | {"max_autotune": True, "coordinate_descent_tuning": False}
     return tuned if device.startswith("cuda") else tuned | {"max_autotune_gemm_backends": "ATEN"}
+
+
+def pdl_compilable(device: str) -> bool:
+    """Whether Inductor can compile the PDL wait into its kernels for `device`: a Hopper or later GPU,
+    and an Inductor with the option (torch 2.9+)."""
+    if not device.startswith("cuda"):
+        return False
+    import torch
+
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+            and hasattr(torch._inductor.config.triton, "enable_pdl"))
 
 
 def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any]) -> Any:

@@ -30,6 +30,8 @@ class TorchEngine:
         self._packages: dict[str, Any] = {}
         self._decoders: dict[int, _Decoder] = {}
         self.weight_bytes = 0
+        # programmatic dependent launch in the captured decode graphs (pdl_mode); TRTBUILD_PDL=0 turns it off
+        self.pdl_allowed = os.environ.get("TRTBUILD_PDL", "1") != "0"
 
     def __enter__(self) -> "TorchEngine":
         import torch
@@ -122,9 +124,15 @@ class TorchEngine:
 
     def _decoder(self, bucket: int) -> "_Decoder":
         if bucket not in self._decoders:
-            self._decoders[bucket] = _Decoder(self._packages[f"decode_b{bucket}"], bucket, self.spec["max_seq_len"],
-                                              self.device)
+            name = f"decode_b{bucket}"
+            self._decoders[bucket] = _Decoder(self._packages[name], bucket, self.spec["max_seq_len"], self.device,
+                                              pdl_mode(self.spec["graphs"][name], self.device, self.pdl_allowed))
         return self._decoders[bucket]
+
+    def launch_report(self) -> dict[str, Any]:
+        """How each captured decode graph launches its kernels: PDL (with the edge counts of the last
+        capture) or serialized, and why."""
+        return {f"decode_b{b}": d.pdl_report for b, d in sorted(self._decoders.items())}
 
     def _decode_bytes(self, batch: int, mean_len: float) -> float:
         c = self.cfg
@@ -201,6 +209,27 @@ def load_threads(device: str) -> int:
     return int(raw)
 
 
+def pdl_mode(graph: dict[str, Any], device: str, allowed: bool = True) -> dict[str, Any]:
+    """Whether the captured graphs of one decode package use programmatic dependent launch
+    (trtbuild/backends/pdl.py): {"on": bool, "inductor": bool, "why"}. On for CUDA where the GPU and
+    driver support it, with Inductor's kernels included when the package was compiled with their wait
+    (`"pdl"` in the engine spec's graph). Not `allowed`: TRTBUILD_PDL=0 (A/B runs and diagnosis)."""
+    if not device.startswith("cuda"):
+        return {"on": False, "why": "CPU"}
+    if not allowed:
+        return {"on": False, "why": "TRTBUILD_PDL=0"}
+    import torch
+
+    from trtbuild.backends import pdl
+
+    why = pdl.available(lambda: torch.cuda.get_device_capability(device))
+    if why is not None:
+        return {"on": False, "why": why}
+    return {"on": True, "inductor": bool(graph.get("pdl")),
+            "why": "trtbuild's kernels" + (" and Inductor's" if graph.get("pdl") else
+                                           " only (the package's Inductor kernels were compiled without the wait)")}
+
+
 def decode_windows(max_seq_len: int) -> list[int]:
     """Cache spans the decode graphs are run (and captured) at: max_seq_len and up to five halvings,
     none under 16 slots. A step runs the smallest that covers its position, so attention reads at
@@ -226,7 +255,8 @@ class _Decoder:
     """One decode bucket: static buffers, and on CUDA one captured graph of the whole step per
     cache window (the graphs share one memory pool: they never run at the same time)."""
 
-    def __init__(self, package: Any, batch: int, max_seq_len: int, device: str) -> None:
+    def __init__(self, package: Any, batch: int, max_seq_len: int, device: str,
+                 pdl_on: dict[str, Any] | None = None) -> None:
         import torch
 
         self.package, self.device = package, device
@@ -239,6 +269,8 @@ class _Decoder:
         self.capturable = device.startswith("cuda") and getattr(package, "graph_safe", True)
         self.graphs: dict[int, Any] = {}
         self._pool: Any = None
+        self.pdl = pdl_on or {"on": False, "why": "not asked for"}
+        self.pdl_report: dict[str, Any] = dict(self.pdl)
 
     def window_for(self, pos: int) -> int:
         for w in self.windows:
@@ -276,13 +308,28 @@ class _Decoder:
                 self._step(w)
         torch.cuda.current_stream().wait_stream(stream)
         for w in windows:
-            graph = torch.cuda.CUDAGraph()
-            self.pos.zero_()
-            with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-                self._step(w)
-            self._pool = graph.pool()
-            self.graphs[w] = graph
+            self.graphs[w] = self._capture_one(w)
         sync(self.device)
+
+    def _capture_one(self, window: int) -> Any:
+        import torch
+
+        # keep_graph: a PDL graph is edited (its edges) before it is instantiated
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if self.pdl["on"] else torch.cuda.CUDAGraph()
+        self.pos.zero_()
+        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+            self._step(window)
+        self._pool = graph.pool()
+        if self.pdl["on"]:
+            from trtbuild.backends import pdl
+
+            try:
+                self.pdl_report = self.pdl | pdl.overlap(graph.raw_cuda_graph(), self.pdl["inductor"])
+            except OSError as e:  # a driver that refuses the edit: this graph may be half edited, so capture anew
+                self.pdl = self.pdl_report = {"on": False, "why": f"the driver refused the PDL edges: {e}"}
+                return self._capture_one(window)
+            graph.instantiate()
+        return graph
 
     def start(self, first: Any, prompt_len: int) -> None:
         """Seed the loop with prefill's token for position prompt_len - 1."""

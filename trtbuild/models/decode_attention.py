@@ -77,10 +77,13 @@ def _rotate(ptr, cos, sin, d, HALF: tl.constexpr, mask):
 
 
 @triton.jit
-def _partial_kernel(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
-                    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                    REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                    SPLITS: tl.constexpr, SCALE: tl.constexpr, ROPE: tl.constexpr):
+def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
+                              stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                              REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                              SPLITS: tl.constexpr, SCALE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # may start before the QKV projection completes (trtbuild/backends/pdl.py): wait for it first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bkv = tl.program_id(0)  # sequence * KV + KV head
     split = tl.program_id(1)
     b = bkv // KV
@@ -161,10 +164,13 @@ def _partial_kernel(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
 
 
 @triton.jit
-def _merge_kernel(o_ptr, ml_ptr, y_ptr, pos_ptr, KV, stride_yb, stride_yh,
-                  REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
+def _decode_attention_merge(o_ptr, ml_ptr, y_ptr, pos_ptr, KV, stride_yb, stride_yh,
+                            REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                            BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """One query head's output from the SPLITS partials of its sequence and KV head."""
+    if PDL:  # may start before the partials are written: wait for them first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)  # sequence * heads + head
     b = pid // (KV * REP)
     h = pid % (KV * REP)
@@ -194,6 +200,7 @@ def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache
         raise ValueError(f"decode_attention takes q [B, 1, H, D] or QKV [B, 1, (H + 2 KV) D] and caches "
                          f"[B', KV, S, D] with contiguous rows, got {tuple(q.shape)}, {tuple(k_cache.shape)}")
     rep, splits = heads // kv, num_splits(b, kv)
+    pdl = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9  # griddepcontrol: Hopper and later
     block_r = max(16, triton.next_power_of_2(rep))
     o = torch.empty((b * kv, splits, block_r, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((b * kv, splits, block_r, 2), dtype=torch.float32, device=q.device)
@@ -207,17 +214,17 @@ def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache
         # the scale a compile-time constant: AOTInductor passes a float argument as fp64, which would
         # promote the scores and the running maximum to fp64 (refused by Triton inside the loop)
         REP=rep, BLOCK_R=block_r, D=d, BLOCK_S=BLOCK_S, SPLITS=splits, SCALE=d**-0.5, ROPE=rope is not None,
-        num_warps=4)
+        PDL=pdl, num_warps=4)
     merge[(b * heads,)](  # type: ignore[index]
         o, ml, y, pos, kv, y.stride(0), y.stride(2), REP=rep, BLOCK_R=block_r, D=d, SPLITS=splits, BLOCK_S=BLOCK_S,
-        num_warps=1)
+        PDL=pdl, num_warps=1)
     return y
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> Tensor:
     """Attention of q [B, 1, H, D] (after rope) at position pos[0] over the caches [B' >= B, KV, S, D],
     reading slots 0..pos[0] of the first B sequences. Returns [B, 1, H, D]. An eager launch."""
-    return _run(_partial_kernel, _merge_kernel, q, None, k_cache, v_cache, pos, q.shape[2])
+    return _run(_decode_attention_partial, _decode_attention_merge, q, None, k_cache, v_cache, pos, q.shape[2])
 
 
 def decode_attention_rope(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
@@ -225,17 +232,19 @@ def decode_attention_rope(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: T
     """The same from the QKV projection's output [B, 1, (H + 2 KV) D]: rotates the query and the new key by
     rope[pos[0]] (the model's (max_seq_len, D/2, 2) table), stores the new key and value in the caches
     at slot pos[0], then attends. Returns [B, 1, H, D]. An eager launch."""
-    return _run(_partial_kernel, _merge_kernel, qkv, rope, k_cache, v_cache, pos, heads)
+    return _run(_decode_attention_partial, _decode_attention_merge, qkv, rope, k_cache, v_cache, pos, heads)
 
 
 @triton_op("trtbuild::decode_attention", mutates_args=())
 def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> Tensor:
     """The kernel as a custom op, attention only (options.decode_attention: kernel-unfused)."""
-    return _run(wrap_triton(_partial_kernel), wrap_triton(_merge_kernel), q, None, k_cache, v_cache, pos, q.shape[2])
+    return _run(wrap_triton(_decode_attention_partial), wrap_triton(_decode_attention_merge), q, None, k_cache, v_cache,
+                pos, q.shape[2])
 
 
 @triton_op("trtbuild::decode_attention_rope", mutates_args=("k_cache", "v_cache"))
 def decode_attention_rope_op(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
                              heads: int) -> Tensor:
     """The kernel as a custom op with rope and the cache writes: what the decode graphs call by default."""
-    return _run(wrap_triton(_partial_kernel), wrap_triton(_merge_kernel), qkv, rope, k_cache, v_cache, pos, heads)
+    return _run(wrap_triton(_decode_attention_partial), wrap_triton(_decode_attention_merge), qkv, rope, k_cache, v_cache,
+                pos, heads)

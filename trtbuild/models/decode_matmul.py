@@ -89,7 +89,12 @@ FUSIONS = ("none", "norm", "residual", "norm_gate")
 def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
-                          GATE: tl.constexpr, RESIDUAL: tl.constexpr):
+                          GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        # programmatic dependent launch (trtbuild/backends/pdl.py): this kernel's blocks may be scheduled
+        # before the previous kernel completes; wait for it before any load, then let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # y[m, n] = sum_k x[m, k] * w[n, k]: w is an nn.Linear weight ([out, in], rows contiguous), so
     # each program reads BLOCK_N whole rows of it, coalesced along k. With GATE it reads rows n and
     # N + n (gate and up) and writes silu(gate) * up: N is then half of w's rows.
@@ -167,7 +172,13 @@ def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, 
         x.stride(0), w.stride(0), y.stride(0), 0 if residual is None else residual.stride(0),
         BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         USE_DOT=dot, EVEN_K=k % config.block_k == 0, NORM=norm is not None, EPS=float(eps), GATE=gate,
-        RESIDUAL=residual is not None, num_warps=config.warps, num_stages=config.stages)
+        RESIDUAL=residual is not None, PDL=pdl_capable(x), num_warps=config.warps, num_stages=config.stages)
+
+
+def pdl_capable(x: Tensor) -> bool:
+    """Whether a kernel launched on x's device is compiled with the PDL wait (Hopper and later; never in
+    Triton's CPU interpreter, which has no griddepcontrol)."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 def output_columns(w: Tensor, gate: bool) -> int:

@@ -1,0 +1,125 @@
+"""Which edges of a captured decode graph become programmatic (trtbuild/backends/pdl.py), against a
+double of the CUDA driver: the rewrite itself runs only on a Hopper GPU (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trtbuild.backends import pdl
+from trtbuild.backends.pdl import Edge
+
+# A decode step as captured: ATen's copy, cuBLAS, Inductor, trtbuild's kernels, a memset, an Inductor template.
+NAMES = {1: "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<long>>",
+         2: "nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT", 3: "triton_red_fused_add_mean_mul_pow_rsqrt_0",
+         4: "_decode_matmul_kernel_0", 5: "_decode_attention_partial_1", 6: "_decode_attention_merge_2",
+         8: "triton_tem_fused_mm_3", 9: "triton_poi_fused_index_copy_4"}
+MEMSET = 7
+
+
+def chain(*nodes: int) -> list[Edge]:
+    return [Edge(a, b, 0, 0) for a, b in zip(nodes, nodes[1:], strict=False)]
+
+
+def test_only_edges_into_kernels_that_wait_become_programmatic() -> None:
+    edges = chain(1, 2, 3, 4, 5, 6, MEMSET, 9, 8, 2)
+    chosen = pdl.programmatic(edges, NAMES, inductor_pdl=True)
+    # not into cuBLAS (1 -> 2, 8 -> 2), nor the memset's edges, nor into Inductor's GEMM template (9 -> 8)
+    assert [(e.src, e.dst) for e in chosen] == [(2, 3), (3, 4), (4, 5), (5, 6)]
+    # Inductor's kernels only when the package was compiled with their wait
+    assert [(e.src, e.dst) for e in pdl.programmatic(edges, NAMES, inductor_pdl=False)] == [(3, 4), (4, 5), (5, 6)]
+
+
+def test_edges_already_programmatic_or_from_other_nodes_are_left_alone() -> None:
+    edges = [Edge(2, 3, 1, 1), Edge(MEMSET, 4, 0, 0), Edge(4, 9, 0, 0)]
+    assert pdl.programmatic(edges, NAMES, inductor_pdl=True) == [Edge(4, 9, 0, 0)]
+
+
+def test_a_kernel_is_known_by_its_whole_name_not_a_prefix_of_it() -> None:
+    assert pdl.waits_for_predecessor("_decode_matmul_kernel", False)
+    assert not pdl.waits_for_predecessor("_decode_matmul_kernelx", False)
+    assert not pdl.waits_for_predecessor("triton_for_fused_0", True)
+
+
+class FakeDriver(pdl.Driver):
+    """The driver double: a graph as node names and edges, recording the rewrite."""
+
+    def __init__(self, names: dict[int, str], nodes: list[int], edges: list[Edge], fail: str = "") -> None:
+        self._names, self._nodes, self._edges, self.fail = names, nodes, edges, fail
+        self.rewritten: list[Edge] = []
+
+    def nodes(self, graph: int) -> list[int]:
+        return self._nodes
+
+    def kernel_name(self, node: int) -> str | None:
+        return self._names.get(node)
+
+    def edges(self, graph: int) -> list[Edge]:
+        return self._edges
+
+    def make_programmatic(self, graph: int, edges: list[Edge]) -> None:
+        if self.fail:
+            raise OSError(self.fail)
+        self.rewritten = edges
+
+
+def test_overlap_rewrites_the_chosen_edges_and_reports_what_stayed_serialized() -> None:
+    drv = FakeDriver(NAMES, [*NAMES, MEMSET], chain(1, 2, 3, 4, 5, 6, MEMSET, 9))
+    report = pdl.overlap(123, True, drv)
+    assert [(e.src, e.dst) for e in drv.rewritten] == [(2, 3), (3, 4), (4, 5), (5, 6)]
+    assert report["kernels"] == len(NAMES) and report["programmatic_edges"] == 4
+    assert report["serialized_kernels"] == sorted(["void at::native::vectorized_elementwise_kernel",
+                                                   NAMES[2], NAMES[8], NAMES[9]])
+
+
+class Graph:
+    """What torch.cuda.CUDAGraph offers the runtime: keep_graph, the raw graph, instantiate."""
+
+    made: list["Graph"] = []
+
+    def __init__(self, keep_graph: bool = False) -> None:
+        self.keep_graph, self.instantiated = keep_graph, False
+        Graph.made.append(self)
+
+    def raw_cuda_graph(self) -> int:
+        assert self.keep_graph
+        return 123
+
+    def instantiate(self) -> None:
+        self.instantiated = True
+
+    def pool(self) -> Any:
+        return None
+
+
+@pytest.mark.parametrize("fail", ["", "CUresult 1"])
+def test_a_decoder_rewrites_its_graphs_and_recaptures_plainly_when_the_driver_refuses(
+        monkeypatch: pytest.MonkeyPatch, fail: str) -> None:
+    import contextlib
+
+    import torch
+
+    from trtbuild.backends import torch_runtime
+
+    drv = FakeDriver(NAMES, list(NAMES), chain(2, 3, 4), fail=fail)
+    monkeypatch.setattr(pdl, "Driver", lambda: drv)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    Graph.made = []
+    decoder = torch_runtime._Decoder(lambda *a: torch.zeros(1, 1, dtype=torch.long), 1, 8, "cpu",
+                                     {"on": True, "inductor": True, "why": "test"})
+    decoder._capture_one(8)
+    if fail:  # half edited, maybe: captured again, serialized, and PDL off for the decoder's later graphs
+        assert [g.keep_graph for g in Graph.made] == [True, False]
+        assert decoder.pdl["on"] is False and "CUresult 1" in decoder.pdl_report["why"]
+    else:
+        assert [g.keep_graph for g in Graph.made] == [True] and Graph.made[0].instantiated
+        assert decoder.pdl_report["programmatic_edges"] == 2 and decoder.pdl_report["on"] is True
+
+
+def test_pdl_mode_follows_the_device_the_switch_and_the_packages_compile() -> None:
+    from trtbuild.backends.torch_runtime import pdl_mode
+
+    assert pdl_mode({"pdl": True}, "cpu") == {"on": False, "why": "CPU"}
+    assert pdl_mode({"pdl": True}, "cuda:0", allowed=False)["on"] is False
