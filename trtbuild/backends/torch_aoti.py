@@ -236,9 +236,10 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
 
 
 def pdl_compilable(device: str) -> bool:
-    """Whether Inductor can compile the PDL wait into its kernels for `device`: a Hopper or later GPU,
-    and an Inductor with the option (torch 2.9+)."""
-    if not device.startswith("cuda"):
+    """Whether Inductor compiles the PDL wait into its kernels for `device`: a Hopper or later GPU, and an
+    Inductor with the option. TRTBUILD_INDUCTOR_PDL=0 says no (a diagnostic switch: the runtime then lets
+    only trtbuild's own kernels start early, as the engine spec records)."""
+    if not device.startswith("cuda") or os.environ.get("TRTBUILD_INDUCTOR_PDL", "1") == "0":
         return False
     import torch
 

@@ -33,13 +33,16 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from trtbuild.models.grid_dependency import after_predecessor
+from trtbuild.models.grid_dependency import source_digest as wait_digest
+
 BLOCK_S = 32  # cache slots per loop step: a (16 x D) by (D x 32) dot, and K and V tiles of 32 rows
 TARGET_PROGRAMS = 256  # slices per step ~ two waves on the H200's 132 SMs, whatever the batch
 
 
 def source_digest() -> str:
-    """This file's content: a compiled graph that calls the kernel is only reusable with the same kernel."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    """This file's content and its wait's: a compiled graph that calls the kernel is only reusable with the same kernel."""
+    return hashlib.sha256(Path(__file__).read_bytes() + wait_digest().encode()).hexdigest()[:16]
 
 
 def supports(head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> str | None:
@@ -81,9 +84,10 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_
                               stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                               REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                               SPLITS: tl.constexpr, SCALE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # may start before the QKV projection completes (trtbuild/backends/pdl.py): wait for it first
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL:  # may start before the QKV projection completes (grid_dependency.py): every address waits for it
+        z = after_predecessor()
+        q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr = (q_ptr + z, rope_ptr + z, k_ptr + z, v_ptr + z,
+                                                                 pos_ptr + z, o_ptr + z, ml_ptr + z)
     bkv = tl.program_id(0)  # sequence * KV + KV head
     split = tl.program_id(1)
     b = bkv // KV
@@ -168,9 +172,9 @@ def _decode_attention_merge(o_ptr, ml_ptr, y_ptr, pos_ptr, KV, stride_yb, stride
                             REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                             BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """One query head's output from the SPLITS partials of its sequence and KV head."""
-    if PDL:  # may start before the partials are written: wait for them first
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL:  # may start before the partials are written: every address waits for them
+        z = after_predecessor()
+        o_ptr, ml_ptr, y_ptr, pos_ptr = o_ptr + z, ml_ptr + z, y_ptr + z, pos_ptr + z
     pid = tl.program_id(0)  # sequence * heads + head
     b = pid // (KV * REP)
     h = pid % (KV * REP)

@@ -31,6 +31,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from trtbuild.models.grid_dependency import after_predecessor
+from trtbuild.models.grid_dependency import source_digest as wait_digest
 from trtbuild.timing import graph_seconds
 
 
@@ -72,8 +74,8 @@ def candidates(rows: int) -> list[MatmulConfig]:
 
 
 def source_digest() -> str:
-    """This file's content: a compiled graph that calls the kernel is only reusable with the same kernel."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    """This file's content and its wait's: a compiled graph that calls the kernel is only reusable with the same kernel."""
+    return hashlib.sha256(Path(__file__).read_bytes() + wait_digest().encode()).hexdigest()[:16]
 
 
 # What a decode matmul can absorb from the code around it, so each is one launch instead of two or three
@@ -91,10 +93,10 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
                           USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
                           GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     if PDL:
-        # programmatic dependent launch (trtbuild/backends/pdl.py): this kernel's blocks may be scheduled
-        # before the previous kernel completes; wait for it before any load, then let the next one start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        # programmatic dependent launch (grid_dependency.py): this kernel's blocks may be scheduled before the
+        # previous kernel completes; every address depends on the wait
+        z = after_predecessor()
+        x_ptr, w_ptr, y_ptr, g_ptr, r_ptr = x_ptr + z, w_ptr + z, y_ptr + z, g_ptr + z, r_ptr + z
     # y[m, n] = sum_k x[m, k] * w[n, k]: w is an nn.Linear weight ([out, in], rows contiguous), so
     # each program reads BLOCK_N whole rows of it, coalesced along k. With GATE it reads rows n and
     # N + n (gate and up) and writes silu(gate) * up: N is then half of w's rows.

@@ -1,0 +1,111 @@
+"""trtbuild's kernels compiled for Hopper with the PDL wait (trtbuild/models/grid_dependency.py), without a
+GPU: Triton compiles to PTX for sm_90 here, and Inductor's analysis of which tensors a kernel writes runs
+on the compiled IR. Needs Triton (torch's CUDA wheels bring it; the CPU wheel does not: skipped there)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+
+@pytest.fixture
+def hopper_target() -> Iterator[None]:
+    """Triton's active driver, answering sm_90 as the current target (nothing is launched)."""
+    from triton.backends.compiler import GPUTarget
+
+    class Target:
+        def get_current_target(self) -> Any:
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+    before = triton.runtime.driver._active  # None until first used (and no driver is active on a CPU machine)
+    triton.runtime.driver.set_active(Target())
+    try:
+        yield
+    finally:
+        triton.runtime.driver._active = before
+
+
+def matmul_args(pdl: bool) -> dict[str, Any]:
+    bf = torch.bfloat16
+    x, w, y = torch.zeros(1, 64, dtype=bf), torch.zeros(32, 64, dtype=bf), torch.zeros(1, 32, dtype=bf)
+    return dict(x_ptr=x, w_ptr=w, y_ptr=y, g_ptr=w, r_ptr=w, M=1, N=32, K=64, stride_xm=64, stride_wn=64, stride_ym=32,
+                stride_rm=0, BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, USE_DOT=False, EVEN_K=True, NORM=False, EPS=0.0, GATE=False,
+                RESIDUAL=False, PDL=pdl)
+
+
+def attention_args(pdl: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    bf = torch.bfloat16
+    kc, pos = torch.zeros(1, 2, 48, 16, dtype=bf), torch.zeros(1, dtype=torch.long)
+    o, ml = torch.zeros(2, 4, 16, 16), torch.zeros(2, 4, 16, 2)
+    partial = dict(q_ptr=torch.zeros(1, 1, 128, dtype=bf), rope_ptr=torch.zeros(48, 8, 2), k_ptr=kc, v_ptr=kc.clone(),
+                   pos_ptr=pos, o_ptr=o, ml_ptr=ml, KV=2, stride_qb=128, stride_qh=16, stride_kb=1536, stride_kh=768,
+                   stride_ks=16, stride_vb=1536, stride_vh=768, stride_vs=16, REP=2, BLOCK_R=16, D=16, BLOCK_S=32,
+                   SPLITS=4, SCALE=0.25, ROPE=True, PDL=pdl)
+    merge = dict(o_ptr=o, ml_ptr=ml, y_ptr=torch.zeros(1, 1, 4, 16, dtype=bf), pos_ptr=pos, KV=2, stride_yb=64,
+                 stride_yh=16, REP=2, BLOCK_R=16, D=16, SPLITS=4, BLOCK_S=32, PDL=pdl)
+    return partial, merge
+
+
+def kernels(pdl: bool) -> list[tuple[Any, dict[str, Any]]]:
+    from trtbuild.models import decode_attention as da
+    from trtbuild.models import decode_matmul as dm
+
+    partial, merge = attention_args(pdl)
+    return [(dm._decode_matmul_kernel, matmul_args(pdl)), (da._decode_attention_partial, partial),
+            (da._decode_attention_merge, merge)]
+
+
+def written(kernel: Any, kwargs: dict[str, Any]) -> list[str]:
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+    return sorted(d.name for d in identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes)
+
+
+def ptx(kernel: Any, kwargs: dict[str, Any]) -> list[str]:
+    """The kernel's PTX for sm_90, its tensors and the ints that are multiples of 16 marked 16-aligned, as
+    Triton's launcher specializes them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64"}
+    sig = {n: "constexpr" if n.isupper() else pointer[v.dtype] if isinstance(v, torch.Tensor) else "i32"
+           for n, v in kwargs.items()}
+    consts = {(names.index(n),): v for n, v in kwargs.items() if n.isupper()}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in kwargs.items()
+             if not n.isupper() and (isinstance(v, torch.Tensor) or v % 16 == 0) and v is not None}
+    compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32))
+    return [line.strip() for line in compiled.asm["ptx"].splitlines()]
+
+
+def memory_ops(lines: list[str]) -> collections.Counter[str]:
+    ops = (line.split()[1] if line.startswith("@") else line.split()[0] for line in lines if line)
+    return collections.Counter(op for op in ops if op.startswith(("ld.global", "st.global")))
+
+
+def test_the_wait_leaves_what_inductor_sees_each_kernel_write_unchanged(hopper_target: None) -> None:
+    # Triton's own gdc_wait is impure assembly: Inductor would assume the kernel writes every tensor
+    # it is given (the weights included) and clone them all
+    for (kernel, plain), (_, waiting) in zip(kernels(False), kernels(True), strict=True):
+        assert written(kernel, waiting) == written(kernel, plain), kernel.__name__
+    assert written(*kernels(True)[0]) == ["y_ptr"]
+
+
+def test_the_wait_comes_before_every_memory_access_and_keeps_the_vector_loads(hopper_target: None) -> None:
+    for (kernel, plain), (_, waiting) in zip(kernels(False), kernels(True), strict=True):
+        without, with_wait = ptx(kernel, plain), ptx(kernel, waiting)
+        assert not any("griddepcontrol" in line for line in without)
+        wait = next(i for i, line in enumerate(with_wait) if line.startswith("griddepcontrol.wait"))
+        first_access = next(i for i, line in enumerate(with_wait) if memory_ops([line]))
+        assert wait < first_access, kernel.__name__
+        assert any(line.startswith("griddepcontrol.launch_dependents") for line in with_wait)
+        assert memory_ops(with_wait) == memory_ops(without), kernel.__name__  # e.g. v4 loads stay v4

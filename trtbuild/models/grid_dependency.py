@@ -1,0 +1,39 @@
+"""Programmatic dependent launch from inside trtbuild's Triton kernels (the runtime side: trtbuild/backends/pdl.py).
+
+A kernel that may be scheduled before its predecessor completes must wait for it (`griddepcontrol.wait`)
+before it reads or writes any memory, and may then let its own successor be scheduled
+(`griddepcontrol.launch_dependents`). Both are no-ops in a kernel launched the ordinary way.
+
+Why not Triton's `gdc_wait` and `gdc_launch_dependents`: they are inline assembly marked impure, and
+Inductor's analysis of a user kernel (which tensors it writes) stops at impure assembly and then
+assumes the kernel writes every tensor it is given. Compiled into a decode graph, that cloned the
+weights for every call and turned the graph's token output into a bf16 tensor (the H200, 2026-12-04,
+call 31). Here the two instructions are one *pure* assembly block that returns a zero the kernel adds
+to every pointer it uses: nothing can be loaded or stored before the wait (every address depends on
+it), the block is never removed as dead code, and the analysis sees through it.
+
+Lives with the model code because it changes what is built: its source is part of both kernels' keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import triton
+import triton.language as tl
+
+
+def source_digest() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+@triton.jit
+def after_predecessor():
+    """Wait until the previous kernel has completed and its writes are visible, let the next kernel be
+    scheduled, and return an int32 zero to add to every pointer (the data dependency that orders them)."""
+    zero = tl.inline_asm_elementwise("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;",
+                                     "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+    # the compiler cannot see the value; unannotated, it would lose every pointer's 16-byte alignment and
+    # split the kernels' vector loads into 2-byte ones
+    return tl.multiple_of(zero, 16)
