@@ -32,7 +32,7 @@ def source_digest() -> str:
 def after_predecessor():
     """Wait until the previous kernel has completed and its writes are visible, let the next kernel be
     scheduled, and return an int32 zero to add to every pointer (the data dependency that orders them)."""
-    zero = tl.inline_asm_elementwise("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tmov.u32 $0, 0;",
+    zero = tl.inline_asm_elementwise("griddepcontrol.wait; griddepcontrol.launch_dependents; mov.u32 $0, 0;",
                                      "=r", [], dtype=tl.int32, is_pure=True, pack=1)
     # the compiler cannot see the value; unannotated, it would lose every pointer's 16-byte alignment and
     # split the kernels' vector loads into 2-byte ones
