@@ -105,7 +105,9 @@ def test_the_wait_comes_before_every_memory_access_and_keeps_the_vector_loads(ho
         without, with_wait = ptx(kernel, plain), ptx(kernel, waiting)
         assert not any("griddepcontrol" in line for line in without)
         wait = next(i for i, line in enumerate(with_wait) if line.startswith("griddepcontrol.wait"))
-        first_access = next(i for i, line in enumerate(with_wait) if memory_ops([line]))
-        assert wait < first_access, kernel.__name__
-        assert any(line.startswith("griddepcontrol.launch_dependents") for line in with_wait)
+        accesses = [i for i, line in enumerate(with_wait) if memory_ops([line])]
+        assert wait < accesses[0], kernel.__name__
+        # the release comes late: after the kernel's first load, before its last store
+        release = [i for i, line in enumerate(with_wait) if line.startswith("griddepcontrol.launch_dependents")]
+        assert release and accesses[0] < release[0] and release[-1] < accesses[-1], kernel.__name__
         assert memory_ops(with_wait) == memory_ops(without), kernel.__name__  # e.g. v4 loads stay v4

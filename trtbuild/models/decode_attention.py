@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from trtbuild.models.grid_dependency import after_predecessor
+from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor
 from trtbuild.models.grid_dependency import source_digest as wait_digest
 
 BLOCK_S = 32  # cache slots per loop step: a (16 x D) by (D x 32) dot, and K and V tiles of 32 rows
@@ -85,7 +85,7 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_
                               REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                               SPLITS: tl.constexpr, SCALE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # may start before the QKV projection completes (grid_dependency.py): every address waits for it
-        z = after_predecessor()
+        z = wait_for_predecessor()
         q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr = (q_ptr + z, rope_ptr + z, k_ptr + z, v_ptr + z,
                                                                  pos_ptr + z, o_ptr + z, ml_ptr + z)
     bkv = tl.program_id(0)  # sequence * KV + KV head
@@ -162,6 +162,8 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_
     # Llama-3-8B shapes that it then weighs by exp(-inf) = 0.
     row = (bkv * SPLITS + split) * BLOCK_R + r
     keep = r_mask & (start < end)
+    if PDL:  # the cache is read: the merge may be scheduled (it waits for this kernel to complete)
+        acc = release_successor(acc)
     tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=keep[:, None])
     tl.store(ml_ptr + row * 2, m, mask=keep)
     tl.store(ml_ptr + row * 2 + 1, total, mask=keep)
@@ -173,7 +175,7 @@ def _decode_attention_merge(o_ptr, ml_ptr, y_ptr, pos_ptr, KV, stride_yb, stride
                             BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """One query head's output from the SPLITS partials of its sequence and KV head."""
     if PDL:  # may start before the partials are written: every address waits for them
-        z = after_predecessor()
+        z = wait_for_predecessor()
         o_ptr, ml_ptr, y_ptr, pos_ptr = o_ptr + z, ml_ptr + z, y_ptr + z, pos_ptr + z
     pid = tl.program_id(0)  # sequence * heads + head
     b = pid // (KV * REP)
@@ -190,6 +192,8 @@ def _decode_attention_merge(o_ptr, ml_ptr, y_ptr, pos_ptr, KV, stride_yb, stride
     weight = tl.exp(m - tl.max(m, 0))
     o = tl.load(o_ptr + row[:, None] * D + d[None, :], mask=held[:, None], other=0.0)
     y = tl.sum(o * weight[:, None], 0) / tl.sum(total * weight, 0)
+    if PDL:  # the output projection may be scheduled (it waits for this kernel to complete)
+        y = release_successor(y)
     tl.store(y_ptr + b * stride_yb + h * stride_yh + d, y.to(y_ptr.dtype.element_ty))
 
 

@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from trtbuild.models.grid_dependency import after_predecessor
+from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor
 from trtbuild.models.grid_dependency import source_digest as wait_digest
 from trtbuild.timing import graph_seconds
 
@@ -95,7 +95,7 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
     if PDL:
         # programmatic dependent launch (grid_dependency.py): this kernel's blocks may be scheduled before the
         # previous kernel completes; every address depends on the wait
-        z = after_predecessor()
+        z = wait_for_predecessor()
         x_ptr, w_ptr, y_ptr, g_ptr, r_ptr = x_ptr + z, w_ptr + z, y_ptr + z, g_ptr + z, r_ptr + z
     # y[m, n] = sum_k x[m, k] * w[n, k]: w is an nn.Linear weight ([out, in], rows contiguous), so
     # each program reads BLOCK_N whole rows of it, coalesced along k. With GATE it reads rows n and
@@ -149,6 +149,8 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
     out_mask = m_mask[:, None] & n_mask[None, :]
     if RESIDUAL:
         acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask, other=0.0).to(tl.float32)
+    if PDL:  # the weights are read: the next kernel may be scheduled (it waits for this one to complete)
+        acc = release_successor(acc)
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
