@@ -70,6 +70,8 @@ def test_run_in_a_new_process_reuses_the_engine(built: dict[str, Any]) -> None:
     assert report["ttft_ms"] > 0 and report["tpot_ms"]["p50"] > 0 and report["tokens_per_s"] > 0
     assert len(report["output_ids"]) == 1 and len(report["output_ids"][0]) == 8
     assert report["roofline"]["decode_bandwidth_Bps"] > 0
+    # how the decode steps launched, per bucket used: on the CPU no graph, so no PDL, and it says why
+    assert report["decode_launch"] == {"decode_b1": {"on": False, "why": "CPU"}}
 
 
 def _folder(recipe_path: Path, store: Path) -> Path:

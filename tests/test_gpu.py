@@ -208,6 +208,7 @@ def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(
     engine = json.loads((outcome.entry.path / "engine.json").read_text())
     inductor = os.environ.get("TRTBUILD_INDUCTOR_PDL", "1") != "0"  # the switch a device call may set
     assert [engine["graphs"][g].get("pdl") for g in ("prefill", "decode_b1", "decode_b2")] == [False, inductor, inductor]
+    assert [engine["graphs"][g].get("trtbuild_wait") for g in ("prefill", "decode_b1", "decode_b2")] == [False, True, True]
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     runs = {}
     for allowed in (True, False):

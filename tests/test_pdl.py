@@ -31,6 +31,12 @@ def test_only_edges_into_kernels_that_wait_become_programmatic() -> None:
     assert [(e.src, e.dst) for e in pdl.programmatic(edges, NAMES, inductor_pdl=False)] == [(3, 4), (4, 5), (5, 6)]
 
 
+def test_trtbuild_kernels_built_without_the_wait_keep_their_full_edges() -> None:
+    edges = chain(2, 3, 4, 5, 6)
+    chosen = pdl.programmatic(edges, NAMES, inductor_pdl=True, trtbuild_wait=False)
+    assert [(e.src, e.dst) for e in chosen] == [(2, 3)]
+
+
 def test_edges_already_programmatic_or_from_other_nodes_are_left_alone() -> None:
     edges = [Edge(2, 3, 1, 1), Edge(MEMSET, 4, 0, 0), Edge(4, 9, 0, 0)]
     assert pdl.programmatic(edges, NAMES, inductor_pdl=True) == [Edge(4, 9, 0, 0)]
@@ -108,7 +114,7 @@ def test_a_decoder_rewrites_its_graphs_and_recaptures_plainly_when_the_driver_re
     monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
     Graph.made = []
     decoder = torch_runtime._Decoder(lambda *a: torch.zeros(1, 1, dtype=torch.long), 1, 8, "cpu",
-                                     {"on": True, "inductor": True, "why": "test"})
+                                     {"on": True, "inductor": True, "trtbuild": True, "why": "test"})
     decoder._capture_one(8)
     if fail:  # half edited, maybe: captured again, serialized, and PDL off for the decoder's later graphs
         assert [g.keep_graph for g in Graph.made] == [True, False]
@@ -123,3 +129,14 @@ def test_pdl_mode_follows_the_device_the_switch_and_the_packages_compile() -> No
 
     assert pdl_mode({"pdl": True}, "cpu") == {"on": False, "why": "CPU"}
     assert pdl_mode({"pdl": True}, "cuda:0", allowed=False)["on"] is False
+
+
+def test_pdl_mode_takes_only_the_kernels_the_engine_says_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trtbuild.backends.torch_runtime import pdl_mode
+
+    monkeypatch.setattr(pdl, "available", lambda capability: None)  # a Hopper GPU and a recent driver
+    assert pdl_mode({}, "cuda:0")["on"] is False  # an engine whose kernels have no wait: never early
+    both = pdl_mode({"pdl": True, "trtbuild_wait": True}, "cuda:0")
+    assert both["on"] and both["inductor"] and both["trtbuild"]
+    own = pdl_mode({"pdl": False, "trtbuild_wait": True}, "cuda:0")
+    assert own["on"] and not own["inductor"] and own["trtbuild"]

@@ -181,6 +181,10 @@ def _print_report(rep: dict[str, Any]) -> None:
         if "decode_fraction_of_peak_bandwidth" in roof:
             note += f" ({roof['decode_fraction_of_peak_bandwidth']:.1%} of peak)"
     table.add_row("decode (TPOT p50)", f"{t['p50']:.3f} ms", note)
+    for graph, launch in rep.get("decode_launch", {}).items():
+        how = (f"PDL: {launch.get('programmatic_edges', 0)} of {launch.get('kernels', 0)} kernels may start early "
+               f"({launch['why']})" if launch.get("on") else f"serialized ({launch.get('why', '')})")
+        table.add_row(f"  {graph} launch", "", how)
     table.add_row("end to end", f"{p['end_to_end_s'] * 1e3:.1f} ms", "per iteration, after warm-up")
     console = Console()
     console.print(table)

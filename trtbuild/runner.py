@@ -191,6 +191,9 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
         "output_ids": gens[-1].output_ids,
     }
     report["roofline"] = roofline(gens[-1], ttft["p50"], tpot["p50"], session.engine.device)
+    launch = getattr(session.engine, "launch_report", None)  # how the decode steps launched (torch backend)
+    if callable(launch):
+        report["decode_launch"] = launch()
     if outcome.model.tokenizer is not None:
         report["output_text"] = [session.decode(row) for row in gens[-1].output_ids]
     return report

@@ -40,10 +40,12 @@ OWN_KERNELS = ("_decode_matmul_kernel", "_decode_attention_partial", "_decode_at
 INDUCTOR_PREFIXES = ("triton_poi_", "triton_red_", "triton_per_")
 
 
-def waits_for_predecessor(name: str, inductor_pdl: bool) -> bool:
-    """Whether a kernel of this name may start before its predecessor completes (it waits itself)."""
+def waits_for_predecessor(name: str, inductor_pdl: bool, trtbuild_wait: bool = True) -> bool:
+    """Whether a kernel of this name may start before its predecessor completes (it waits itself), in a
+    package whose Inductor kernels were (`inductor_pdl`) or were not compiled with the wait, and whose
+    trtbuild kernels were (`trtbuild_wait`: built on Hopper or later by a trtbuild that has it)."""
     if any(name == k or name.startswith(k + "_") for k in OWN_KERNELS):
-        return True
+        return trtbuild_wait
     return inductor_pdl and name.startswith(INDUCTOR_PREFIXES)
 
 
@@ -55,12 +57,13 @@ class Edge:
     kind: int
 
 
-def programmatic(edges: Iterable[Edge], kernel_names: dict[int, str], inductor_pdl: bool) -> list[Edge]:
+def programmatic(edges: Iterable[Edge], kernel_names: dict[int, str], inductor_pdl: bool,
+                 trtbuild_wait: bool = True) -> list[Edge]:
     """The full edges to turn programmatic: kernel node to kernel node, into a kernel that waits.
     `kernel_names` maps each kernel node to its function's name (other nodes are absent)."""
     return [e for e in edges
             if e.kind == 0 and e.from_port == 0 and e.src in kernel_names and e.dst in kernel_names
-            and waits_for_predecessor(kernel_names[e.dst], inductor_pdl)]
+            and waits_for_predecessor(kernel_names[e.dst], inductor_pdl, trtbuild_wait)]
 
 
 class _EdgeData(ctypes.Structure):
@@ -130,12 +133,12 @@ class Driver:
         self._call("cuGraphAddDependencies_v2", ctypes.c_void_p(graph), src, dst, prog, ctypes.c_size_t(n))
 
 
-def overlap(graph: int, inductor_pdl: bool, driver: Driver | None = None) -> dict[str, Any]:
+def overlap(graph: int, inductor_pdl: bool, driver: Driver | None = None, trtbuild_wait: bool = True) -> dict[str, Any]:
     """Rewrite a captured, not yet instantiated graph (a cudaGraph_t as an int) for PDL. Returns what was
     done: kernel nodes, edges made programmatic, and the names of the kernels left serialized."""
     drv = driver or Driver()
     names = {n: name for n in drv.nodes(graph) if (name := drv.kernel_name(n)) is not None}
-    chosen = programmatic(drv.edges(graph), names, inductor_pdl)
+    chosen = programmatic(drv.edges(graph), names, inductor_pdl, trtbuild_wait)
     drv.make_programmatic(graph, chosen)
     waiting = {e.dst for e in chosen}
     serial = sorted({_short(name) for n, name in names.items() if n not in waiting})

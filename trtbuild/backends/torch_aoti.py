@@ -149,6 +149,7 @@ class TorchAOTIBackend:
                     tuned.extend(report.get("tuned", []))
                 graph["compile_s"] = time.perf_counter() - g0
                 graph["pdl"] = bool(configs[name].get("triton.enable_pdl"))
+                graph["trtbuild_wait"] = name != "prefill" and kernels_wait(device)
                 del graph["program"]
         shutil.rmtree(spare, ignore_errors=True)
         phases["compile_s"] = time.perf_counter() - t
@@ -245,6 +246,16 @@ def pdl_compilable(device: str) -> bool:
 
     return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
             and hasattr(torch._inductor.config.triton, "enable_pdl"))
+
+
+def kernels_wait(device: str) -> bool:
+    """Whether trtbuild's decode kernels are compiled with the PDL wait for `device` (models/grid_dependency.py):
+    the condition their launchers test, a Hopper or later GPU."""
+    if not device.startswith("cuda"):
+        return False
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any]) -> Any:

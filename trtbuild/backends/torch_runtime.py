@@ -211,9 +211,10 @@ def load_threads(device: str) -> int:
 
 def pdl_mode(graph: dict[str, Any], device: str, allowed: bool = True) -> dict[str, Any]:
     """Whether the captured graphs of one decode package use programmatic dependent launch
-    (trtbuild/backends/pdl.py): {"on": bool, "inductor": bool, "why"}. On for CUDA where the GPU and
-    driver support it, with Inductor's kernels included when the package was compiled with their wait
-    (`"pdl"` in the engine spec's graph). Not `allowed`: TRTBUILD_PDL=0 (A/B runs and diagnosis)."""
+    (trtbuild/backends/pdl.py): {"on": bool, "inductor": bool, "trtbuild": bool, "why"}. On for CUDA where
+    the GPU and driver support it, for the kernels the engine spec's graph says were compiled with the
+    wait: Inductor's (`"pdl"`) and trtbuild's (`"trtbuild_wait"`). Not `allowed`: TRTBUILD_PDL=0 (A/B
+    runs and diagnosis)."""
     if not device.startswith("cuda"):
         return {"on": False, "why": "CPU"}
     if not allowed:
@@ -225,9 +226,12 @@ def pdl_mode(graph: dict[str, Any], device: str, allowed: bool = True) -> dict[s
     why = pdl.available(lambda: torch.cuda.get_device_capability(device))
     if why is not None:
         return {"on": False, "why": why}
-    return {"on": True, "inductor": bool(graph.get("pdl")),
-            "why": "trtbuild's kernels" + (" and Inductor's" if graph.get("pdl") else
-                                           " only (the package's Inductor kernels were compiled without the wait)")}
+    inductor, own = bool(graph.get("pdl")), bool(graph.get("trtbuild_wait"))
+    if not (inductor or own):
+        return {"on": False, "why": "the package's kernels were compiled without the wait (built on a GPU before "
+                                    "Hopper, or by a trtbuild without PDL)"}
+    waiting = [who for who, on in (("trtbuild's kernels", own), ("Inductor's", inductor)) if on]
+    return {"on": True, "inductor": inductor, "trtbuild": own, "why": " and ".join(waiting) + " may start early"}
 
 
 def decode_windows(max_seq_len: int) -> list[int]:
@@ -324,7 +328,8 @@ class _Decoder:
             from trtbuild.backends import pdl
 
             try:
-                self.pdl_report = self.pdl | pdl.overlap(graph.raw_cuda_graph(), self.pdl["inductor"])
+                self.pdl_report = self.pdl | pdl.overlap(graph.raw_cuda_graph(), self.pdl["inductor"],
+                                                         trtbuild_wait=self.pdl["trtbuild"])
             except OSError as e:  # a driver that refuses the edit: this graph may be half edited, so capture anew
                 self.pdl = self.pdl_report = {"on": False, "why": f"the driver refused the PDL edges: {e}"}
                 return self._capture_one(window)
