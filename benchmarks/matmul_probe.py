@@ -114,7 +114,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     a = ap.parse_args()
     t0 = time.perf_counter()
-    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device,
               "torch": torch.__version__, "command": " ".join(sys.argv), "recipes": []}
     a.out.mkdir(parents=True, exist_ok=True)
     for path in a.recipes:

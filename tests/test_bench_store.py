@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from trtbuild.store import MANIFEST, Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -78,6 +80,29 @@ def test_a_benchmark_cut_off_by_sigterm_prints_what_it_measured_and_leaves_no_ha
     assert report["stopped"].startswith("SIGTERM") and "ceilings" in report
     store = Store(tmp_path / "engines")
     assert store.entries() == [] and list(store.tmp_dir.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_the_no_pdl_variant_measures_the_engine_entry_itself_and_keeps_it(tmp_path: Path) -> None:
+    """engine@no-pdl is the recipe's own engine (a cache hit, no build) with its decode graphs captured
+    serialized: measured after `engine`, it says so in its launch record, and the shared entry stays in
+    the store (the other engine@ variants' entries are deleted once measured)."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    recipe = tmp_path / "tiny-llama.yaml"  # the example recipe: its shapes take the quick plan's prompts
+    shutil.copy(root / "recipes" / "tiny-llama.yaml", recipe)
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench.py"), str(recipe), "--device", "cpu", "--quick",
+         "--sections", "variants", "--variants", "engine,engine@no-pdl", "--engines", str(tmp_path / "engines"),
+         "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    variants = next(iter(json.loads((tmp_path / "out" / "bench.json").read_text())["recipes"].values()))["variants"]
+    assert variants["engine"]["decode"] and variants["engine@no-pdl"]["decode"]
+    assert {r["why"] for r in variants["engine"]["launch"].values()} == {"CPU"}
+    assert {r["why"] for r in variants["engine@no-pdl"]["launch"].values()} == {"TRTBUILD_PDL=0"}
+    assert len(Store(tmp_path / "engines").entries()) == 1
 
 
 def test_a_variant_engine_is_deleted_once_measured_and_the_store_stays_whole(tmp_path: Path) -> None:

@@ -215,10 +215,10 @@ def pdl_mode(graph: dict[str, Any], device: str, allowed: bool = True) -> dict[s
     the GPU and driver support it, for the kernels the engine spec's graph says were compiled with the
     wait: Inductor's (`"pdl"`) and trtbuild's (`"trtbuild_wait"`). Not `allowed`: TRTBUILD_PDL=0 (A/B
     runs and diagnosis)."""
+    if not allowed:  # the switch first: the most specific reason
+        return {"on": False, "why": "TRTBUILD_PDL=0"}
     if not device.startswith("cuda"):
         return {"on": False, "why": "CPU"}
-    if not allowed:
-        return {"on": False, "why": "TRTBUILD_PDL=0"}
     import torch
 
     from trtbuild.backends import pdl
