@@ -140,3 +140,23 @@ def test_pdl_mode_takes_only_the_kernels_the_engine_says_wait(monkeypatch: pytes
     assert both["on"] and both["inductor"] and both["trtbuild"]
     own = pdl_mode({"pdl": False, "trtbuild_wait": True}, "cuda:0")
     assert own["on"] and not own["inductor"] and own["trtbuild"]
+
+
+def test_a_driver_without_an_entry_point_is_refused_as_a_failed_call_not_a_crash() -> None:
+    """kernel_name falls back to an unnamed kernel (full edges) where cuKernelGetName is missing, and a
+    missing edge call is an OSError, which the decoder answers by capturing serialized."""
+    import ctypes
+
+    class Lib:
+        def cuGraphNodeGetType(self, node: Any, kind: Any) -> int:
+            ctypes.cast(kind, ctypes.POINTER(ctypes.c_int))[0] = pdl.KERNEL_NODE
+            return 0
+
+        def cuGraphKernelNodeGetParams_v2(self, node: Any, params: Any) -> int:
+            ctypes.cast(params, ctypes.POINTER(pdl._KernelParams))[0].kern = 1  # a CUkernel, no CUfunction
+            return 0
+
+    drv = pdl.Driver(Lib())
+    assert drv.kernel_name(5) == ""
+    with pytest.raises(OSError, match="no cuGraphGetEdges_v2"):
+        drv.edges(7)

@@ -84,7 +84,10 @@ class Driver:
         self.lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
 
     def _call(self, name: str, *args: Any) -> None:
-        rc = getattr(self.lib, name)(*args)
+        fn = getattr(self.lib, name, None)  # a driver older than the entry point: refused like a failed call
+        if fn is None:
+            raise OSError(f"the CUDA driver has no {name}")
+        rc = fn(*args)
         if rc != 0:
             raise OSError(f"{name} returned CUresult {rc}")
 
