@@ -10,13 +10,14 @@ AOTInductor's C++ launcher (torch 2.11 on the device, 2.13 here) launches every 
 attribute, so a captured step has only full edges. This module rewrites them after capture, before
 the graph is instantiated: an edge between two kernel nodes becomes programmatic where the downstream
 kernel is known to wait before it touches memory the upstream one writes. That is decided by kernel
-name, and only two families qualify:
-  - trtbuild's own decode kernels, which wait first thing (`griddepcontrol.wait` at their top, a no-op
-    when they are launched the ordinary way) and only then let their successor launch;
-  - Inductor's pointwise and reduction kernels, compiled with `triton.enable_pdl`, which places the wait
-    before the first access to its predecessor's output and signals its successor only after that wait
-    (the protocol Inductor's own Python launcher relies on). Only engines whose spec says they were
-    compiled that way (`"pdl": true`) are rewritten.
+name, and only two families qualify, each only where the engine spec says its kernels were compiled
+with the wait:
+  - trtbuild's own decode kernels (`"trtbuild_wait"`; models/grid_dependency.py), which wait before any
+    load or store (a no-op when launched the ordinary way) and let their successor launch after their
+    main loop (released at the top, the successor's blocks held SM slots: RESULTS.md, twelfth session);
+  - Inductor's pointwise and reduction kernels (`"pdl"`), compiled with `triton.enable_pdl`, which places
+    the wait before the first access to its predecessor's output and signals its successor only after
+    that wait (the protocol Inductor's own Python launcher relies on).
 Everything else (cuBLAS's GEMMs, ATen's copy kernels, memsets, Inductor's GEMM templates, which it
 compiles without the wait) keeps its full edge: it never waits, so it must not start early.
 
