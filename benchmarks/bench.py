@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -496,6 +496,13 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
 
     args.recipe_path = path
     recipe = load_recipe(path)
+    fits = tuple(t for t in plan.prefill_lens if t <= recipe.shapes.max_input_len)
+    if fits != plan.prefill_lens:  # measured for no variant, so every row compares the same lengths
+        res["prefill_lengths_skipped"] = (f"prompt lengths {', '.join(str(t) for t in plan.prefill_lens if t not in fits)}"
+                                          f" exceed the recipe's max_input_len {recipe.shapes.max_input_len}: "
+                                          f"not measured for any variant")
+        print(f"[bench] {recipe.name}: {res['prefill_lengths_skipped']}", flush=True)
+        plan = replace(plan, prefill_lens=fits)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[recipe.precision]
     folder = resolve(recipe.model, Store(args.engines).root).materialize()  # same synthetic weights for all
     res.update(recipe=recipe.name, path=path, precision=recipe.precision)

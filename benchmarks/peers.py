@@ -289,6 +289,8 @@ def _variant_lines(rec: dict[str, Any], report: dict[str, Any]) -> list[str]:
               f"prompt, n = samples"]
     for r in [head] + rows:
         lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) if len(r) > 2 else "  ".join(r))
+    if rec.get("prefill_lengths_skipped"):
+        lines.append(f"  {rec['prefill_lengths_skipped']}")
     for name, v in rec.get("variants", {}).items():
         if v.get("decode"):
             n = next(iter(v["decode"].values()))["n"]

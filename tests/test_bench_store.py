@@ -86,20 +86,26 @@ def test_a_benchmark_cut_off_by_sigterm_prints_what_it_measured_and_leaves_no_ha
 def test_the_no_pdl_variant_measures_the_engine_entry_itself_and_keeps_it(tmp_path: Path) -> None:
     """engine@no-pdl is the recipe's own engine (a cache hit, no build) with its decode graphs captured
     serialized: measured after `engine`, it says so in its launch record, and the shared entry stays in
-    the store (the other engine@ variants' entries are deleted once measured)."""
-    import shutil
+    the store (the other engine@ variants' entries are deleted once measured). The recipe takes prompts
+    of at most 16 tokens: the plan's longer prefill lengths are skipped for every variant, and said so,
+    where they used to fail each variant's whole row."""
     import subprocess
 
+    from .conftest import tiny_recipe_doc, write_recipe
+
+    recipe = write_recipe(tmp_path, tiny_recipe_doc())  # max_input_len 16; the quick plan's lengths 8, 32, 64
     root = Path(__file__).resolve().parents[1]
-    recipe = tmp_path / "tiny-llama.yaml"  # the example recipe: its shapes take the quick plan's prompts
-    shutil.copy(root / "recipes" / "tiny-llama.yaml", recipe)
     proc = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "bench.py"), str(recipe), "--device", "cpu", "--quick",
          "--sections", "variants", "--variants", "engine,engine@no-pdl", "--engines", str(tmp_path / "engines"),
          "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    variants = next(iter(json.loads((tmp_path / "out" / "bench.json").read_text())["recipes"].values()))["variants"]
+    rec = next(iter(json.loads((tmp_path / "out" / "bench.json").read_text())["recipes"].values()))
+    variants = rec["variants"]
     assert variants["engine"]["decode"] and variants["engine@no-pdl"]["decode"]
+    assert all(v["complete"] and list(v["prefill"]) == ["8"] for v in variants.values())
+    assert rec["prefill_lengths_skipped"].startswith("prompt lengths 32, 64 exceed the recipe's max_input_len 16")
+    assert rec["prefill_lengths_skipped"] in proc.stdout
     assert {r["why"] for r in variants["engine"]["launch"].values()} == {"CPU"}
     assert {r["why"] for r in variants["engine@no-pdl"]["launch"].values()} == {"TRTBUILD_PDL=0"}
     assert len(Store(tmp_path / "engines").entries()) == 1
