@@ -241,22 +241,23 @@ def pdl_compilable(device: str) -> bool:
     """Whether Inductor compiles the PDL wait into its kernels for `device`: a Hopper or later GPU, and an
     Inductor with the option. TRTBUILD_INDUCTOR_PDL=0 says no (a diagnostic switch: the runtime then lets
     only trtbuild's own kernels start early, as the engine spec records)."""
-    if not device.startswith("cuda") or os.environ.get("TRTBUILD_INDUCTOR_PDL", "1") == "0":
+    if os.environ.get("TRTBUILD_INDUCTOR_PDL", "1") == "0" or not kernels_wait(device):
         return False
     import torch
 
-    return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-            and hasattr(torch._inductor.config.triton, "enable_pdl"))
+    return hasattr(torch._inductor.config.triton, "enable_pdl")
 
 
 def kernels_wait(device: str) -> bool:
-    """Whether trtbuild's decode kernels are compiled with the PDL wait for `device` (models/grid_dependency.py):
-    the condition their launchers test, a Hopper or later GPU."""
+    """Whether trtbuild's decode kernels are compiled with the PDL wait for `device`: the test their
+    launchers make (models/grid_dependency.py), a Hopper or later GPU."""
     if not device.startswith("cuda"):
         return False
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    try:
+        from trtbuild.models.grid_dependency import waits_on
+    except ImportError:  # no Triton: no trtbuild kernels either
+        return False
+    return waits_on(device)
 
 
 def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any]) -> Any:

@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor
+from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor, waits_on
 from trtbuild.models.grid_dependency import source_digest as wait_digest
 
 BLOCK_S = 32  # cache slots per loop step: a (16 x D) by (D x 32) dot, and K and V tiles of 32 rows
@@ -208,7 +208,7 @@ def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache
         raise ValueError(f"decode_attention takes q [B, 1, H, D] or QKV [B, 1, (H + 2 KV) D] and caches "
                          f"[B', KV, S, D] with contiguous rows, got {tuple(q.shape)}, {tuple(k_cache.shape)}")
     rep, splits = heads // kv, num_splits(b, kv)
-    pdl = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9  # griddepcontrol: Hopper and later
+    pdl = waits_on(q.device)
     block_r = max(16, triton.next_power_of_2(rep))
     o = torch.empty((b * kv, splits, block_r, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((b * kv, splits, block_r, 2), dtype=torch.float32, device=q.device)

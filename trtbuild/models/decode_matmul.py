@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor
+from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor, waits_on
 from trtbuild.models.grid_dependency import source_digest as wait_digest
 from trtbuild.timing import graph_seconds
 
@@ -200,14 +200,8 @@ def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, 
         x.stride(0), w.stride(0), y.stride(0), 0 if residual is None else residual.stride(0),
         BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         USE_DOT=dot, EVEN_K=k % config.block_k == 0, NORM=norm is not None, EPS=float(eps), GATE=gate,
-        RESIDUAL=residual is not None, PDL=pdl_capable(x), PREFETCH=prefetch,
+        RESIDUAL=residual is not None, PDL=waits_on(x.device), PREFETCH=prefetch,
         num_warps=config.warps, num_stages=config.stages)
-
-
-def pdl_capable(x: Tensor) -> bool:
-    """Whether a kernel launched on x's device is compiled with the PDL wait (Hopper and later; never in
-    Triton's CPU interpreter, which has no griddepcontrol)."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 def output_columns(w: Tensor, gate: bool) -> int:

@@ -21,12 +21,21 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import torch
 import triton
 import triton.language as tl
 
 
 def source_digest() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def waits_on(device: torch.device | str) -> bool:
+    """Whether trtbuild's kernels launched on `device` are compiled with the wait: a Hopper or later GPU
+    (never in Triton's CPU interpreter, which has no griddepcontrol). The one test the kernels' launchers
+    and the build's record of them (`trtbuild_wait` in the engine spec) share."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit
