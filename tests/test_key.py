@@ -89,3 +89,20 @@ def test_every_module_a_backend_builds_with_is_in_the_engine_key(backend: str) -
     assert submodules and {m.rsplit(".", 1)[1] + ".py" for m in submodules} <= files
     assert {"llama.py", Path(module.__file__ or "").name} <= files
     assert not {"torch_runtime.py", "weights_reader.py", "trt_runtime.py"} & files
+
+
+def test_the_inductor_pdl_switch_is_in_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRTBUILD_INDUCTOR_PDL=0 compiles Inductor's decode kernels without the PDL wait, a different
+    engine: on the H200 (2026-12-04, call 39) a build with it got the key of the build without, so the
+    second of the two would have loaded the first's engine. The backend's toolchain now records it."""
+    monkeypatch.delenv("TRTBUILD_INDUCTOR_PDL", raising=False)
+    plain = TorchAOTIBackend().toolchain()
+    monkeypatch.setenv("TRTBUILD_INDUCTOR_PDL", "0")
+    switched = TorchAOTIBackend().toolchain()
+    assert switched == plain | {"inductor_pdl": "off (TRTBUILD_INDUCTOR_PDL=0)"}
+    monkeypatch.setattr(build_mod.fingerprint, "device", lambda: FIXED_DEVICE)
+    monkeypatch.setattr(build_mod, "engine_code_digest", lambda backend: "<engine code digest>")
+    recipe = load_recipe(write_recipe(tmp_path, tiny_recipe_doc()))
+    model = resolve(recipe.model, tmp_path)
+    keys = {key_of(build_mod.key_material(recipe, model, TorchAOTIBackend(), t)) for t in (plain, switched)}
+    assert len(keys) == 2

@@ -69,6 +69,11 @@ class TorchAOTIBackend:
                 import triton
 
                 tools["triton"] = triton.__version__
+        if inductor_pdl_refused():
+            # The switch changes the kernels the decode graphs compile to (no wait in Inductor's), and the
+            # engine spec that gates the runtime's PDL on them: the key must see it, or a build with the
+            # switch and one without would share an engine (the H200 gave both one key, 2026-12-04).
+            tools["inductor_pdl"] = "off (TRTBUILD_INDUCTOR_PDL=0)"
         return tools
 
     # -- build -----------------------------------------------------------------------------------
@@ -240,12 +245,18 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
 def pdl_compilable(device: str) -> bool:
     """Whether Inductor compiles the PDL wait into its kernels for `device`: a Hopper or later GPU, and an
     Inductor with the option. TRTBUILD_INDUCTOR_PDL=0 says no (a diagnostic switch: the runtime then lets
-    only trtbuild's own kernels start early, as the engine spec records)."""
-    if os.environ.get("TRTBUILD_INDUCTOR_PDL", "1") == "0" or not kernels_wait(device):
+    only trtbuild's own kernels start early, as the engine spec records; the toolchain, and so the key,
+    records it too)."""
+    if inductor_pdl_refused() or not kernels_wait(device):
         return False
     import torch
 
     return hasattr(torch._inductor.config.triton, "enable_pdl")
+
+
+def inductor_pdl_refused() -> bool:
+    """TRTBUILD_INDUCTOR_PDL=0: build Inductor's decode kernels without the PDL wait."""
+    return os.environ.get("TRTBUILD_INDUCTOR_PDL", "1") == "0"
 
 
 def kernels_wait(device: str) -> bool:
