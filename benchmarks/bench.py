@@ -174,8 +174,7 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
                                          "trtbuild's attention kernel without rope and the cache writes"),
                    "fused": ("decode_fusion", "fused", "decode matmul kernel fused with the norms, gating and residual adds"),
                    "sdpa-prefill": ("prefill_attention", "sdpa", "prefill attention through SDPA's dispatch"),
-                   "cudnn-prefill": ("prefill_attention", "cudnn", "prefill attention through cuDNN's"),
-                   "prefetch": ("decode_prefetch", "weights", "decode matmul's first weight tile loaded before the PDL wait")}
+                   "cudnn-prefill": ("prefill_attention", "cudnn", "prefill attention through cuDNN's")}
 
 
 # engine@no-pdl: the recipe's own engine (the same entry, a cache hit) with its decode graphs captured
@@ -570,7 +569,6 @@ def main() -> None:
                          "(options.decode_attention), "
                          "engine@fused (options.decode_fusion), "
                          "engine@sdpa-prefill / engine@cudnn-prefill (options.prefill_attention), "
-                         "engine@prefetch (options.decode_prefetch weights), "
                          "engine@serial (every graph compiled in the build process, in a fresh store), "
                          "engine@no-pdl (the engine's decode graphs captured without PDL; after engine)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")

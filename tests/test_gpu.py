@@ -185,13 +185,11 @@ def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_
     assert one[0][:4] == want[0][:4]
 
 
-@pytest.mark.parametrize("prefetch", ["none", "weights"])
-def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(tmp_path: Path, prefetch: str) -> None:
+def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(tmp_path: Path) -> None:
     """Programmatic dependent launch (trtbuild/backends/pdl.py) on Hopper: the decode graphs of an
     engine whose matmuls and attention go through trtbuild's kernels are captured with programmatic
     edges into those kernels and Inductor's, and every token equals the same engine's with its graphs
-    captured serialized (TRTBUILD_PDL=0), at both batch sizes, across two cache windows. With
-    options.decode_prefetch weights, each matmul loads its first weight tile before its wait."""
+    captured serialized (TRTBUILD_PDL=0), at both batch sizes, across two cache windows."""
     import json
     import os
 
@@ -202,7 +200,7 @@ def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(
     if pdl.available(torch.cuda.get_device_capability) is not None:
         pytest.skip(f"no PDL here: {pdl.available(torch.cuda.get_device_capability)}")
     doc = tiny_recipe_doc(precision="bf16", tactics={"level": "default"},
-                          options={"decode_matmul": "kernel", "decode_attention": "kernel", "decode_prefetch": prefetch},
+                          options={"decode_matmul": "kernel", "decode_attention": "kernel"},
                           shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
     doc["model"]["config"] = {**TINY_CONFIG, "hidden_size": 64}  # 4 heads of 16: the attention kernel serves it
     recipe = load_recipe(write_recipe(tmp_path, doc))
@@ -211,7 +209,6 @@ def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(
     inductor = os.environ.get("TRTBUILD_INDUCTOR_PDL", "1") != "0"  # the switch a device call may set
     assert [engine["graphs"][g].get("pdl") for g in ("prefill", "decode_b1", "decode_b2")] == [False, inductor, inductor]
     assert [engine["graphs"][g].get("trtbuild_wait") for g in ("prefill", "decode_b1", "decode_b2")] == [False, True, True]
-    assert [engine["graphs"][g].get("prefetch") for g in ("decode_b1", "decode_b2")] == [prefetch == "weights"] * 2
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     runs = {}
     for allowed in (True, False):

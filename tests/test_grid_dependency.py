@@ -45,7 +45,7 @@ def matmul_args(pdl: bool) -> dict[str, Any]:
     x, w, y = torch.zeros(1, 64, dtype=bf), torch.zeros(32, 64, dtype=bf), torch.zeros(1, 32, dtype=bf)
     return dict(x_ptr=x, w_ptr=w, y_ptr=y, g_ptr=w, r_ptr=w, M=1, N=32, K=64, stride_xm=64, stride_wn=64, stride_ym=32,
                 stride_rm=0, BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, USE_DOT=False, EVEN_K=True, NORM=False, EPS=0.0, GATE=False,
-                RESIDUAL=False, PDL=pdl, PREFETCH=False)
+                RESIDUAL=False, PDL=pdl)
 
 
 def attention_args(pdl: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -117,21 +117,3 @@ def test_the_wait_comes_before_every_memory_access_and_keeps_the_vector_loads(ho
         release = [i for i, line in enumerate(with_wait) if line.startswith("griddepcontrol.launch_dependents")]
         assert release and accesses[0] < release[0] and release[-1] < accesses[-1], kernel.__name__
         assert memory_ops(with_wait) == memory_ops(without), kernel.__name__  # e.g. v4 loads stay v4
-
-
-@pytest.mark.parametrize("dot", [False, True])
-def test_prefetch_loads_the_first_weight_tile_before_the_wait_and_nothing_else(hopper_target: None, dot: bool) -> None:
-    """options.decode_prefetch weights: the weight load (and only it) is issued before griddepcontrol.wait;
-    every activation load and the store still come after it, and Inductor sees the same tensors written."""
-    from trtbuild.models import decode_matmul as dm
-
-    args = matmul_args(True) | {"PREFETCH": True, "NORM": True, "RESIDUAL": True}
-    if dot:
-        args |= {"USE_DOT": True, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}
-    assert written(dm._decode_matmul_kernel, args) == ["y_ptr"]
-    lines = ptx(dm._decode_matmul_kernel, args)
-    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
-    before = memory_ops(lines[:wait])
-    assert before and all(op.startswith("ld.global.v4") for op in before), before  # the weight tile, vectorized
-    plain = memory_ops(ptx(dm._decode_matmul_kernel, args | {"PREFETCH": False}))
-    assert sum(before.values()) < sum(plain.values())  # the activations, the norm and the residual wait

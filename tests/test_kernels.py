@@ -94,15 +94,12 @@ def test_decode_steps_through_the_attention_kernel_give_the_logits_of_the_aten_m
     assert models[1].layers[0].attention.decode_kernel == "aten"  # routing ends with the export
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("fusion", ["none", "norm", "residual", "norm_gate"])
 @pytest.mark.parametrize(("rows", "k"), [(1, 96), (3, 96), (2, 80), (1, 24)])
-def test_decode_matmul_with_each_fusion_matches_the_aten_ops_it_replaces(fusion: str, rows: int, k: int,
-                                                                          prefetch: bool) -> None:
-    """One row (multiply-and-sum) and several (dot), k a multiple of the block and not (masked loads),
-    against `reference`: the norm, gating and residual add in the model's own ATen order. With `prefetch`
-    (options.decode_prefetch weights) the first weight tile is loaded ahead of the loop, which then starts
-    at the second (k 24: the first tile is all there is, and masked)."""
+def test_decode_matmul_with_each_fusion_matches_the_aten_ops_it_replaces(fusion: str, rows: int, k: int) -> None:
+    """One row (multiply-and-sum) and several (dot), k a multiple of the block and not (masked loads; k 24:
+    one block, and masked), against `reference`: the norm, gating and residual add in the model's own ATen
+    order."""
     from trtbuild.models.decode_matmul import MatmulConfig, decode_matmul, reference
 
     g = torch.Generator().manual_seed(rows * k)
@@ -112,7 +109,7 @@ def test_decode_matmul_with_each_fusion_matches_the_aten_ops_it_replaces(fusion:
     norm = (torch.rand(k, generator=g) + 0.5).to(DEVICE) if "norm" in fusion else None
     residual = torch.randn(rows, n, generator=g).to(DEVICE) if fusion == "residual" else None
     got = decode_matmul(x, w, MatmulConfig(16, 32, 4, 1), norm=norm, eps=1e-5, gate=fusion == "norm_gate",
-                        residual=residual, prefetch=prefetch)
+                        residual=residual)
     torch.testing.assert_close(got, reference(x, w, fusion, norm, 1e-5, residual), atol=1e-4, rtol=1e-4)
 
 
@@ -136,15 +133,14 @@ def test_a_routed_model_computes_what_the_unrouted_one_does_with_and_without_fus
     want = model(tokens, pos)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     config = MatmulConfig(16, 32, 4, 1)
-    for fused, prefetch in ((True, False), (False, False), (True, True)):
+    for fused in (True, False):
         plan = {(m.out_features, m.in_features, m.fusion if fused else "none"): config for m in linears}
-        with routed(model, plan, prefetch=prefetch):  # prefetch: options.decode_prefetch weights
-            assert all(m.decode_config is config and m.decode_fused == (fused and m.fusion != "none")
-                       and m.decode_prefetch == prefetch for m in linears)
+        with routed(model, plan):
+            assert all(m.decode_config is config and m.decode_fused == (fused and m.fusion != "none") for m in linears)
             assert {m.fusion for m in linears} == {"norm", "residual", "norm_gate"}
             got = model(tokens, pos)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert all(m.decode_config is None and not m.decode_fused and not m.decode_prefetch for m in linears)
+    assert all(m.decode_config is None and not m.decode_fused for m in linears)
 
 
 @pytest.mark.parametrize("rope", [False, True])

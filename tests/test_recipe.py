@@ -220,7 +220,7 @@ def test_unknown_backend() -> None:
 
 def test_backend_checks_its_own_options() -> None:
     assert ("options.workspace: unknown option for backend torch "
-            "(known: decode_matmul, decode_attention, decode_fusion, decode_prefetch, prefill_attention)"
+            "(known: decode_matmul, decode_attention, decode_fusion, prefill_attention)"
             in problems_of(tiny_recipe_doc(options={"workspace": 1})))
     assert ("options.prefill_attention: expected one of auto, sdpa, cudnn, got 'flash'"
             in problems_of(tiny_recipe_doc(options={"prefill_attention": "flash"})))
@@ -242,10 +242,6 @@ def test_backend_checks_its_own_options() -> None:
             in problems_of(tiny_recipe_doc(options={"decode_fusion": False})))
     for mode in ("none", "fused"):
         parse_recipe(tiny_recipe_doc(options={"decode_fusion": mode}), Path("r.yaml"))
-    assert ("options.decode_prefetch: expected one of none, weights, got 'all'"
-            in problems_of(tiny_recipe_doc(options={"decode_prefetch": "all"})))
-    for mode in ("none", "weights"):
-        parse_recipe(tiny_recipe_doc(options={"decode_prefetch": mode}), Path("r.yaml"))
 
 
 @pytest.mark.parametrize("mutate, expected", [

@@ -36,13 +36,8 @@ DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
 # three). Opt-in: on the H200 it did not make the 1B decode step faster (RESULTS.md, eighth session).
 # The first mode of each option is its default.
 DECODE_FUSION_MODES = ("none", "fused")
-# options.decode_prefetch: none (the default) = trtbuild's decode matmul waits for the previous kernel
-# (programmatic dependent launch, Hopper and later) before its first load; weights = it loads its first
-# weight tile before that wait (no kernel of a step writes a weight), so the weight stream overlaps the
-# previous kernel's tail as well as the launch. Opt-in: not yet measured on a GPU.
-DECODE_PREFETCH_MODES = ("none", "weights")
 OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES,
-           "decode_fusion": DECODE_FUSION_MODES, "decode_prefetch": DECODE_PREFETCH_MODES}
+           "decode_fusion": DECODE_FUSION_MODES}
 
 MatmulKey = tuple[int, int, str]  # (out, in, fusion) of one routed Linear
 
@@ -196,11 +191,10 @@ def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, st
 
 
 @contextlib.contextmanager
-def routed(model: Any, configs: dict[MatmulKey, Any], attention: str = "aten", prefetch: bool = False) -> Iterator[None]:
+def routed(model: Any, configs: dict[MatmulKey, Any], attention: str = "aten") -> Iterator[None]:
     """Point each Linear whose (weight shape, fusion) is in `configs` at the decode matmul kernel
-    (fused where the key has its fusion, the matmul alone where it has "none"; its first weight tile
-    loaded before the PDL wait with `prefetch`), and each Attention at the decode attention kernel as
-    `attention` says (an Attention.decode_kernel value), for one export."""
+    (fused where the key has its fusion, the matmul alone where it has "none"), and each Attention
+    at the decode attention kernel as `attention` says (an Attention.decode_kernel value), for one export."""
     from trtbuild.models.llama import Attention, Linear
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -209,7 +203,6 @@ def routed(model: Any, configs: dict[MatmulKey, Any], attention: str = "aten", p
         fused = configs.get((m.out_features, m.in_features, m.fusion))
         m.decode_config = fused or configs.get((m.out_features, m.in_features, "none"))
         m.decode_fused = fused is not None and m.fusion != "none"
-        m.decode_prefetch = prefetch
     for a in attentions:
         a.decode_kernel = attention
     try:
@@ -218,7 +211,6 @@ def routed(model: Any, configs: dict[MatmulKey, Any], attention: str = "aten", p
         for m in linears:
             m.decode_config = None
             m.decode_fused = False
-            m.decode_prefetch = False
         for a in attentions:
             a.decode_kernel = "aten"
 

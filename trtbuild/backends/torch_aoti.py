@@ -108,7 +108,6 @@ class TorchAOTIBackend:
                                                        recipe.options.get("decode_fusion", "none"))
         phases["select_matmuls_s"] = time.perf_counter() - t
         attention = decode_kernels.attention_plan(cfg, dtype, recipe.options.get("decode_attention", "auto"), device)
-        prefetch = recipe.options.get("decode_prefetch", "none") == "weights"
         t = time.perf_counter()
         prompt = prefill_attention.plan(cfg, dtype, recipe.options.get("prefill_attention", "auto"), device,
                                         shapes.max_input_len, job)
@@ -118,7 +117,7 @@ class TorchAOTIBackend:
         for name in ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets)]:
             job.progress(f"exporting {name}")
             graphs[name] = export_graph(model, name, shapes, device, plan.get(_bucket(name), {}),
-                                        attention["used"], prompt["used"], prefetch)
+                                        attention["used"], prompt["used"])
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
@@ -133,7 +132,7 @@ class TorchAOTIBackend:
         common = {"folder": str(folder), "precision": recipe.precision, "device": device,
                   "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
-                  "attention": attention["used"], "prefill_attention": prompt["used"], "prefetch": prefetch}
+                  "attention": attention["used"], "prefill_attention": prompt["used"]}
         with inductor_caches(job.tactics.path), record_autotuning(tuned), \
                 compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers, \
                 (compile_workers.timing_alone(job.tactics.path / compile_workers.TIMING_LOCK) if workers_n
@@ -294,20 +293,20 @@ def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str,
 
 
 def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[decode_kernels.MatmulKey, Any],
-                 attention: str, prefill_kernel: str = "sdpa", prefetch: bool = False) -> dict[str, Any]:
+                 attention: str, prefill_kernel: str = "sdpa") -> dict[str, Any]:
     """Export one graph: "prefill" with its attention through `prefill_kernel`, or "decode_b<N>" with
-    the decode kernels routed as planned (`prefetch`: options.decode_prefetch weights)."""
+    the decode kernels routed as planned."""
     t = time.perf_counter()
     if name == "prefill":
         with prefill_attention.routed(model, prefill_kernel):
             ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
         return {"batch": "dynamic", "program": ep, "prefill_attention": prefill_kernel,
                 "export_s": time.perf_counter() - t}
-    with decode_kernels.routed(model, matmuls, attention, prefetch):
+    with decode_kernels.routed(model, matmuls, attention):
         ep = export_decode(model, _bucket(name), shapes.max_seq_len, device)
     return {"batch": _bucket(name), "program": ep, "window": "dynamic",
             "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
-            "attention": attention, "prefetch": prefetch and bool(matmuls), "export_s": time.perf_counter() - t}
+            "attention": attention, "export_s": time.perf_counter() - t}
 
 
 def _bucket(graph: str) -> int:

@@ -115,7 +115,7 @@ def _dot(acc, x, w, USE_DOT: tl.constexpr):
 def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
-                          GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                          GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     # y[m, n] = sum_k x[m, k] * w[n, k]: w is an nn.Linear weight ([out, in], rows contiguous), so
     # each program reads BLOCK_N whole rows of it, coalesced along k. With GATE it reads rows n and
     # N + n (gate and up) and writes silu(gate) * up: N is then half of w's rows.
@@ -125,18 +125,11 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    if PREFETCH:
-        # The first BLOCK_K columns of this program's weight rows, loaded before the wait below: no kernel
-        # of a decode step writes a weight, so they need not wait, and their read overlaps the previous
-        # kernel's tail (options.decode_prefetch weights; with PDL).
-        w0_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & (offs_k < K)[None, :]
-        w0 = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=w0_mask, other=0.0)
-        u0 = w0
-        if GATE:
-            u0 = tl.load(w_ptr + (offs_n + N)[:, None] * stride_wn + offs_k[None, :], mask=w0_mask, other=0.0)
     if PDL:
         # programmatic dependent launch (grid_dependency.py): this kernel's blocks may be scheduled before the
-        # previous kernel completes; every address depends on the wait
+        # previous kernel completes; every address depends on the wait. (Loading the first weight tile before
+        # the wait, which no kernel of a step writes, was measured on the H200: no gain at batch 1, 0.12 ms
+        # slower a 1B step at batch 8; RESULTS.md, thirteenth session. Removed.)
         z = wait_for_predecessor()
         x_ptr, w_ptr, y_ptr, g_ptr, r_ptr = x_ptr + z, w_ptr + z, y_ptr + z, g_ptr + z, r_ptr + z
     w_rows = w_ptr + offs_n[:, None] * stride_wn
@@ -145,13 +138,7 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if PREFETCH:  # the first step, its weights already loaded
-        x_mask = m_mask[:, None] if EVEN_K else m_mask[:, None] & (offs_k < K)[None, :]
-        x, squares = _normed(tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0), squares, g_ptr, offs_k, K, NORM)
-        acc = _dot(acc, x, w0, USE_DOT)
-        if GATE:
-            acc_up = _dot(acc_up, x, u0, USE_DOT)
-    for k0 in range(BLOCK_K if PREFETCH else 0, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         if EVEN_K:
             w_mask = n_mask[:, None]
@@ -185,7 +172,7 @@ def uses_dot(rows: int) -> bool:
 
 
 def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, norm: Tensor | None = None,
-            eps: float = 0.0, gate: bool = False, residual: Tensor | None = None, prefetch: bool = False) -> None:
+            eps: float = 0.0, gate: bool = False, residual: Tensor | None = None) -> None:
     m, k = x.shape
     n = y.shape[1]
     if m > MAX_ROWS or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1 or w.shape[0] != n * (2 if gate else 1):
@@ -200,8 +187,7 @@ def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, 
         x.stride(0), w.stride(0), y.stride(0), 0 if residual is None else residual.stride(0),
         BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         USE_DOT=dot, EVEN_K=k % config.block_k == 0, NORM=norm is not None, EPS=float(eps), GATE=gate,
-        RESIDUAL=residual is not None, PDL=waits_on(x.device), PREFETCH=prefetch,
-        num_warps=config.warps, num_stages=config.stages)
+        RESIDUAL=residual is not None, PDL=waits_on(x.device), num_warps=config.warps, num_stages=config.stages)
 
 
 def output_columns(w: Tensor, gate: bool) -> int:
@@ -209,24 +195,23 @@ def output_columns(w: Tensor, gate: bool) -> int:
 
 
 def decode_matmul(x: Tensor, w: Tensor, config: MatmulConfig, out: Tensor | None = None, norm: Tensor | None = None,
-                  eps: float = 0.0, gate: bool = False, residual: Tensor | None = None, prefetch: bool = False) -> Tensor:
-    """x [M, K] @ w[N, K]^T for M <= 16, with the fusions above, written into `out` when given (eager launch).
-    `prefetch`: the first weight tile loaded before the PDL wait (options.decode_prefetch)."""
+                  eps: float = 0.0, gate: bool = False, residual: Tensor | None = None) -> Tensor:
+    """x [M, K] @ w[N, K]^T for M <= 16, with the fusions above, written into `out` when given (eager launch)."""
     y = torch.empty((x.shape[0], output_columns(w, gate)), dtype=x.dtype, device=x.device) if out is None else out
-    _launch(_decode_matmul_kernel, x, w, y, config, norm, eps, gate, residual, prefetch)
+    _launch(_decode_matmul_kernel, x, w, y, config, norm, eps, gate, residual)
     return y
 
 
 @triton_op("trtbuild::decode_matmul", mutates_args=())
 def decode_matmul_op(x: Tensor, w: Tensor, norm: Tensor | None, residual: Tensor | None, eps: float, gate: bool,
-                     block_n: int, block_k: int, warps: int, stages: int, prefetch: bool) -> Tensor:
+                     block_n: int, block_k: int, warps: int, stages: int) -> Tensor:
     """The kernel as a custom op: what the decode graphs call (`Linear.decode_config`). The config ints, eps
-    and gate are literals in the exported program, so two configurations never share a compiled graph; so is
-    prefetch (options.decode_prefetch). (eps reaches the kernel as a compile-time constant: AOTInductor
-    passes a float argument of a user kernel as fp64, which would promote the normalization to fp64.)"""
+    and gate are literals in the exported program, so two configurations never share a compiled graph.
+    (eps reaches the kernel as a compile-time constant: AOTInductor passes a float argument of a user
+    kernel as fp64, which would promote the normalization to fp64.)"""
     y = torch.empty((x.shape[0], output_columns(w, gate)), dtype=x.dtype, device=x.device)
     _launch(wrap_triton(_decode_matmul_kernel), x, w, y, MatmulConfig(block_n, block_k, warps, stages),
-            norm, eps, gate, residual, prefetch)
+            norm, eps, gate, residual)
     return y
 
 

@@ -141,7 +141,6 @@ class Linear(nn.Linear):
 
     decode_config: Any = None
     decode_fused: bool = False
-    decode_prefetch: bool = False  # options.decode_prefetch weights: the kernel's first weight tile before its wait
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fusion: str = "none") -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -169,8 +168,7 @@ class Linear(nn.Linear):
         c = self.decode_config
         y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, None if norm is None else norm.weight,
                              None if residual is None else residual.reshape(-1, residual.shape[-1]),
-                             0.0 if norm is None else norm.eps, gate, c.block_n, c.block_k, c.warps, c.stages,
-                             self.decode_prefetch)
+                             0.0 if norm is None else norm.eps, gate, c.block_n, c.block_k, c.warps, c.stages)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
