@@ -91,18 +91,25 @@ def test_every_module_a_backend_builds_with_is_in_the_engine_key(backend: str) -
     assert not {"torch_runtime.py", "weights_reader.py", "trt_runtime.py"} & files
 
 
-def test_the_inductor_pdl_switch_is_in_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRTBUILD_INDUCTOR_PDL=0 compiles Inductor's decode kernels without the PDL wait, a different
-    engine: on the H200 (2026-12-04, call 39) a build with it got the key of the build without, so the
-    second of the two would have loaded the first's engine. The backend's toolchain now records it."""
-    monkeypatch.delenv("TRTBUILD_INDUCTOR_PDL", raising=False)
+@pytest.mark.parametrize(("name", "value", "counts"), [
+    ("TRTBUILD_INDUCTOR_PDL", "0", True), ("TORCHINDUCTOR_MAX_AUTOTUNE", "1", True), ("TRITON_F32_DEFAULT", "ieee", True),
+    ("TORCHINDUCTOR_CACHE_DIR", "/elsewhere", False), ("TRITON_CACHE_DIR", "/elsewhere", False),
+    ("TORCHINDUCTOR_COMPILE_THREADS", "3", False)])
+def test_environment_that_changes_what_compiles_is_in_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              name: str, value: str, counts: bool) -> None:
+    """Inductor and Triton read options from the environment, and TRTBUILD_INDUCTOR_PDL=0 leaves the PDL wait
+    out of Inductor's decode kernels: each is a different engine. On the H200 (2026-12-04, call 39) a build
+    with TRTBUILD_INDUCTOR_PDL=0 got the key of the build without, so the second of the two would have
+    loaded the first's engine. Cache folders and thread counts change nothing compiled and stay out."""
+    for k in [k for k in os.environ if k.startswith(("TORCHINDUCTOR_", "TRITON_", "TRTBUILD_INDUCTOR"))]:
+        monkeypatch.delenv(k)
     plain = TorchAOTIBackend().toolchain()
-    monkeypatch.setenv("TRTBUILD_INDUCTOR_PDL", "0")
-    switched = TorchAOTIBackend().toolchain()
-    assert switched == plain | {"inductor_pdl": "off (TRTBUILD_INDUCTOR_PDL=0)"}
+    monkeypatch.setenv(name, value)
+    changed = TorchAOTIBackend().toolchain()
+    assert changed == (plain | {"env": f"{name}={value}"} if counts else plain)
     monkeypatch.setattr(build_mod.fingerprint, "device", lambda: FIXED_DEVICE)
     monkeypatch.setattr(build_mod, "engine_code_digest", lambda backend: "<engine code digest>")
     recipe = load_recipe(write_recipe(tmp_path, tiny_recipe_doc()))
     model = resolve(recipe.model, tmp_path)
-    keys = {key_of(build_mod.key_material(recipe, model, TorchAOTIBackend(), t)) for t in (plain, switched)}
-    assert len(keys) == 2
+    keys = {key_of(build_mod.key_material(recipe, model, TorchAOTIBackend(), t)) for t in (plain, changed)}
+    assert len(keys) == (2 if counts else 1)

@@ -194,6 +194,12 @@ def test_explain_names_the_fields_that_differ(published: dict[str, Any], tmp_pat
     miss = json.loads(run_cli("cache", "explain", str(other), "--engines", str(store), "--json").stdout)
     assert miss["hit"] is False and miss["nearest"].endswith(published["entry"])
     assert [d["field"] for d in miss["differences"]] == ["recipe.precision"]
+    # an Inductor option from the environment is a different engine, and the miss says which field
+    tuned = json.loads(run_cli("cache", "explain", str(published["recipe"]), "--engines", str(store), "--json",
+                               env={"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}).stdout)
+    assert tuned["hit"] is False and tuned["nearest"].endswith(published["entry"])
+    assert tuned["differences"] == [{"field": "backend.toolchain.env", "entry": "<absent>",
+                                     "recipe": "TORCHINDUCTOR_MAX_AUTOTUNE=1"}]
 
 
 def test_an_entry_built_elsewhere_is_refused_by_name(published: dict[str, Any], tmp_path: Path) -> None:

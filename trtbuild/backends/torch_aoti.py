@@ -69,11 +69,12 @@ class TorchAOTIBackend:
                 import triton
 
                 tools["triton"] = triton.__version__
-        if inductor_pdl_refused():
-            # The switch changes the kernels the decode graphs compile to (no wait in Inductor's), and the
-            # engine spec that gates the runtime's PDL on them: the key must see it, or a build with the
-            # switch and one without would share an engine (the H200 gave both one key, 2026-12-04).
-            tools["inductor_pdl"] = "off (TRTBUILD_INDUCTOR_PDL=0)"
+        env = compile_environment()
+        if env:
+            # Settings read from the environment change what Inductor and Triton compile: the key must see
+            # them, or builds with and without would share an engine (the H200 gave a build with
+            # TRTBUILD_INDUCTOR_PDL=0 the key of one without, 2026-12-04).
+            tools["env"] = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
         return tools
 
     # -- build -----------------------------------------------------------------------------------
@@ -244,13 +245,31 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
 def pdl_compilable(device: str) -> bool:
     """Whether Inductor compiles the PDL wait into its kernels for `device`: a Hopper or later GPU, and an
     Inductor with the option. TRTBUILD_INDUCTOR_PDL=0 says no (a diagnostic switch: the runtime then lets
-    only trtbuild's own kernels start early, as the engine spec records; the toolchain, and so the key,
-    records it too)."""
+    only trtbuild's own kernels start early, as the engine spec records; the key records it through
+    compile_environment)."""
     if inductor_pdl_refused() or not kernels_wait(device):
         return False
     import torch
 
     return hasattr(torch._inductor.config.triton, "enable_pdl")
+
+
+# Environment variables that only say where caches and logs go, or how many threads compile: they never
+# change a compiled graph, and the build sets the cache folders itself (inductor_caches).
+_ENV_NEUTRAL_SUFFIXES = ("_DIR", "_HOME", "_PATH", "_LOGPATH", "_OUTPUT")
+_ENV_NEUTRAL = {"TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+                "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TRITON_PRINT_AUTOTUNING", "TRITON_INTERPRET"}
+
+
+def compile_environment() -> dict[str, str]:
+    """The environment variables that may change a compiled graph: Inductor's (TORCHINDUCTOR_*: it reads
+    scores of its options from them, max-autotune and fast math among them), Triton's (TRITON_*) and
+    trtbuild's own TRTBUILD_INDUCTOR_PDL, less those that only place caches and logs. Unknown names count:
+    a needless rebuild costs minutes, a stale engine is wrong. (TRITON_INTERPRET runs kernels in Python
+    and never reaches a compiled graph.)"""
+    return {k: v for k, v in os.environ.items()
+            if (k.startswith(("TORCHINDUCTOR_", "TRITON_")) or k == "TRTBUILD_INDUCTOR_PDL")
+            and k not in _ENV_NEUTRAL and not k.endswith(_ENV_NEUTRAL_SUFFIXES)}
 
 
 def inductor_pdl_refused() -> bool:
