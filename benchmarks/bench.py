@@ -174,7 +174,8 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
                                          "trtbuild's attention kernel without rope and the cache writes"),
                    "fused": ("decode_fusion", "fused", "decode matmul kernel fused with the norms, gating and residual adds"),
                    "sdpa-prefill": ("prefill_attention", "sdpa", "prefill attention through SDPA's dispatch"),
-                   "cudnn-prefill": ("prefill_attention", "cudnn", "prefill attention through cuDNN's")}
+                   "cudnn-prefill": ("prefill_attention", "cudnn", "prefill attention through cuDNN's"),
+                   "split-k": ("decode_split_k", "timed", "split-K decode matmul configurations timed too")}
 
 
 # engine@no-pdl: the recipe's own engine (the same entry, a cache hit) with its decode graphs captured
@@ -569,6 +570,7 @@ def main() -> None:
                          "(options.decode_attention), "
                          "engine@fused (options.decode_fusion), "
                          "engine@sdpa-prefill / engine@cudnn-prefill (options.prefill_attention), "
+                         "engine@split-k (options.decode_split_k timed), "
                          "engine@serial (every graph compiled in the build process, in a fresh store), "
                          "engine@no-pdl (the engine's decode graphs captured without PDL; after engine)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")

@@ -91,18 +91,26 @@ FUSED_XFAIL = pytest.mark.xfail(strict=False, raises=AssertionError,
                                 reason="bf16 tokens of the fused kernel differed from eager at the third token")
 
 
-@pytest.mark.parametrize("fusion", ["none", pytest.param("fused", marks=FUSED_XFAIL)])
-def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_reused(tmp_path: Path, fusion: str) -> None:
+@pytest.mark.parametrize("fusion", ["none", "split-k", pytest.param("fused", marks=FUSED_XFAIL)])
+def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_reused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str) -> None:
     """options.decode_matmul kernel: every decode matmul goes through trtbuild's Triton kernel (chosen
     by timing its configurations over the model's weights), AOTInductor compiles it into the decode
     packages, the tokens are the eager model's, and a rebuild takes the timings from the tactic cache.
-    With options.decode_fusion fused, each call site's norm, gating or residual add is in the kernel."""
+    With options.decode_fusion fused, each call site's norm, gating or residual add is in the kernel. With
+    split-k (options.decode_split_k timed, the other candidates taken away), every matmul is split-K: two
+    kernels inside the custom op, with a workspace of partial sums."""
     import json
 
+    from trtbuild.models import decode_matmul
     from trtbuild.store import Store
 
-    doc = tiny_recipe_doc(precision="bf16", tactics={"level": "default"},
-                          options={"decode_matmul": "kernel", "decode_fusion": fusion},
+    options = {"decode_matmul": "kernel", "decode_fusion": "fused" if fusion == "fused" else "none"}
+    if fusion == "split-k":
+        options["decode_split_k"] = "timed"
+        monkeypatch.setattr(decode_matmul, "ONE_ROW", [])
+        monkeypatch.setattr(decode_matmul, "ROWS", [])
+    doc = tiny_recipe_doc(precision="bf16", tactics={"level": "default"}, options=options,
                           shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
     recipe = load_recipe(write_recipe(tmp_path, doc))
     outcome = build(recipe, tmp_path / "store")
@@ -111,6 +119,7 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
     for shapes in record.values():
         assert shapes and all(r["used"] != "cublas" and r.get("reused") is not True and r["cublas_us"] > 0
                               for r in shapes.values())
+        assert all(("p" in r["used"]) == (fusion == "split-k") for r in shapes.values())
         fusions = sorted(key.partition("+")[2] for key in shapes)
         assert fusions == (["norm", "norm", "norm_gate", "residual", "residual"] if fusion == "fused" else [""] * 5)
     engine = json.loads((outcome.entry.path / "engine.json").read_text())

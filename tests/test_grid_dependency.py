@@ -45,7 +45,7 @@ def matmul_args(pdl: bool) -> dict[str, Any]:
     x, w, y = torch.zeros(1, 64, dtype=bf), torch.zeros(32, 64, dtype=bf), torch.zeros(1, 32, dtype=bf)
     return dict(x_ptr=x, w_ptr=w, y_ptr=y, g_ptr=w, r_ptr=w, M=1, N=32, K=64, stride_xm=64, stride_wn=64, stride_ym=32,
                 stride_rm=0, BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, USE_DOT=False, EVEN_K=True, NORM=False, EPS=0.0, GATE=False,
-                RESIDUAL=False, PDL=pdl)
+                RESIDUAL=False, PDL=pdl, SPLIT=1, K_SLICE=0)
 
 
 def attention_args(pdl: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -66,8 +66,12 @@ def kernels(pdl: bool) -> list[tuple[Any, dict[str, Any]]]:
     from trtbuild.models import decode_matmul as dm
 
     partial, merge = attention_args(pdl)
+    # split-K: the matmul writes fp32 partial sums ([2, M, N]), the reduce kernel adds them up into y
+    parts = torch.zeros(2, 32)
+    split = matmul_args(pdl) | {"y_ptr": parts, "K": 512, "EVEN_K": True, "SPLIT": 2, "K_SLICE": 256}
+    reduce = dict(p_ptr=parts, y_ptr=torch.zeros(1, 32, dtype=torch.bfloat16), MN=32, SPLIT=2, BLOCK=1024, PDL=pdl)
     return [(dm._decode_matmul_kernel, matmul_args(pdl)), (da._decode_attention_partial, partial),
-            (da._decode_attention_merge, merge)]
+            (da._decode_attention_merge, merge), (dm._decode_matmul_kernel, split), (dm._split_reduce_kernel, reduce)]
 
 
 def written(kernel: Any, kwargs: dict[str, Any]) -> list[str]:

@@ -113,6 +113,35 @@ def test_decode_matmul_with_each_fusion_matches_the_aten_ops_it_replaces(fusion:
     torch.testing.assert_close(got, reference(x, w, fusion, norm, 1e-5, residual), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize(("rows", "k"), [(1, 96), (3, 96), (2, 80), (1, 24)])
+def test_split_k_adds_its_partial_sums_to_the_plain_matmul(rows: int, k: int, split: int) -> None:
+    """Split-K: `split` programs per block of columns, each a slice of k, then the reduce kernel. k 96 in
+    slices of 32 over 4 programs leaves the last slice empty (it must write zeros, not leave garbage in
+    the workspace); k 80 ends in a masked block; k 24 is one short block for the first program alone."""
+    from trtbuild.models.decode_matmul import MatmulConfig, decode_matmul, reference
+
+    g = torch.Generator().manual_seed(rows * k + split)
+    w = torch.randn(40, k, generator=g).to(DEVICE)
+    x = torch.randn(rows, k, generator=g).to(DEVICE)
+    config = MatmulConfig(16, 32, 4, 1, split)
+    assert config.name == f"n16k32w4s1p{split}" and MatmulConfig.parse(config.name) == config
+    out = torch.full((rows, 40), float("nan"), device=DEVICE)
+    torch.testing.assert_close(decode_matmul(x, w, config, out=out), reference(x, w, "none"), atol=1e-4, rtol=1e-4)
+
+
+def test_split_k_is_a_candidate_for_the_plain_matmul_only() -> None:
+    from trtbuild.models.decode_matmul import MatmulConfig, candidates, decode_matmul
+
+    for rows in (1, 8):  # only with options.decode_split_k timed, and only for the plain matmul
+        assert any(c.split > 1 for c in candidates(rows, "none", True))
+        assert [c for c in candidates(rows, "none", True) if c.split == 1] == candidates(rows) == candidates(rows, "norm", True)
+    assert MatmulConfig.parse("n8k1024w4s3") == MatmulConfig(8, 1024, 4, 3, 1)  # names from before split-K
+    x, w = torch.randn(1, 64).to(DEVICE), torch.randn(32, 64).to(DEVICE)
+    with pytest.raises(ValueError, match="plain matmul only"):
+        decode_matmul(x, w, MatmulConfig(16, 32, 4, 1, 2), residual=torch.zeros(1, 32).to(DEVICE))
+
+
 def test_a_routed_model_computes_what_the_unrouted_one_does_with_and_without_fusion() -> None:
     """Every Linear of a small model through the kernel (as a decode graph routes them), fused where its
     call site allows and matmul-only: the same logits as the model's ATen path."""
@@ -132,8 +161,8 @@ def test_a_routed_model_computes_what_the_unrouted_one_does_with_and_without_fus
     pos = torch.tensor([0], device=DEVICE)
     want = model(tokens, pos)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    config = MatmulConfig(16, 32, 4, 1)
-    for fused in (True, False):
+    whole, split = MatmulConfig(16, 32, 4, 1), MatmulConfig(16, 32, 4, 1, 2)  # split-K: the plain matmul only
+    for fused, config in ((True, whole), (False, whole), (False, split)):
         plan = {(m.out_features, m.in_features, m.fusion if fused else "none"): config for m in linears}
         with routed(model, plan):
             assert all(m.decode_config is config and m.decode_fused == (fused and m.fusion != "none") for m in linears)

@@ -220,7 +220,7 @@ def test_unknown_backend() -> None:
 
 def test_backend_checks_its_own_options() -> None:
     assert ("options.workspace: unknown option for backend torch "
-            "(known: decode_matmul, decode_attention, decode_fusion, prefill_attention)"
+            "(known: decode_matmul, decode_attention, decode_fusion, decode_split_k, prefill_attention)"
             in problems_of(tiny_recipe_doc(options={"workspace": 1})))
     assert ("options.prefill_attention: expected one of auto, sdpa, cudnn, got 'flash'"
             in problems_of(tiny_recipe_doc(options={"prefill_attention": "flash"})))
@@ -242,6 +242,10 @@ def test_backend_checks_its_own_options() -> None:
             in problems_of(tiny_recipe_doc(options={"decode_fusion": False})))
     for mode in ("none", "fused"):
         parse_recipe(tiny_recipe_doc(options={"decode_fusion": mode}), Path("r.yaml"))
+    assert ("options.decode_split_k: expected one of none, timed, got 'on'"
+            in problems_of(tiny_recipe_doc(options={"decode_split_k": "on"})))
+    for mode in ("none", "timed"):
+        parse_recipe(tiny_recipe_doc(options={"decode_split_k": mode}), Path("r.yaml"))
 
 
 @pytest.mark.parametrize("mutate, expected", [

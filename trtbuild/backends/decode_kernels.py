@@ -36,8 +36,13 @@ DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
 # three). Opt-in: on the H200 it did not make the 1B decode step faster (RESULTS.md, eighth session).
 # The first mode of each option is its default.
 DECODE_FUSION_MODES = ("none", "fused")
+# options.decode_split_k: none (the default) = each program of the decode matmul streams whole weight rows;
+# timed = split-K configurations (each block of columns shared by 2 or 4 programs, each a slice of k, and a
+# small kernel adding their fp32 partial sums) are timed with the others, for the plain matmul. Opt-in:
+# not yet measured on a GPU.
+DECODE_SPLIT_K_MODES = ("none", "timed")
 OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES,
-           "decode_fusion": DECODE_FUSION_MODES}
+           "decode_fusion": DECODE_FUSION_MODES, "decode_split_k": DECODE_SPLIT_K_MODES}
 
 MatmulKey = tuple[int, int, str]  # (out, in, fusion) of one routed Linear
 
@@ -59,7 +64,7 @@ KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.models.decode_matmul",
 
 
 def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str, job: BuildJob,
-                fusion_mode: str = "none") -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
+                fusion_mode: str = "none", split_mode: str = "none") -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
     """Which decode matmuls go through trtbuild's Triton kernel, measured per batch bucket and weight shape.
 
     For every weight shape of the model (QKV, output, gate/up, down, LM head) `decode_matmul.select`
@@ -68,7 +73,8 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     kernel is used only where it measured faster. Each measurement is kept in the tactic cache under
     the shape, fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or
     another recipe of the same shapes) measures nothing. Returns the plan per bucket ({(out, in,
-    fusion): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul.
+    fusion): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul;
+    `split_mode` options.decode_split_k (timed: split-K configurations among the candidates).
     """
     if mode == "kernel" and not device.startswith("cuda"):
         raise TrtbuildError("options.decode_matmul: 'kernel' is a CUDA kernel, and this build is for the CPU")
@@ -100,9 +106,10 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
             continue
         for (n, k, fusion), weights in by_shape.items():
-            result = _timings(dm, job, weights, rows, (n, k, fusion))
+            split = split_mode == "timed"
+            result = _timings(dm, job, weights, rows, (n, k, fusion), split)
             # a fused call site may still be best served by the kernel alone, with Inductor's ops around it
-            plain = (_timings(dm, job, weights, rows, (n, k, "none"))
+            plain = (_timings(dm, job, weights, rows, (n, k, "none"), split)
                      if fusion != "none" and mode == "auto" else None)
             choice, fused = pick(result, plain, mode)
             if choice is None:
@@ -142,7 +149,7 @@ def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str) -> tup
     return choice, choice != "cublas"
 
 
-def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey) -> dict[str, Any]:
+def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey, split: bool = False) -> dict[str, Any]:
     """`decode_matmul.select` for one weight shape and fusion, kept in the tactic cache under the shape,
     fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or another recipe
     of the same shapes) measures nothing. `dm` is the decode_matmul module (it needs Triton)."""
@@ -150,15 +157,16 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
 
     n, k, fusion = key
     identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
-                "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in dm.candidates(rows)]}
+                "fusion": fusion, "kernel": dm.source_digest(),
+                "candidates": [c.name for c in dm.candidates(rows, fusion, split)]}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
     cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
     if cached.is_file():
         result: dict[str, Any] = json.loads(cached.read_text()) | {"reused": True}
         return result
     job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
-                 f"cuBLAS and {len(dm.candidates(rows))} kernel configurations")
-    result = dm.select(weights, rows, fusion)
+                 f"cuBLAS and {len(dm.candidates(rows, fusion, split))} kernel configurations")
+    result = dm.select(weights, rows, fusion, split=split)
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
     return result
 

@@ -106,7 +106,8 @@ class TorchAOTIBackend:
         with inductor_caches(job.tactics.path):
             plan, matmuls = decode_kernels.matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
                                                        recipe.options.get("decode_matmul", "auto"), device, job,
-                                                       recipe.options.get("decode_fusion", "none"))
+                                                       recipe.options.get("decode_fusion", "none"),
+                                                       recipe.options.get("decode_split_k", "none"))
         phases["select_matmuls_s"] = time.perf_counter() - t
         attention = decode_kernels.attention_plan(cfg, dtype, recipe.options.get("decode_attention", "auto"), device)
         t = time.perf_counter()

@@ -3,8 +3,11 @@
 Why it exists: in a decode step every weight is read once for 1-8 rows of activations, so a matmul
 is a pure stream of its weight matrix. The H200 profiles (benchmarks/RESULTS.md) show cuBLAS's
 skinny kernels reading the per-layer matrices (8-235 MB) at 2.8-3.6 TB/s, with split-K reduction
-kernels of their own, against a 4.25 TB/s copy rate. This kernel has no split-K: each program owns a
-block of output columns and streams its rows of the weight whole, so one launch reads the matrix once.
+kernels of their own, against a 4.25 TB/s copy rate. Each program owns a block of output columns and
+streams its rows of the weight, so one launch reads the matrix once. Split-K candidates (`split` > 1,
+the plain matmul only) also divide the rows' length among `split` programs, which write fp32 partial
+sums that a second, small kernel adds up: more programs for a short, wide matrix (the 1B down
+projection, 2048 x 8192, had 256 programs of 8 columns for 132 SMs), at the cost of one more launch.
 
 It is a tactic like any other: at build time (CUDA, tactics above `none`) `select` times cuBLAS and
 each candidate launch configuration per weight shape and batch size, over the model's own per-layer
@@ -44,17 +47,19 @@ class MatmulConfig:
     block_k: int
     warps: int
     stages: int
+    split: int = 1  # programs sharing one block of columns, each a slice of k (split-K; plain matmul only)
 
     @property
     def name(self) -> str:
-        return f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}"
+        return f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}" + (f"p{self.split}" if self.split > 1 else "")
 
     @classmethod
     def parse(cls, name: str) -> "MatmulConfig":
         n, rest = name[1:].split("k")
         k, rest = rest.split("w")
-        w, s = rest.split("s")
-        return cls(int(n), int(k), int(w), int(s))
+        w, rest = rest.split("s")
+        s, _, p = rest.partition("p")
+        return cls(int(n), int(k), int(w), int(s), int(p or 1))
 
 
 # Candidates per row count. One row: a multiply-and-sum over BLOCK_N weight rows; several: a tensor-core
@@ -64,13 +69,21 @@ ONE_ROW = [MatmulConfig(n, k, w, s) for n in (4, 8, 16, 32) for k in (256, 512, 
     MatmulConfig(n, 1024, 8, s) for n in (16, 32) for s in (1, 3)]
 ROWS = [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 4)] + [
     MatmulConfig(64, k, 8, s) for k in (256, 512) for s in (3, 4)]
+# Split-K, for the plain matmul only (a norm needs the whole row, gating and the residual the final sum),
+# timed only with options.decode_split_k timed: not yet measured on a GPU (added in the thirteenth session).
+# Like every candidate, the build keeps one only where it measured faster, and refuses one whose result
+# differs from ATen's.
+ONE_ROW_SPLIT = [MatmulConfig(n, k, 4, 3, p) for n in (8, 16, 32) for k in (512, 1024) for p in (2, 4)]
+ROWS_SPLIT = [MatmulConfig(n, k, 4, 4, p) for n in (16, 32) for k in (256, 512) for p in (2, 4)]
 
 
 MAX_ROWS = 16  # the dot path pads the rows to 16; a larger batch is a GEMM, cuBLAS's ground
 
 
-def candidates(rows: int) -> list[MatmulConfig]:
-    return ONE_ROW if rows == 1 else ROWS
+def candidates(rows: int, fusion: str = "none", split: bool = False) -> list[MatmulConfig]:
+    """The configurations timed for `rows` at a call site with `fusion`; with `split`, split-K ones too."""
+    plain = ONE_ROW if rows == 1 else ROWS
+    return plain + (ONE_ROW_SPLIT if rows == 1 else ROWS_SPLIT) if split and fusion == "none" else plain
 
 
 def source_digest() -> str:
@@ -115,10 +128,13 @@ def _dot(acc, x, w, USE_DOT: tl.constexpr):
 def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
-                          GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                          GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                          SPLIT: tl.constexpr, K_SLICE: tl.constexpr):
     # y[m, n] = sum_k x[m, k] * w[n, k]: w is an nn.Linear weight ([out, in], rows contiguous), so
     # each program reads BLOCK_N whole rows of it, coalesced along k. With GATE it reads rows n and
-    # N + n (gate and up) and writes silu(gate) * up: N is then half of w's rows.
+    # N + n (gate and up) and writes silu(gate) * up: N is then half of w's rows. With SPLIT > 1,
+    # program (i, j) reads columns [j * K_SLICE, (j + 1) * K_SLICE) of k and writes its fp32 partial
+    # sums to rows j * M .. j * M + M - 1 of y (a workspace), which _split_reduce_kernel adds up.
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -138,7 +154,12 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = 0
+    k_hi = K
+    if SPLIT > 1:  # K_SLICE is a multiple of BLOCK_K; the last slices may be short or empty (zeros written)
+        k_lo = tl.program_id(1) * K_SLICE
+        k_hi = tl.minimum(k_lo + K_SLICE, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + offs_k
         if EVEN_K:
             w_mask = n_mask[:, None]
@@ -162,8 +183,29 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
         acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask, other=0.0).to(tl.float32)
     if PDL:  # the weights are read: the next kernel may be scheduled (it waits for this one to complete)
         acc = release_successor(acc)
+    if SPLIT > 1:
+        offs_m += tl.program_id(1) * M
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_reduce_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """y = the sum of SPLIT partial results, [SPLIT, M, N] fp32 contiguous, as y's dtype ([M, N] contiguous)."""
+    if PDL:
+        z = wait_for_predecessor()
+        p_ptr, y_ptr = p_ptr + z, y_ptr + z
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(SPLIT):
+        acc += tl.load(p_ptr + j * MN + offs, mask=mask, other=0.0)
+    if PDL:
+        acc = release_successor(acc)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+REDUCE_BLOCK = 1024
 
 
 def uses_dot(rows: int) -> bool:
@@ -172,7 +214,10 @@ def uses_dot(rows: int) -> bool:
 
 
 def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, norm: Tensor | None = None,
-            eps: float = 0.0, gate: bool = False, residual: Tensor | None = None) -> None:
+            eps: float = 0.0, gate: bool = False, residual: Tensor | None = None,
+            reduce: Any = lambda k: k) -> None:
+    """Launch `kernel` (the matmul, wrapped or not) and, for split-K, `reduce(_split_reduce_kernel)` after it:
+    the custom op wraps both for AOTInductor."""
     m, k = x.shape
     n = y.shape[1]
     if m > MAX_ROWS or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1 or w.shape[0] != n * (2 if gate else 1):
@@ -180,14 +225,27 @@ def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, 
                          f"got {tuple(x.shape)}, {tuple(w.shape)}")
     if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
         raise ValueError(f"decode_matmul's residual must be [M, N] with contiguous rows, got {tuple(residual.shape)}")
+    split = config.split
+    if split > 1 and (norm is not None or gate or residual is not None):
+        raise ValueError(f"decode_matmul: split-K ({config.name}) does the plain matmul only")
+    if split > 1 and y.stride(0) != n:
+        raise ValueError(f"decode_matmul: split-K writes a contiguous output, got strides {y.stride()}")
     dot = uses_dot(m)
+    pdl = waits_on(x.device)
+    # the partial sums' rows: [split * M, N] fp32, every element written (empty slices write zeros)
+    target = y if split == 1 else torch.empty((split * m, n), dtype=torch.float32, device=x.device)
+    k_slice = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
     # absent operands still need a pointer: w stands in, and the constexpr flags keep it unread
-    kernel[(triton.cdiv(n, config.block_n),)](
-        x, w, y, w if norm is None else norm, w if residual is None else residual, m, n, k,
-        x.stride(0), w.stride(0), y.stride(0), 0 if residual is None else residual.stride(0),
+    kernel[(triton.cdiv(n, config.block_n), split)](
+        x, w, target, w if norm is None else norm, w if residual is None else residual, m, n, k,
+        x.stride(0), w.stride(0), target.stride(0), 0 if residual is None else residual.stride(0),
         BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         USE_DOT=dot, EVEN_K=k % config.block_k == 0, NORM=norm is not None, EPS=float(eps), GATE=gate,
-        RESIDUAL=residual is not None, PDL=waits_on(x.device), num_warps=config.warps, num_stages=config.stages)
+        RESIDUAL=residual is not None, PDL=pdl, SPLIT=split, K_SLICE=k_slice if split > 1 else 0,
+        num_warps=config.warps, num_stages=config.stages)
+    if split > 1:
+        reduce(_split_reduce_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            target, y, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK, PDL=pdl, num_warps=4)
 
 
 def output_columns(w: Tensor, gate: bool) -> int:
@@ -204,14 +262,14 @@ def decode_matmul(x: Tensor, w: Tensor, config: MatmulConfig, out: Tensor | None
 
 @triton_op("trtbuild::decode_matmul", mutates_args=())
 def decode_matmul_op(x: Tensor, w: Tensor, norm: Tensor | None, residual: Tensor | None, eps: float, gate: bool,
-                     block_n: int, block_k: int, warps: int, stages: int) -> Tensor:
+                     block_n: int, block_k: int, warps: int, stages: int, split: int = 1) -> Tensor:
     """The kernel as a custom op: what the decode graphs call (`Linear.decode_config`). The config ints, eps
     and gate are literals in the exported program, so two configurations never share a compiled graph.
     (eps reaches the kernel as a compile-time constant: AOTInductor passes a float argument of a user
     kernel as fp64, which would promote the normalization to fp64.)"""
     y = torch.empty((x.shape[0], output_columns(w, gate)), dtype=x.dtype, device=x.device)
-    _launch(wrap_triton(_decode_matmul_kernel), x, w, y, MatmulConfig(block_n, block_k, warps, stages),
-            norm, eps, gate, residual)
+    _launch(wrap_triton(_decode_matmul_kernel), x, w, y, MatmulConfig(block_n, block_k, warps, stages, split),
+            norm, eps, gate, residual, reduce=wrap_triton)
     return y
 
 
@@ -229,7 +287,8 @@ def reference(x: Tensor, w: Tensor, fusion: str, norm: Tensor | None = None, eps
     return y if residual is None else residual + y
 
 
-def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int = 15) -> dict[str, Any]:
+def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int = 15,
+           split: bool = False) -> dict[str, Any]:
     """Time cuBLAS and every candidate for `rows` x weight^T over `weights` (all of one shape, e.g.
     every layer's QKV matrix: distinct tensors, so none is served from L2 as in a real step).
 
@@ -271,7 +330,7 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
                 result["unfused_us"] = best_us = graph_seconds(inductor, reps) / per_call * 1e6
         except Exception as e:  # then the fused kernel must beat cuBLAS's matmul alone
             result["unfused_us"] = _failure(e)
-    for config in candidates(rows):
+    for config in candidates(rows, fusion, split):
         try:
             y0 = launch(w0, ys[0], config)
             err = ((y0.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()

@@ -168,7 +168,8 @@ class Linear(nn.Linear):
         c = self.decode_config
         y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, None if norm is None else norm.weight,
                              None if residual is None else residual.reshape(-1, residual.shape[-1]),
-                             0.0 if norm is None else norm.eps, gate, c.block_n, c.block_k, c.warps, c.stages)
+                             0.0 if norm is None else norm.eps, gate, c.block_n, c.block_k, c.warps, c.stages,
+                             c.split)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
