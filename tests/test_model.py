@@ -286,9 +286,9 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
 
     timed: list[tuple[int, int, str]] = []
 
-    def select(weights: list[Tensor], rows: int, fusion: str) -> dict[str, Any]:
+    def select(weights: list[Tensor], rows: int, fusion: str, split: bool = False) -> dict[str, Any]:
         n, k = weights[0].shape
-        timed.append((n, k, fusion))
+        timed.append((n, k, fusion) + (("split",) if split else ()))
         fused = fusion != "none"
         # QKV (norm): the fused kernel is slow, the plain one fast; everything else: the fused kernel wins
         slow = fusion == "norm" and n == 64
@@ -296,7 +296,7 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
                 {"k": 20.0 if slow else (8.0 if fused else 9.5)}, **({"unfused_us": 12.0} if fused else {})}
 
     fake = types.SimpleNamespace(MAX_ROWS=16, MatmulConfig=Config, select=select, source_digest=lambda: "src",
-                                 candidates=lambda rows: [Config("k")])
+                                 candidates=lambda rows, fusion="none", split=False: [Config("k")] + [Config("k-split")] * split)
     monkeypatch.setitem(sys.modules, "trtbuild.models.decode_matmul", fake)
     import trtbuild.models
 
@@ -321,3 +321,6 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     timed.clear()
     again, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "fused")  # type: ignore[arg-type]
     assert again == plan and timed == []  # every timing from the tactic cache
+    # options.decode_split_k timed: another candidate list, so new timings (the cached ones stay valid)
+    matmul_plan(model, (1,), "default", "auto", "cuda", job, "none", "timed")  # type: ignore[arg-type]
+    assert sorted(timed) == sorted({(n, k, "none", "split") for n, k in shapes})
