@@ -182,6 +182,11 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
 # without programmatic dependent launch (TRTBUILD_PDL=0): an A/B of the launch alone, no build
 NO_PDL = "no-pdl"
 
+# engine@again: the recipe's own engine (the same entry) measured once more, last: the run's drift. On the
+# H200 one prefill graph measured 48.9 and 51.2 ms one after the other in one run (RESULTS.md, thirteenth
+# session), so a row won by 2% needs this bracket before it is called a lead.
+AGAIN = "again"
+
 # engine@serial: the recipe's own engine with every graph compiled in the build process
 # (TRTBUILD_COMPILE_WORKERS=0), against the default, whose workers compile side by side
 SERIAL = "serial"
@@ -233,6 +238,10 @@ def engine_variant(recipe: Any, spec: str, engines: str, notes: list[str]) -> An
         engine: Any = peer.session.engine  # the torch backend's engine (the Engine protocol has no PDL)
         engine.pdl_allowed = False
         peer.label += ", decode graphs captured without PDL (TRTBUILD_PDL=0)"
+        return peer
+    if spec == AGAIN:
+        peer = peers.EnginePeer(recipe, engines)
+        peer.label += ", measured again after the variants before it (the run's drift)"
         return peer
     if spec == SERIAL:
         variant, level = recipe, f"{recipe.tactics_level}, every graph compiled in the build process"
@@ -295,7 +304,8 @@ def run_variants(ctx: dict[str, Any], args: argparse.Namespace, skipped: dict[st
         finally:
             if peer is not None:
                 peer.close()
-                if name.startswith("engine@") and name != f"engine@{NO_PDL}" and not args.keep_variant_engines:
+                if name.startswith("engine@") and name not in (f"engine@{NO_PDL}", f"engine@{AGAIN}") \
+                        and not args.keep_variant_engines:
                     notes.append(discard_engine(peer))
             peers.free_device_memory()
         saved()
@@ -572,7 +582,8 @@ def main() -> None:
                          "engine@sdpa-prefill / engine@cudnn-prefill (options.prefill_attention), "
                          "engine@split-k (options.decode_split_k timed), "
                          "engine@serial (every graph compiled in the build process, in a fresh store), "
-                         "engine@no-pdl (the engine's decode graphs captured without PDL; after engine)")
+                         "engine@no-pdl (the engine's decode graphs captured without PDL; after engine), "
+                         "engine@again (the engine measured once more; last, to show the run's drift)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")
     ap.add_argument("--cpu-compile", action="store_true", help="run the torch.compile peer on CPU (mode='default')")
@@ -592,7 +603,7 @@ def main() -> None:
     args.variants = [v for v in args.variants.split(",") if v]
     from trtbuild.recipe import TACTIC_LEVELS
 
-    known = [*VARIANTS, *(f"engine@{spec}" for spec in (*TACTIC_LEVELS, *ENGINE_VARIANTS, SERIAL, NO_PDL))]
+    known = [*VARIANTS, *(f"engine@{spec}" for spec in (*TACTIC_LEVELS, *ENGINE_VARIANTS, SERIAL, NO_PDL, AGAIN))]
     if unknown := [v for v in args.variants if v not in known]:
         ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     args.sections = [s for s in args.sections.split(",") if s]
