@@ -91,13 +91,14 @@ FUSED_XFAIL = pytest.mark.xfail(strict=False, raises=AssertionError,
                                 reason="bf16 tokens of the fused kernel differed from eager at the third token")
 
 
-@pytest.mark.parametrize("fusion", ["none", "split-k", pytest.param("fused", marks=FUSED_XFAIL)])
+@pytest.mark.parametrize("fusion", ["none", "split-k", "epilogue", pytest.param("fused", marks=FUSED_XFAIL)])
 def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_reused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str) -> None:
     """options.decode_matmul kernel: every decode matmul goes through trtbuild's Triton kernel (chosen
     by timing its configurations over the model's weights), AOTInductor compiles it into the decode
     packages, the tokens are the eager model's, and a rebuild takes the timings from the tactic cache.
-    With options.decode_fusion fused, each call site's norm, gating or residual add is in the kernel. With
+    With options.decode_fusion fused, each call site's norm, gating or residual add is in the kernel; with
+    epilogue, only the gating and the residual adds. With
     split-k (options.decode_split_k timed, the other candidates taken away), every matmul is split-K: two
     kernels inside the custom op, with a workspace of partial sums."""
     import json
@@ -105,7 +106,7 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
     from trtbuild.models import decode_matmul
     from trtbuild.store import Store
 
-    options = {"decode_matmul": "kernel", "decode_fusion": "fused" if fusion == "fused" else "none"}
+    options = {"decode_matmul": "kernel", "decode_fusion": fusion if fusion in ("fused", "epilogue") else "none"}
     if fusion == "split-k":
         options["decode_split_k"] = "timed"
         monkeypatch.setattr(decode_matmul, "ONE_ROW", [])
@@ -121,7 +122,8 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
                               for r in shapes.values())
         assert all(("p" in r["used"]) == (fusion == "split-k") for r in shapes.values())
         fusions = sorted(key.partition("+")[2] for key in shapes)
-        assert fusions == (["norm", "norm", "norm_gate", "residual", "residual"] if fusion == "fused" else [""] * 5)
+        assert fusions == {"fused": ["norm", "norm", "norm_gate", "residual", "residual"],
+                           "epilogue": ["", "", "gate", "residual", "residual"]}.get(fusion, [""] * 5)
     engine = json.loads((outcome.entry.path / "engine.json").read_text())
     assert all(len(engine["graphs"][g]["matmuls"]) == len(record[g]) for g in record)
     assert engine["graphs"]["prefill"].get("matmuls") is None  # prefill keeps cuBLAS

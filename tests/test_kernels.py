@@ -94,7 +94,7 @@ def test_decode_steps_through_the_attention_kernel_give_the_logits_of_the_aten_m
     assert models[1].layers[0].attention.decode_kernel == "aten"  # routing ends with the export
 
 
-@pytest.mark.parametrize("fusion", ["none", "norm", "residual", "norm_gate"])
+@pytest.mark.parametrize("fusion", ["none", "norm", "residual", "norm_gate", "gate"])
 @pytest.mark.parametrize(("rows", "k"), [(1, 96), (3, 96), (2, 80), (1, 24)])
 def test_decode_matmul_with_each_fusion_matches_the_aten_ops_it_replaces(fusion: str, rows: int, k: int) -> None:
     """One row (multiply-and-sum) and several (dot), k a multiple of the block and not (masked loads; k 24:
@@ -104,11 +104,11 @@ def test_decode_matmul_with_each_fusion_matches_the_aten_ops_it_replaces(fusion:
 
     g = torch.Generator().manual_seed(rows * k)
     n = 40  # not a multiple of block_n: the last program's columns are masked
-    w = torch.randn(2 * n if fusion == "norm_gate" else n, k, generator=g).to(DEVICE)
+    w = torch.randn(2 * n if fusion in ("norm_gate", "gate") else n, k, generator=g).to(DEVICE)
     x = (3 * torch.randn(rows, k, generator=g)).to(DEVICE)  # a residual stream's scale, far from unit rms
     norm = (torch.rand(k, generator=g) + 0.5).to(DEVICE) if "norm" in fusion else None
     residual = torch.randn(rows, n, generator=g).to(DEVICE) if fusion == "residual" else None
-    got = decode_matmul(x, w, MatmulConfig(16, 32, 4, 1), norm=norm, eps=1e-5, gate=fusion == "norm_gate",
+    got = decode_matmul(x, w, MatmulConfig(16, 32, 4, 1), norm=norm, eps=1e-5, gate=fusion in ("norm_gate", "gate"),
                         residual=residual)
     torch.testing.assert_close(got, reference(x, w, fusion, norm, 1e-5, residual), atol=1e-4, rtol=1e-4)
 
@@ -144,8 +144,8 @@ def test_split_k_is_a_candidate_for_the_plain_matmul_only() -> None:
 
 def test_a_routed_model_computes_what_the_unrouted_one_does_with_and_without_fusion() -> None:
     """Every Linear of a small model through the kernel (as a decode graph routes them), fused where its
-    call site allows and matmul-only: the same logits as the model's ATen path."""
-    from trtbuild.backends.decode_kernels import routed
+    call site allows, only the epilogue fused, and matmul-only: the same logits as the model's ATen path."""
+    from trtbuild.backends.decode_kernels import fusion_of, routed
     from trtbuild.models.decode_matmul import MatmulConfig
     from trtbuild.models.llama import Linear, LlamaConfig, Transformer
 
@@ -165,11 +165,17 @@ def test_a_routed_model_computes_what_the_unrouted_one_does_with_and_without_fus
     for fused, config in ((True, whole), (False, whole), (False, split)):
         plan = {(m.out_features, m.in_features, m.fusion if fused else "none"): config for m in linears}
         with routed(model, plan):
-            assert all(m.decode_config is config and m.decode_fused == (fused and m.fusion != "none") for m in linears)
+            assert all(m.decode_config is config and m.decode_fusion == (m.fusion if fused else "none") for m in linears)
             assert {m.fusion for m in linears} == {"norm", "residual", "norm_gate"}
             got = model(tokens, pos)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert all(m.decode_config is None and not m.decode_fused for m in linears)
+    assert all(m.decode_config is None and m.decode_fusion == "none" for m in linears)
+    # options.decode_fusion epilogue: the gating and residual adds in the kernel, every norm outside it
+    plan = {(m.out_features, m.in_features, fusion_of(m, "epilogue")): whole for m in linears}
+    with routed(model, plan):
+        assert {m.fusion: m.decode_fusion for m in linears} == {"norm": "none", "residual": "residual", "norm_gate": "gate"}
+        got = model(tokens, pos)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("rope", [False, True])

@@ -324,3 +324,10 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     # options.decode_split_k timed: another candidate list, so new timings (the cached ones stay valid)
     matmul_plan(model, (1,), "default", "auto", "cuda", job, "none", "timed")  # type: ignore[arg-type]
     assert sorted(timed) == sorted({(n, k, "none", "split") for n, k in shapes})
+    # options.decode_fusion epilogue: gate/up keeps only its gating (a new timing); every norm stays outside,
+    # so QKV and the LM head are plain matmuls, timed already
+    timed.clear()
+    plan, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue")  # type: ignore[arg-type]
+    assert timed == [(2 * f, d, "gate")]
+    assert sorted(plan[1]) == sorted([(qkv, d, "none"), (d, d, "residual"), (2 * f, d, "gate"), (d, f, "residual"),
+                                      (cfg.vocab_size, d, "none")])

@@ -238,9 +238,9 @@ def test_backend_checks_its_own_options() -> None:
     for mode in ("auto", "aten", "kernel", "kernel-unfused"):
         parse_recipe(tiny_recipe_doc(options={"decode_attention": mode}), Path("r.yaml"))
     # YAML reads a bare `off` as False: the mode is `none`, and the error says so
-    assert ("options.decode_fusion: expected one of none, fused, got False"
+    assert ("options.decode_fusion: expected one of none, fused, epilogue, got False"
             in problems_of(tiny_recipe_doc(options={"decode_fusion": False})))
-    for mode in ("none", "fused"):
+    for mode in ("none", "fused", "epilogue"):
         parse_recipe(tiny_recipe_doc(options={"decode_fusion": mode}), Path("r.yaml"))
     assert ("options.decode_split_k: expected one of none, timed, got 'on'"
             in problems_of(tiny_recipe_doc(options={"decode_split_k": "on"})))

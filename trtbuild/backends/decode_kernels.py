@@ -35,7 +35,12 @@ DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
 # before it, the SiLU gating after gate/up, or the residual add after it (one launch instead of two or
 # three). Opt-in: on the H200 it did not make the 1B decode step faster (RESULTS.md, eighth session).
 # The first mode of each option is its default.
-DECODE_FUSION_MODES = ("none", "fused")
+# epilogue = only what comes after the matmul: the SiLU gating of gate/up and the residual adds, never the
+# norm before it (the eighth session measured the fused norm doubling the kernel's time on its 2-16-row
+# path); opt-in, not yet measured on a GPU.
+DECODE_FUSION_MODES = ("none", "fused", "epilogue")
+# a call site's fusion under `epilogue`: its norm stays outside the kernel
+EPILOGUE = {"none": "none", "norm": "none", "residual": "residual", "norm_gate": "gate"}
 # options.decode_split_k: none (the default) = each program of the decode matmul streams whole weight rows;
 # timed = split-K configurations (each block of columns shared by 2 or 4 programs, each a slice of k, and a
 # small kernel adding their fp32 partial sums) are timed with the others, for the plain matmul. Opt-in:
@@ -172,9 +177,12 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
 
 
 def fusion_of(linear: Any, mode: str) -> str:
-    """What the kernel does besides the matmul for this Linear: its call site's fusion, unless the
-    recipe turns fusion off or the Linear has a bias (the kernel adds none)."""
-    return linear.fusion if mode == "fused" and linear.bias is None else "none"
+    """What the kernel does besides the matmul for this Linear: its call site's fusion (`fused`) or the part
+    of it after the matmul (`epilogue`), unless the recipe turns fusion off or the Linear has a bias (the
+    kernel adds none)."""
+    if mode == "none" or linear.bias is not None:
+        return "none"
+    return linear.fusion if mode == "fused" else EPILOGUE[linear.fusion]
 
 
 def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, str]:
@@ -201,16 +209,19 @@ def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, st
 @contextlib.contextmanager
 def routed(model: Any, configs: dict[MatmulKey, Any], attention: str = "aten") -> Iterator[None]:
     """Point each Linear whose (weight shape, fusion) is in `configs` at the decode matmul kernel
-    (fused where the key has its fusion, the matmul alone where it has "none"), and each Attention
+    (fused where the key has its call site's fusion or its epilogue, the matmul alone where it has "none",
+    as `Linear.decode_fusion`), and each Attention
     at the decode attention kernel as `attention` says (an Attention.decode_kernel value), for one export."""
     from trtbuild.models.llama import Attention, Linear
 
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     attentions = [m for m in model.modules() if isinstance(m, Attention)]
     for m in linears:
-        fused = configs.get((m.out_features, m.in_features, m.fusion))
-        m.decode_config = fused or configs.get((m.out_features, m.in_features, "none"))
-        m.decode_fused = fused is not None and m.fusion != "none"
+        # one plan has one fusion mode: at most one of these keys is in it (beside the plain matmul's)
+        fusion = next((f for f in (m.fusion, EPILOGUE[m.fusion]) if f != "none"
+                       and (m.out_features, m.in_features, f) in configs), "none")
+        m.decode_config = configs.get((m.out_features, m.in_features, fusion))
+        m.decode_fusion = fusion if m.decode_config is not None else "none"
     for a in attentions:
         a.decode_kernel = attention
     try:
@@ -218,7 +229,7 @@ def routed(model: Any, configs: dict[MatmulKey, Any], attention: str = "aten") -
     finally:
         for m in linears:
             m.decode_config = None
-            m.decode_fused = False
+            m.decode_fusion = "none"
         for a in attentions:
             a.decode_kernel = "aten"
 

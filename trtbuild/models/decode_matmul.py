@@ -97,7 +97,9 @@ def source_digest() -> str:
 #   norm      y = rmsnorm(x) @ w^T            (the RMSNorm before QKV, gate/up and the LM head)
 #   residual  y = r + x @ w^T                 (the residual add after the output and down projections)
 #   norm_gate y = silu(a) * b, [a | b] = rmsnorm(x) @ w^T   (gate/up: w holds both halves, y half as wide)
-FUSIONS = ("none", "norm", "residual", "norm_gate")
+#   gate      y = silu(a) * b, [a | b] = x @ w^T            (gate/up with the norm left outside)
+FUSIONS = ("none", "norm", "residual", "norm_gate", "gate")
+GATED = ("norm_gate", "gate")
 
 
 @triton.jit
@@ -281,7 +283,7 @@ def reference(x: Tensor, w: Tensor, fusion: str, norm: Tensor | None = None, eps
         xf = x.float()
         x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * norm
     y = F.linear(x, w)
-    if fusion == "norm_gate":
+    if fusion in GATED:
         a, b = y.chunk(2, dim=-1)
         y = F.silu(a) * b
     return y if residual is None else residual + y
@@ -301,13 +303,13 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
     w0 = weights[0]
     x = torch.randn(rows, w0.shape[1], device=w0.device, dtype=w0.dtype)
     norm = torch.rand(w0.shape[1], device=w0.device, dtype=w0.dtype) + 0.5 if fusion in ("norm", "norm_gate") else None
-    width = output_columns(w0, fusion == "norm_gate")
+    width = output_columns(w0, fusion in GATED)
     residual = torch.randn(rows, width, device=w0.device, dtype=w0.dtype) if fusion == "residual" else None
     ys = [torch.empty(rows, width, device=w0.device, dtype=w0.dtype) for _ in weights]
     ref = reference(x, w0, fusion, norm, 1e-5, residual).float()
 
     def launch(w: Tensor, y: Tensor, config: MatmulConfig) -> Tensor:
-        return decode_matmul(x, w, config, out=y, norm=norm, eps=1e-5, gate=fusion == "norm_gate", residual=residual)
+        return decode_matmul(x, w, config, out=y, norm=norm, eps=1e-5, gate=fusion in GATED, residual=residual)
 
     def cublas() -> None:
         for w in weights:

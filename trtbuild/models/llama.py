@@ -134,24 +134,28 @@ class Linear(nn.Linear):
 
     `decode_config` (a `decode_matmul.MatmulConfig`, None by default) is set by the backend only while
     it exports a decode graph, for the weight shapes where the build's tactic selection measured the
-    kernel faster than cuBLAS; `decode_fused` then says whether the kernel also does the fusion (only
-    with options.decode_fusion fused, never with a bias). Prefill and every CPU build keep F.linear.
+    kernel faster than cuBLAS; `decode_fusion` then says what of its call site's fusion the kernel does
+    ("none" but with options.decode_fusion fused or epilogue, never with a bias; what the kernel does not
+    do is applied around it). Prefill and every CPU build keep F.linear.
     The weight stays the module's own parameter, so the state dict and the runtime constants are
     unchanged."""
 
     decode_config: Any = None
-    decode_fused: bool = False
+    decode_fusion: str = "none"
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fusion: str = "none") -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.fusion = fusion
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gate: bool = False, residual: Tensor | None = None) -> Tensor:
-        if self.decode_config is not None and self.decode_fused:
-            return self._kernel(x, norm, gate, residual)
-        if norm is not None:
-            x = norm(x)
-        if self.decode_config is None:
+        inside = self.decode_fusion if self.decode_config is not None else "none"  # what the kernel does
+        if norm is not None and "norm" not in inside:
+            x, norm = norm(x), None
+        if inside != "none":  # the kernel with (part of) the fusion; a fused Linear never has a bias
+            in_gate, in_residual = "gate" in inside, "residual" in inside
+            y = self._kernel(x, norm, gate and in_gate, residual if in_residual else None)
+            gate, residual = gate and not in_gate, None if in_residual else residual
+        elif self.decode_config is None:
             y = super().forward(x)
         else:
             y = self._kernel(x)
