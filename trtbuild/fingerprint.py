@@ -1,12 +1,15 @@
 """Who builds and runs: the device and the toolchain, as plain data for keys and manifests.
 
 The device part goes into every key (an engine is compiled for one GPU architecture or one CPU ISA);
-driver and host details are recorded in manifests only, since they do not change what is built.
+driver and host details are recorded in manifests only, since they do not change what is built. The
+environment that changes what Inductor and Triton compile (compile_environment) goes into the torch
+backend's toolchain, and so into its keys.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import socket
 import sys
@@ -77,3 +80,21 @@ def _driver_version() -> str | None:
         return f"{version.value // 1000}.{(version.value % 1000) // 10}"
     except OSError:
         return None
+
+
+# Environment variables that only say where caches and logs go, or how many threads compile: they never
+# change a compiled graph, and the build sets the cache folders itself (torch_aoti.inductor_caches).
+_ENV_NEUTRAL_SUFFIXES = ("_DIR", "_HOME", "_PATH", "_LOGPATH", "_OUTPUT")
+_ENV_NEUTRAL = {"TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+                "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TRITON_PRINT_AUTOTUNING", "TRITON_INTERPRET"}
+
+
+def compile_environment() -> dict[str, str]:
+    """The environment variables that may change a compiled graph: Inductor's (TORCHINDUCTOR_*: it reads
+    scores of its options from them, max-autotune and fast math among them), Triton's (TRITON_*) and
+    trtbuild's own TRTBUILD_INDUCTOR_PDL, less those that only place caches and logs. Unknown names count:
+    a needless rebuild costs minutes, a stale engine is wrong. (TRITON_INTERPRET runs kernels in Python
+    and never reaches a compiled graph.)"""
+    return {k: v for k, v in os.environ.items()
+            if (k.startswith(("TORCHINDUCTOR_", "TRITON_")) or k == "TRTBUILD_INDUCTOR_PDL")
+            and k not in _ENV_NEUTRAL and not k.endswith(_ENV_NEUTRAL_SUFFIXES)}

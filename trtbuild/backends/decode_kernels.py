@@ -103,6 +103,7 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
                 same.append(mod.weight)
     plan: dict[int, dict[MatmulKey, Any]] = {}
     record: dict[str, Any] = {}
+    split = split_mode == "timed"
     for rows in buckets:
         if rows > dm.MAX_ROWS:
             if mode == "kernel":
@@ -111,7 +112,6 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
             continue
         for (n, k, fusion), weights in by_shape.items():
-            split = split_mode == "timed"
             result = _timings(dm, job, weights, rows, (n, k, fusion), split)
             # a fused call site may still be best served by the kernel alone, with Inductor's ops around it
             plain = (_timings(dm, job, weights, rows, (n, k, "none"), split)
@@ -161,16 +161,16 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
     from trtbuild.tactics import write_atomic
 
     n, k, fusion = key
+    configs = dm.candidates(rows, fusion, split)
     identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
-                "fusion": fusion, "kernel": dm.source_digest(),
-                "candidates": [c.name for c in dm.candidates(rows, fusion, split)]}
+                "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in configs]}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
     cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
     if cached.is_file():
         result: dict[str, Any] = json.loads(cached.read_text()) | {"reused": True}
         return result
     job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
-                 f"cuBLAS and {len(dm.candidates(rows, fusion, split))} kernel configurations")
+                 f"cuBLAS and {len(configs)} kernel configurations")
     result = dm.select(weights, rows, fusion, split=split)
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
     return result
@@ -221,7 +221,7 @@ def routed(model: Any, configs: dict[MatmulKey, Any], attention: str = "aten") -
         fusion = next((f for f in (m.fusion, EPILOGUE[m.fusion]) if f != "none"
                        and (m.out_features, m.in_features, f) in configs), "none")
         m.decode_config = configs.get((m.out_features, m.in_features, fusion))
-        m.decode_fusion = fusion if m.decode_config is not None else "none"
+        m.decode_fusion = fusion
     for a in attentions:
         a.decode_kernel = attention
     try:

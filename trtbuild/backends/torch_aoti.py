@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import BuildJob, BuildOutput, compile_workers, decode_kernels, graph_cache, prefill_attention
+from trtbuild import fingerprint
 from trtbuild.errors import TrtbuildError
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -69,7 +70,7 @@ class TorchAOTIBackend:
                 import triton
 
                 tools["triton"] = triton.__version__
-        env = compile_environment()
+        env = fingerprint.compile_environment()
         if env:
             # Settings read from the environment change what Inductor and Triton compile: the key must see
             # them, or builds with and without would share an engine (the H200 gave a build with
@@ -247,35 +248,12 @@ def pdl_compilable(device: str) -> bool:
     """Whether Inductor compiles the PDL wait into its kernels for `device`: a Hopper or later GPU, and an
     Inductor with the option. TRTBUILD_INDUCTOR_PDL=0 says no (a diagnostic switch: the runtime then lets
     only trtbuild's own kernels start early, as the engine spec records; the key records it through
-    compile_environment)."""
-    if inductor_pdl_refused() or not kernels_wait(device):
+    fingerprint.compile_environment)."""
+    if os.environ.get("TRTBUILD_INDUCTOR_PDL", "1") == "0" or not kernels_wait(device):
         return False
     import torch
 
     return hasattr(torch._inductor.config.triton, "enable_pdl")
-
-
-# Environment variables that only say where caches and logs go, or how many threads compile: they never
-# change a compiled graph, and the build sets the cache folders itself (inductor_caches).
-_ENV_NEUTRAL_SUFFIXES = ("_DIR", "_HOME", "_PATH", "_LOGPATH", "_OUTPUT")
-_ENV_NEUTRAL = {"TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
-                "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TRITON_PRINT_AUTOTUNING", "TRITON_INTERPRET"}
-
-
-def compile_environment() -> dict[str, str]:
-    """The environment variables that may change a compiled graph: Inductor's (TORCHINDUCTOR_*: it reads
-    scores of its options from them, max-autotune and fast math among them), Triton's (TRITON_*) and
-    trtbuild's own TRTBUILD_INDUCTOR_PDL, less those that only place caches and logs. Unknown names count:
-    a needless rebuild costs minutes, a stale engine is wrong. (TRITON_INTERPRET runs kernels in Python
-    and never reaches a compiled graph.)"""
-    return {k: v for k, v in os.environ.items()
-            if (k.startswith(("TORCHINDUCTOR_", "TRITON_")) or k == "TRTBUILD_INDUCTOR_PDL")
-            and k not in _ENV_NEUTRAL and not k.endswith(_ENV_NEUTRAL_SUFFIXES)}
-
-
-def inductor_pdl_refused() -> bool:
-    """TRTBUILD_INDUCTOR_PDL=0: build Inductor's decode kernels without the PDL wait."""
-    return os.environ.get("TRTBUILD_INDUCTOR_PDL", "1") == "0"
 
 
 def kernels_wait(device: str) -> bool:

@@ -148,7 +148,7 @@ class Linear(nn.Linear):
         self.fusion = fusion
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gate: bool = False, residual: Tensor | None = None) -> Tensor:
-        inside = self.decode_fusion if self.decode_config is not None else "none"  # what the kernel does
+        inside = self.decode_fusion  # what the kernel does ("none" whenever decode_config is None)
         if norm is not None and "norm" not in inside:
             x, norm = norm(x), None
         if inside != "none":  # the kernel with (part of) the fusion; a fused Linear never has a bias
