@@ -29,3 +29,32 @@ def eager_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, ma
             nxt = model(nxt, torch.tensor([t + i], device=device)).argmax(-1, keepdim=True)
             out.append(nxt)
     return torch.cat(out, dim=1).tolist()
+
+
+def eager_disagreements(folder: Path, prompts: list[list[int]], tokens: list[list[int]], max_seq_len: int,
+                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[str]:
+    """Where an engine's greedy `tokens` are not the eager model's choice, fed the engine's own tokens
+    (teacher forcing, so one early difference does not make every later token differ).
+
+    A token counts as the eager model's if its logit is within two bf16 steps of the best one: a kernel
+    that sums in fp32 and rounds once may take the other side of a tie that bf16 rounding made (the tiny
+    test model's third token: 14 and 31 both 2.3906 in bf16, 2.3809 against 2.4002 in fp32; the H200's
+    fused kernels chose 31). A wrong kernel lands far outside that."""
+    _, cfg = read_config(folder)
+    model = Transformer(cfg, len(prompts), max_seq_len, dtype)
+    model.load_state_dict(convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg), strict=False, assign=True)
+    model = model.to(device)
+    t = len(prompts[0])
+    chosen = torch.tensor(tokens, device=device)
+    found = []
+    with torch.no_grad():
+        logits = model(torch.tensor(prompts, device=device), torch.arange(t, device=device))
+        for i in range(chosen.shape[1]):
+            step = logits.reshape(len(prompts), -1, logits.shape[-1])[:, -1].float()
+            best = step.max(-1).values
+            got = step.gather(-1, chosen[:, i:i + 1]).squeeze(-1)
+            for row in (got < best - best.abs() * 2 ** -6).nonzero().flatten().tolist():
+                found.append(f"row {row} token {i}: {tokens[row][i]} (logit {got[row]:.4f}) where eager's best is "
+                             f"{int(step[row].argmax())} ({best[row]:.4f})")
+            logits = model(chosen[:, i:i + 1], torch.tensor([t + i], device=device))
+    return found
