@@ -70,7 +70,8 @@ ONE_ROW = [MatmulConfig(n, k, w, s) for n in (4, 8, 16, 32) for k in (256, 512, 
 ROWS = [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 4)] + [
     MatmulConfig(64, k, 8, s) for k in (256, 512) for s in (3, 4)]
 # Split-K, for the plain matmul only (a norm needs the whole row, gating and the residual the final sum),
-# timed only with options.decode_split_k timed: not yet measured on a GPU (added in the thirteenth session).
+# timed only with options.decode_split_k timed (on the H200: kept for the 1B down projection at batch 1,
+# −22 µs a step; none kept at 8B; RESULTS.md, fourteenth session).
 # Like every candidate, the build keeps one only where it measured faster, and refuses one whose result
 # differs from ATen's.
 ONE_ROW_SPLIT = [MatmulConfig(n, k, 4, 3, p) for n in (8, 16, 32) for k in (512, 1024) for p in (2, 4)]
