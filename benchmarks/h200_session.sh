@@ -3,7 +3,7 @@
 # recipe (build / restart / variants), a retry under LD_PRELOAD if the engine did not load in a new
 # process, and the CLI report of a cache-hit run. At most 8 files under $OUT.
 #
-#   [PROFILE=0] [PROBE="--graph decode --batch 8 --options plain,autotune"] [RESERVE=100] [GPU_TESTS=1 [GPU_TESTS_K=expr]] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [SAVE_PEER_CACHE=1] [SEED_PEER_CACHE=DIR] [LOAD_THREADS=8] [BUDGET=545] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
+#   [PROFILE=0 | PROFILE=1 [PROFILE_PDL=1]] [PROBE="--graph decode --batch 8 --options plain,autotune"] [RESERVE=100] [GPU_TESTS=1 [GPU_TESTS_K=expr]] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [SAVE_PEER_CACHE=1] [SEED_PEER_CACHE=DIR] [LOAD_THREADS=8] [BUDGET=545] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -103,8 +103,10 @@ fi
 #       (PROBE = benchmarks/probe.py's arguments, e.g. "--graph prefill --options plain,autotune
 #       --example-lens 2,2048"; empty skips) --------------------------------------------------------------
 if [ "${PROFILE:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then
-  log "decode profile"
-  timeout $(( $(left) - 40 )) python3 benchmarks/profile_decode.py "$RECIPE" --engines /tmp/bench-engines \
+  # Serialized by default (PROFILE_PDL=0): under PDL a kernel's duration includes the time it waited for
+  # its predecessor, so only a serialized capture gives each kernel's own cost (2026-12-04, call 33)
+  log "decode profile (TRTBUILD_PDL=${PROFILE_PDL:-0})"
+  TRTBUILD_PDL=${PROFILE_PDL:-0} timeout $(( $(left) - 40 )) python3 benchmarks/profile_decode.py "$RECIPE" --engines /tmp/bench-engines \
     --out "$OUT/profile.json" > "$OUT/profile.txt" 2>&1; log "rc $?"; grep -v "^USDT" "$OUT/profile.txt" | head -60
 fi
 if [ -n "${PROBE:-}" ] && [ "$(left)" -gt 90 ]; then
