@@ -87,7 +87,7 @@ def ptx(kernel: Any, kwargs: dict[str, Any]) -> list[str]:
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
-    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64"}
+    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}
     sig = {n: "constexpr" if n.isupper() else pointer[v.dtype] if isinstance(v, torch.Tensor) else "i32"
            for n, v in kwargs.items()}
     consts = {(names.index(n),): v for n, v in kwargs.items() if n.isupper()}
@@ -121,3 +121,25 @@ def test_the_wait_comes_before_every_memory_access_and_keeps_the_vector_loads(ho
         release = [i for i, line in enumerate(with_wait) if line.startswith("griddepcontrol.launch_dependents")]
         assert release and accesses[0] < release[0] and release[-1] < accesses[-1], kernel.__name__
         assert memory_ops(with_wait) == memory_ops(without), kernel.__name__  # e.g. v4 loads stay v4
+
+
+def test_the_chain_probes_kernels_compile_for_hopper_with_their_waits_and_barrier(hopper_target: None) -> None:
+    """benchmarks/chain_probe.py on sm_90, before any device time goes to it: the step kernel waits before
+    its load; the persistent kernel's barrier is one thread's release add and its acquire spin, between
+    block-wide barriers, with the steps' loads and stores past L1 (not coherent across SMs)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import chain_probe
+
+    step = ptx(chain_probe._chain_link, dict(x_ptr=torch.zeros(4, 16), y_ptr=torch.zeros(4, 16), programs=4, BLOCK=256,
+                                             PDL=True))
+    wait = next(i for i, line in enumerate(step) if line.startswith("griddepcontrol.wait"))
+    assert wait < min(i for i, line in enumerate(step) if memory_ops([line]))
+    count = torch.zeros(1, dtype=torch.int32)
+    persistent = ptx(chain_probe._chain_persistent, dict(buf_ptr=torch.zeros(2, 4, 16), count_ptr=count, programs=4, links=3,
+                                                         BLOCK=256))
+    text = "\n".join(persistent)
+    assert "atom.global.gpu.release.add" in text and "ld.global.gpu.acquire" in text and "bar.sync" in text
+    assert set(memory_ops(persistent)) == {"ld.global.cg.v2.b32", "st.global.cg.v2.b32", "ld.global.gpu.acquire.b32"}

@@ -209,3 +209,22 @@ def test_decode_attention_reads_only_the_slices_it_wrote(monkeypatch: pytest.Mon
     monkeypatch.undo()
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("links", [1, 4, 7])
+def test_the_chain_probe_checks_its_steps_against_what_they_compute(links: int) -> None:
+    """benchmarks/chain_probe.py judges each case by `expected` before timing it: the step kernel run
+    `links` times (through the interpreter here) must leave exactly that, for odd and even chains."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import chain_probe
+
+    programs, block = 5, 16
+    start = torch.arange(programs * block, dtype=torch.float32).reshape(programs, block).to(DEVICE)
+    buf = torch.empty(2, programs, block, device=DEVICE)
+    buf[0].copy_(start)
+    got = chain_probe.run_links(buf[0], buf[1], links, pdl=False)
+    assert torch.equal(got, chain_probe.expected(start, links))
+    assert not torch.equal(chain_probe.expected(start, links), chain_probe.expected(start, links + 1))
