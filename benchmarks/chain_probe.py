@@ -12,11 +12,17 @@ step's output (so each truly depends on the whole step before) and writes its ow
   - pdl:     the same kernels, waiting with griddepcontrol.wait and releasing after their load, with
              every edge made programmatic (as the engine's decode graphs do for trtbuild's kernels);
   - barrier: one kernel doing every step, a grid-wide barrier (an atomic counter) between steps.
+Then the same three ways for a chain of matrix-vector products, the decode step's real links: link i
+multiplies link i-1's output by its own square bf16 matrix (distinct matrices, so none is served from
+L2), one kernel's code in all three (`_gemv`: one program per SM, each looping over blocks of rows),
+and cuBLAS one launch per link as what the engine's graphs get today. There the boundary also costs
+each matmul's ramp and tail, which the persistent kernel may or may not hide.
 The cost per link is the slope between two chain lengths, so the graph's own launch and the
-barrier's counter reset drop out. Each case's result is checked against the expected values first.
-Needs CUDA and Triton (sm_90 for pdl).
+barrier's counter reset drop out. Each case's result is checked before it is timed. Needs CUDA and
+Triton (sm_90 for pdl). Every case that waits on a barrier needs all its programs resident: run it
+under `timeout`.
 
-    python benchmarks/chain_probe.py --links 32,320 --out $OUT
+    timeout 120 python benchmarks/chain_probe.py --links 32,320 --gemv 4096 --gemv-links 8,24 --out $OUT
 """
 
 from __future__ import annotations
@@ -53,6 +59,17 @@ def _chain_link(x_ptr, y_ptr, programs, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit
+def _grid_barrier(count_ptr, target):
+    """Wait until `target` arrivals at count_ptr (zeroed before the launch), this program's included: as a
+    grid sync does it, every thread's stores are ordered before one thread's release."""
+    tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < target:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
 def _chain_persistent(buf_ptr, count_ptr, programs, links, BLOCK: tl.constexpr):
     """Every step in one launch: the buffer holds both halves of the ping-pong ([2, programs, BLOCK]), and
     a barrier on count_ptr (zeroed before the launch) separates the steps. Needs every program resident
@@ -65,13 +82,35 @@ def _chain_persistent(buf_ptr, count_ptr, programs, links, BLOCK: tl.constexpr):
         # .cg: the block was written by another SM, and L1 is not coherent across SMs
         v = tl.load(buf_ptr + src + ((pid + 1) % programs) * BLOCK + offs, cache_modifier=".cg")
         tl.store(buf_ptr + dst + pid * BLOCK + offs, v + 1.0, cache_modifier=".cg")
-        # the barrier, as a grid sync does it: every thread's stores ordered before one thread's release
-        tl.debug_barrier()
-        tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-        target = (i + 1) * programs
-        while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < target:
-            pass
-        tl.debug_barrier()
+        _grid_barrier(count_ptr, (i + 1) * programs)
+
+
+@triton.jit
+def _gemv(w_ptr, x_ptr, count_ptr, programs, first, links, N: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, PDL: tl.constexpr, BARRIER: tl.constexpr):
+    """Links first .. first + links - 1 of the chain x[i + 1] = W[i] @ x[i] (x: [L + 1, N] bf16, W: [L, N, N]
+    bf16, fp32 sums): one program per SM, each taking every `programs`-th block of BLOCK_N rows. With
+    BARRIER, one launch does every link, a grid barrier between them; without, one launch per link."""
+    if PDL:
+        z = wait_for_predecessor()
+        w_ptr, x_ptr, count_ptr = w_ptr + z, x_ptr + z, count_ptr + z
+    pid = tl.program_id(0)
+    k = tl.arange(0, BLOCK_K)
+    for i in range(first, first + links):
+        w_mat = w_ptr + i * (N * N)  # int32 offsets: run_gemv keeps L * N * N below 2**31
+        x_row = x_ptr + i * N
+        for nb in range(pid, N // BLOCK_N, programs):
+            rows = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for k0 in range(0, N, BLOCK_K):
+                xv = tl.load(x_row + k0 + k, cache_modifier=".cg").to(tl.float32)  # written by other SMs
+                wv = tl.load(w_mat + rows[:, None] * N + (k0 + k)[None, :])
+                acc += tl.sum(wv.to(tl.float32) * xv[None, :], 1)
+            if PDL:
+                acc = release_successor(acc)
+            tl.store(x_ptr + (i + 1) * N + rows, acc.to(x_ptr.dtype.element_ty), cache_modifier=".cg")
+        if BARRIER:
+            _grid_barrier(count_ptr, (i - first + 1) * programs)
 
 
 def expected(start: torch.Tensor, links: int) -> torch.Tensor:
@@ -86,6 +125,35 @@ def run_links(a: torch.Tensor, b: torch.Tensor, links: int, pdl: bool) -> torch.
         x, y = (a, b) if i % 2 == 0 else (b, a)
         _chain_link[(p,)](x, y, p, BLOCK=block, PDL=pdl, num_warps=4)
     return b if links % 2 else a
+
+
+GEMV_CONFIGS = [(32, 256, 4, 3), (32, 512, 8, 3), (16, 512, 4, 4)]  # block_n, block_k, warps, stages
+
+
+def run_gemv(w: torch.Tensor, x: torch.Tensor, programs: int, config: tuple[int, int, int, int], mode: str,
+             count: torch.Tensor | None = None) -> None:
+    """The chain over every matrix of w ([L, N, N]) from x[0] into x[1..L]: `launch` or `launch-pdl`, one
+    launch per link; `barrier`, one launch (count: an int32 counter, zeroed here)."""
+    links, n = w.shape[0], w.shape[1]
+    block_n, block_k, warps, stages = config
+    if n % block_n or n % block_k or x.shape != (links + 1, n) or links * n * n >= 2**31:
+        raise ValueError(f"chain_probe: {n} rows in blocks of {block_n} x {block_k}, x {tuple(x.shape)}")
+    kw = dict(N=n, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    if mode == "barrier":
+        assert count is not None
+        count.zero_()
+        _gemv[(programs,)](w, x, count, programs, 0, links, PDL=False, BARRIER=True, **kw)
+        return
+    for i in range(links):
+        _gemv[(programs,)](w, x, x, programs, i, 1, PDL=mode == "launch-pdl", BARRIER=False, **kw)
+
+
+def reference_gemv(w: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """The chain in fp32, rounded to x0's dtype after each link as the kernels store it: [L + 1, N]."""
+    rows = [x0]
+    for wi in w:
+        rows.append((wi.float() @ rows[-1].float()).to(x0.dtype))
+    return torch.stack(rows)
 
 
 def _replay_seconds(calls: Callable[[], object], programmatic: bool, reps: int) -> tuple[float, int]:
@@ -136,10 +204,56 @@ def measure(case: str, links: int, programs: int, block: int, reps: int) -> dict
     return {"case": case, "links": links, "us": seconds * 1e6, "correct": correct, "programmatic_edges": edges}
 
 
+def measure_gemv(case: str, w: torch.Tensor, programs: int, config: tuple[int, int, int, int] | None,
+                 reps: int) -> dict[str, Any]:
+    """One GEMV chain case over every matrix of w: checked against the fp32 chain, then timed in a graph."""
+    links, n = w.shape[0], w.shape[1]
+    x = torch.zeros(links + 1, n, device="cuda", dtype=w.dtype)
+    x[0] = torch.randn(n, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).to(w.dtype)
+    count = torch.zeros(1, device="cuda", dtype=torch.int32)
+
+    def calls() -> None:
+        if case == "cublas":
+            for i in range(links):
+                torch.mm(x[i:i + 1], w[i].t(), out=x[i + 1:i + 2])
+        else:
+            assert config is not None
+            run_gemv(w, x, programs, config, case, count)
+
+    calls()
+    torch.cuda.synchronize()
+    want = reference_gemv(w, x[0]).float()
+    err = ((x.float() - want).abs().max() / want.abs().max()).item()
+    seconds, edges = _replay_seconds(calls, case == "launch-pdl", reps)
+    return {"case": case, "links": links, "us": seconds * 1e6, "max_rel_err": err, "correct": err <= 2e-2,
+            "programmatic_edges": edges}
+
+
+def gemv_rows(n: int, short: int, long: int, programs: int, reps: int) -> list[dict[str, Any]]:
+    """Per case, the cost per link of the GEMV chain (the slope between `short` and `long` links) and the
+    weight bytes per µs of that slope; the probe's kernel in each of its configurations, a row each."""
+    g = torch.Generator("cuda").manual_seed(1)
+    w = (torch.randn(long, n, n, device="cuda", generator=g) * n ** -0.5).to(torch.bfloat16)
+    rows: list[dict[str, Any]] = []
+    cases = [("cublas", None)] + [(c, cfg) for c in ("launch", "launch-pdl", "barrier") for cfg in GEMV_CONFIGS]
+    for case, cfg in cases:
+        try:
+            runs = [measure_gemv(case, w[:links], programs, cfg, reps) for links in (short, long)]
+        except Exception as e:  # a configuration that does not compile here is a measurement too
+            rows.append({"case": case, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        slope = (runs[1]["us"] - runs[0]["us"]) / (long - short)
+        rows.append({"case": case, "config": cfg, "us_per_link": slope, "tb_s": n * n * 2 / slope / 1e6, "runs": runs,
+                     "correct": all(r["correct"] for r in runs)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--links", default="32,320", help="two chain lengths; the cost per link is the slope between them")
     ap.add_argument("--block", type=int, default=256, help="fp32 elements each program reads and writes a step")
+    ap.add_argument("--gemv", type=int, default=4096, help="the GEMV chain's square matrix size (0 skips it)")
+    ap.add_argument("--gemv-links", default="8,24", help="two GEMV chain lengths")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
@@ -156,9 +270,24 @@ def main() -> None:
     for r in rows:
         print(f"{r['case']:10} {r['us_per_link']:8.3f} {r['runs'][0]['us']:10.1f} {r['runs'][1]['us']:10.1f}  "
               f"{'correct' if r['correct'] else 'WRONG'}")
+    gemv: list[dict[str, Any]] = []
+    if args.gemv:
+        g_short, g_long = sorted(int(n) for n in args.gemv_links.split(","))
+        gemv = gemv_rows(args.gemv, g_short, g_long, programs, args.reps)
+        mb = args.gemv ** 2 * 2 / 1e6
+        print(f"\nGEMV chain, {args.gemv}x{args.gemv} bf16 ({mb:.1f} MB a link), links {g_short} and {g_long}")
+        print(f"{'case':12} {'config':18} {'us/link':>8} {'TB/s':>6}  result")
+        for r in gemv:
+            cfg = "-" if r["config"] is None else "n{}k{}w{}s{}".format(*r["config"])
+            if "error" in r:
+                print(f"{r['case']:12} {cfg:18} {r['error']}")
+            else:
+                err = max(x["max_rel_err"] for x in r["runs"])
+                print(f"{r['case']:12} {cfg:18} {r['us_per_link']:8.2f} {r['tb_s']:6.2f}  "
+                      f"{'correct' if r['correct'] else 'WRONG'} (max rel err {err:.1e})")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "programs": programs,
-              "block": args.block, "rows": rows, "seconds": time.perf_counter() - t0}
+              "block": args.block, "rows": rows, "gemv": gemv, "seconds": time.perf_counter() - t0}
     (Path(args.out) / "chain-probe.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

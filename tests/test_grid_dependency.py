@@ -143,3 +143,12 @@ def test_the_chain_probes_kernels_compile_for_hopper_with_their_waits_and_barrie
     text = "\n".join(persistent)
     assert "atom.global.gpu.release.add" in text and "ld.global.gpu.acquire" in text and "bar.sync" in text
     assert set(memory_ops(persistent)) == {"ld.global.cg.v2.b32", "st.global.cg.v2.b32", "ld.global.gpu.acquire.b32"}
+    # the GEMV chain: launched per link with the wait first; in one launch with the barrier
+    bf = torch.bfloat16
+    gemv = dict(w_ptr=torch.zeros(2, 64, 64, dtype=bf), x_ptr=torch.zeros(3, 64, dtype=bf), count_ptr=count, programs=4,
+                first=0, links=2, N=64, BLOCK_N=16, BLOCK_K=32)
+    waiting = ptx(chain_probe._gemv, gemv | {"PDL": True, "BARRIER": False})
+    wait = next(i for i, line in enumerate(waiting) if line.startswith("griddepcontrol.wait"))
+    assert wait < min(i for i, line in enumerate(waiting) if memory_ops([line]))
+    barrier = "\n".join(ptx(chain_probe._gemv, gemv | {"PDL": False, "BARRIER": True}))
+    assert "atom.global.gpu.release.add" in barrier and "ld.global.gpu.acquire" in barrier and "griddepcontrol" not in barrier

@@ -228,3 +228,25 @@ def test_the_chain_probe_checks_its_steps_against_what_they_compute(links: int) 
     got = chain_probe.run_links(buf[0], buf[1], links, pdl=False)
     assert torch.equal(got, chain_probe.expected(start, links))
     assert not torch.equal(chain_probe.expected(start, links), chain_probe.expected(start, links + 1))
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+def test_the_chain_probes_gemv_kernel_computes_the_chain_one_launch_per_link(programs: int) -> None:
+    """The probe's GEMV chain kernel, launched once per link (its barrier mode needs every program resident
+    at once, which the interpreter's one-program-at-a-time run never has): every link's output is the
+    fp32 chain's, with programs taking every `programs`-th block of rows."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import chain_probe
+
+    g = torch.Generator().manual_seed(3)
+    n, links = 32, 3
+    w = (torch.randn(links, n, n, generator=g) * n ** -0.5).to(DEVICE)
+    x = torch.zeros(links + 1, n, device=DEVICE)
+    x[0] = torch.randn(n, generator=g).to(DEVICE)
+    chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), "launch")
+    torch.testing.assert_close(x, chain_probe.reference_gemv(w, x[0]), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="blocks of"):
+        chain_probe.run_gemv(w, x, programs, (12, 16, 4, 1), "launch")
