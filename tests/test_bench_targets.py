@@ -53,3 +53,18 @@ def test_ahead_means_faster_than_every_peer_on_that_row_and_a_tie_is_not_a_lead(
     assert v["prefill 128 tokens: ahead of eager"]["met"] is True  # only the peers that measured the row
     assert "restart (cold page cache), safetensors' loader <= 2.0x reading the weights" not in v  # not a 1B target
     assert "== targets, llama-3.2-1b" in targets.table({"recipes": {"r": {**rec, "targets": list(v.values())}}})
+
+
+def test_a_lead_inside_the_engines_own_drift_in_the_run_is_unknown_not_met() -> None:
+    """With engine@again in the run, a row the engine leads by less than it moved between its own two
+    measurements is no lead to claim; a larger lead still is one, and a loss stays a loss."""
+    rec = {"recipe": "llama-3.2-1b",
+           "variants": {"engine": {"decode": {"1": _fig(1.00)}, "prefill": {"2048": _fig(8.78), "1024": _fig(4.70)}},
+                        "compile": {"decode": {"1": _fig(1.93)}, "prefill": {"2048": _fig(8.94), "1024": _fig(4.60)}},
+                        "engine@again": {"decode": {"1": _fig(1.01)}, "prefill": {"2048": _fig(9.25), "1024": _fig(4.71)}}}}
+    v = _by_target(targets.check(rec))
+    assert v["decode batch 1: ahead of compile"]["met"] is True  # 93% ahead, 1% drift
+    near = v["prefill 2048 tokens: ahead of compile"]
+    assert near["met"] is None and "moved 5.4% within the run" in near["measured"]  # 1.8% ahead, 5.4% drift
+    assert v["prefill 1024 tokens: ahead of compile"]["met"] is False  # behind: drift does not make it a tie
+    assert not any(t.endswith("engine@again") for t in v)  # the engine measured again is never a peer
