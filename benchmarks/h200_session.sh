@@ -82,8 +82,9 @@ if [ "${GPU_TESTS:-0}" = 1 ] && [ "$(left)" -gt 60 ]; then
     > /dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
   log "gpu tests"
   # GPU_TESTS_K: a pytest -k expression, to run only the tests a change needs when time is short
-  # SIGINT, not SIGTERM, at the limit: pytest then still prints its failures (2026-12-04: a TERM lost them)
-  timeout -s INT $(( $(left) - 30 )) python3 -m pytest -q -rfE --tb=short -m gpu tests/test_gpu.py -p no:cacheprovider \
+  # SIGINT, not SIGTERM, at the limit: pytest then still prints its failures (2026-12-04: a TERM lost them);
+  # --log-level=INFO: a failure's captured log without torch's DEBUG trace (1,100 lines of it in call 42)
+  timeout -s INT $(( $(left) - 30 )) python3 -m pytest -q -rfE --tb=short --log-level=INFO -m gpu tests/test_gpu.py -p no:cacheprovider \
     ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
     > "$OUT/gpu_tests.txt" 2>&1
   log "rc $?"; tail -15 "$OUT/gpu_tests.txt"
