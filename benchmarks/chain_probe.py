@@ -157,30 +157,21 @@ def reference_gemv(w: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
 
 
 def _replay_seconds(calls: Callable[[], object], programmatic: bool, reps: int) -> tuple[float, int]:
-    """Seconds per replay of a graph of `calls` (its edges made programmatic first when asked), and the
-    number of edges made so."""
-    from trtbuild.backends.pdl import Driver
-    from trtbuild.timing import event_seconds
+    """Seconds per replay of a graph of `calls` (every kernel-to-kernel edge made programmatic first when
+    asked: every kernel of this probe waits), and the number of edges made so."""
+    from trtbuild.backends.pdl import Driver, kernel_edges
+    from trtbuild.timing import graph_seconds
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph):
-        calls()
-    edges = 0
-    if programmatic:
-        drv, raw = Driver(), graph.raw_cuda_graph()
-        names = {n: name for n in drv.nodes(raw) if (name := drv.kernel_name(n)) is not None}
-        chosen = [e for e in drv.edges(raw) if e.kind == 0 and e.from_port == 0 and e.src in names and e.dst in names]
-        drv.make_programmatic(raw, chosen)
-        edges = len(chosen)
-    graph.instantiate()
-    for _ in range(3):
-        graph.replay()
-    return event_seconds(graph.replay, reps), edges
+    made: list[int] = []
+
+    def all_programmatic(graph: int) -> None:
+        drv = Driver()
+        chosen = kernel_edges(drv.edges(graph), drv.kernel_names(graph))
+        drv.make_programmatic(graph, chosen)
+        made.append(len(chosen))
+
+    seconds = graph_seconds(calls, reps, all_programmatic if programmatic else None)
+    return seconds, sum(made)
 
 
 def measure(case: str, links: int, programs: int, block: int, reps: int) -> dict[str, Any]:

@@ -10,15 +10,20 @@ from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read
 from trtbuild.models.llama import Transformer
 
 
-def eager_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, max_seq_len: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[list[int]]:
-    """Greedy tokens from the eager Transformer: prefill, then one decode step at a time."""
+def _eager_model(folder: Path, batch: int, max_seq_len: int, dtype: torch.dtype, device: str) -> Transformer:
+    """The model folder's Transformer, eager, its cache for `batch` sequences of `max_seq_len`."""
     _, cfg = read_config(folder)
-    model = Transformer(cfg, len(prompts), max_seq_len, dtype)
+    model = Transformer(cfg, batch, max_seq_len, dtype)
     # assign: the parameters take the checkpoint's dtype, as in the engine (a copy into the module's fp32
     # parameters left a bf16 model computing in fp32 against its bf16 cache: found on the H200)
     model.load_state_dict(convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg), strict=False, assign=True)
-    model = model.to(device)
+    return model.to(device)
+
+
+def eager_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, max_seq_len: int,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[list[int]]:
+    """Greedy tokens from the eager Transformer: prefill, then one decode step at a time."""
+    model = _eager_model(folder, len(prompts), max_seq_len, dtype, device)
     tokens = torch.tensor(prompts, device=device)
     t = tokens.shape[1]
     out = []
@@ -40,10 +45,7 @@ def eager_disagreements(folder: Path, prompts: list[list[int]], tokens: list[lis
     that sums in fp32 and rounds once may take the other side of a tie that bf16 rounding made (the tiny
     test model's third token: 14 and 31 both 2.3906 in bf16, 2.3809 against 2.4002 in fp32; the H200's
     fused kernels chose 31). A wrong kernel lands far outside that."""
-    _, cfg = read_config(folder)
-    model = Transformer(cfg, len(prompts), max_seq_len, dtype)
-    model.load_state_dict(convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg), strict=False, assign=True)
-    model = model.to(device)
+    model = _eager_model(folder, len(prompts), max_seq_len, dtype, device)
     t = len(prompts[0])
     chosen = torch.tensor(tokens, device=device)
     found = []

@@ -71,8 +71,10 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(s), "p90": rank(0.90), "p99": rank(0.99), "mean": statistics.fmean(s)}
 
 
-def graph_seconds(calls: Callable[[], object], reps: int = 15) -> float:
+def graph_seconds(calls: Callable[[], object], reps: int = 15, edit: Callable[[int], object] | None = None) -> float:
     """Seconds per replay of one CUDA graph holding `calls`: the median of `reps` event-timed replays.
+    `edit`, given the captured graph (a cudaGraph_t as an int) before it is instantiated, may change it
+    (e.g. its edges made programmatic, backends/pdl.py).
 
     In a graph, as in the engine's decode, there is no launch overhead between kernels; outside one,
     Python's ~20 us per launch would hide a 2 us matmul."""
@@ -83,9 +85,12 @@ def graph_seconds(calls: Callable[[], object], reps: int = 15) -> float:
     with torch.cuda.stream(stream):
         calls()  # compiles and warms outside the capture
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True) if edit else torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         calls()
+    if edit:
+        edit(graph.raw_cuda_graph())
+        graph.instantiate()
     for _ in range(3):
         graph.replay()
     return event_seconds(graph.replay, reps)

@@ -58,13 +58,17 @@ class Edge:
     kind: int
 
 
+def kernel_edges(edges: Iterable[Edge], kernel_names: dict[int, str]) -> list[Edge]:
+    """The full edges from one kernel node to another: the only ones PDL can make programmatic.
+    `kernel_names` maps each kernel node to its function's name (other nodes are absent)."""
+    return [e for e in edges if e.kind == 0 and e.from_port == 0 and e.src in kernel_names and e.dst in kernel_names]
+
+
 def programmatic(edges: Iterable[Edge], kernel_names: dict[int, str], inductor_pdl: bool,
                  trtbuild_wait: bool = True) -> list[Edge]:
-    """The full edges to turn programmatic: kernel node to kernel node, into a kernel that waits.
-    `kernel_names` maps each kernel node to its function's name (other nodes are absent)."""
-    return [e for e in edges
-            if e.kind == 0 and e.from_port == 0 and e.src in kernel_names and e.dst in kernel_names
-            and waits_for_predecessor(kernel_names[e.dst], inductor_pdl, trtbuild_wait)]
+    """The full edges to turn programmatic: kernel node to kernel node, into a kernel that waits."""
+    return [e for e in kernel_edges(edges, kernel_names)
+            if waits_for_predecessor(kernel_names[e.dst], inductor_pdl, trtbuild_wait)]
 
 
 class _EdgeData(ctypes.Structure):
@@ -117,6 +121,10 @@ class Driver:
             return ""  # a kernel, but not one we can name: it keeps its full edges
         return (name.value or b"").decode(errors="replace")
 
+    def kernel_names(self, graph: int) -> dict[int, str]:
+        """Each kernel node of `graph` and its function's name."""
+        return {n: name for n in self.nodes(graph) if (name := self.kernel_name(n)) is not None}
+
     def edges(self, graph: int) -> list[Edge]:
         n = ctypes.c_size_t(0)
         self._call("cuGraphGetEdges_v2", ctypes.c_void_p(graph), None, None, None, ctypes.byref(n))
@@ -141,7 +149,7 @@ def overlap(graph: int, inductor_pdl: bool, driver: Driver | None = None, trtbui
     """Rewrite a captured, not yet instantiated graph (a cudaGraph_t as an int) for PDL. Returns what was
     done: kernel nodes, edges made programmatic, and the names of the kernels left serialized."""
     drv = driver or Driver()
-    names = {n: name for n in drv.nodes(graph) if (name := drv.kernel_name(n)) is not None}
+    names = drv.kernel_names(graph)
     chosen = programmatic(drv.edges(graph), names, inductor_pdl, trtbuild_wait)
     drv.make_programmatic(graph, chosen)
     waiting = {e.dst for e in chosen}
