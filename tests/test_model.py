@@ -227,7 +227,7 @@ def test_greedy_token_is_argmax_ties_included(vocab: int) -> None:
     assert greedy_token(logits)[1].item() == vocab // 3
 
 
-def test_decode_fusion_is_opt_in_and_never_for_a_linear_with_a_bias() -> None:
+def test_decode_fusion_is_never_for_a_linear_with_a_bias() -> None:
     """What each Linear asks of the decode matmul kernel, and the plan's keys as recorded for the
     compile workers (which parse them back)."""
     from trtbuild.backends.decode_kernels import fusion_of, key_name, parse_key

@@ -238,7 +238,7 @@ def test_backend_checks_its_own_options() -> None:
     for mode in ("auto", "aten", "kernel", "kernel-unfused"):
         parse_recipe(tiny_recipe_doc(options={"decode_attention": mode}), Path("r.yaml"))
     # YAML reads a bare `off` as False: the mode is `none`, and the error says so
-    assert ("options.decode_fusion: expected one of none, fused, epilogue, got False"
+    assert ("options.decode_fusion: expected one of epilogue, none, fused, got False"
             in problems_of(tiny_recipe_doc(options={"decode_fusion": False})))
     for mode in ("none", "fused", "epilogue"):
         parse_recipe(tiny_recipe_doc(options={"decode_fusion": mode}), Path("r.yaml"))
@@ -246,6 +246,19 @@ def test_backend_checks_its_own_options() -> None:
             in problems_of(tiny_recipe_doc(options={"decode_split_k": "on"})))
     for mode in ("none", "timed"):
         parse_recipe(tiny_recipe_doc(options={"decode_split_k": mode}), Path("r.yaml"))
+
+
+def test_a_torch_recipe_without_options_builds_with_each_options_default() -> None:
+    """What a build passes to its plans when the recipe names no option: epilogue fusion since the
+    fifteenth session's 8B measurement (the README's recipe section names these defaults)."""
+    from trtbuild.backends.torch_aoti import OPTIONS, _option
+
+    recipe = parse_recipe(tiny_recipe_doc(), Path("r.yaml"))
+    assert {name: _option(recipe, name) for name in OPTIONS} == {
+        "decode_matmul": "auto", "decode_attention": "auto", "decode_fusion": "epilogue", "decode_split_k": "none",
+        "prefill_attention": "auto"}
+    unfused = parse_recipe(tiny_recipe_doc(options={"decode_fusion": "none"}), Path("r.yaml"))
+    assert _option(unfused, "decode_fusion") == "none"
 
 
 @pytest.mark.parametrize("mutate, expected", [

@@ -30,15 +30,17 @@ DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
 # ninth session, kept for A/B runs). (A one-launch mode, the last program of each sequence and KV head
 # merging the partials, measured slower on the H200 and was removed: RESULTS.md, eleventh session.)
 DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
-# options.decode_fusion: none (the default) = the kernel does the matmul alone and Inductor compiles the
-# norms, gating and adds around it; fused = a decode matmul through the kernel also does the RMSNorm
-# before it, the SiLU gating after gate/up, or the residual add after it (one launch instead of two or
-# three). Opt-in: on the H200 it did not make the 1B decode step faster (RESULTS.md, eighth session).
+# options.decode_fusion: epilogue (the default since the fifteenth session) = a decode matmul through the
+# kernel also does what comes after it at its call site: the SiLU gating of gate/up and the residual adds
+# (one launch instead of two), never the norm before it (the eighth session measured the fused norm
+# doubling the kernel's time on its 2-16-row path). On the H200 it took 157 / 104 us off the 8B step at
+# batch 1 / 8 (run drift 2-6 us) and 21 us off the 1B step at batch 8 (+3 us at batch 1): RESULTS.md,
+# fourteenth and fifteenth sessions. Each fused call site is timed against cuBLAS plus Inductor's ops and
+# against the kernel alone plus those ops, so it is used only where it measured faster.
+# none = the kernel does the matmul alone and Inductor compiles the norms, gating and adds around it;
+# fused = the norms too (opt-in, an experiment: no gain on the H200, eighth session).
 # The first mode of each option is its default.
-# epilogue = only what comes after the matmul: the SiLU gating of gate/up and the residual adds, never the
-# norm before it (the eighth session measured the fused norm doubling the kernel's time on its 2-16-row
-# path); opt-in: on the H200, −21 µs a 1B step at batch 8, +3 µs at batch 1 (RESULTS.md, fourteenth session).
-DECODE_FUSION_MODES = ("none", "fused", "epilogue")
+DECODE_FUSION_MODES = ("epilogue", "none", "fused")
 # a call site's fusion under `epilogue`: its norm stays outside the kernel
 EPILOGUE = {"none": "none", "norm": "none", "residual": "residual", "norm_gate": "gate"}
 # options.decode_split_k: none (the default) = each program of the decode matmul streams whole weight rows;
@@ -69,7 +71,7 @@ KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.models.decode_matmul",
 
 
 def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str, job: BuildJob,
-                fusion_mode: str = "none", split_mode: str = "none") -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
+                fusion_mode: str = DECODE_FUSION_MODES[0], split_mode: str = DECODE_SPLIT_K_MODES[0]) -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
     """Which decode matmuls go through trtbuild's Triton kernel, measured per batch bucket and weight shape.
 
     For every weight shape of the model (QKV, output, gate/up, down, LM head) `decode_matmul.select`

@@ -34,6 +34,12 @@ ENGINE_JSON = "engine.json"
 OPTIONS = decode_kernels.OPTIONS | prefill_attention.OPTIONS
 
 
+def _option(recipe: Any, name: str) -> str:
+    """A recipe option of this backend, or its default: the first of its modes (one place, so that the
+    default a build uses is the one `check` accepts and the README names)."""
+    return recipe.options.get(name, OPTIONS[name][0])
+
+
 class TorchAOTIBackend:
     name = "torch"
     build_modules = ("trtbuild.backends.decode_kernels", "trtbuild.backends.prefill_attention",
@@ -106,13 +112,13 @@ class TorchAOTIBackend:
         t = time.perf_counter()
         with inductor_caches(job.tactics.path):
             plan, matmuls = decode_kernels.matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
-                                                       recipe.options.get("decode_matmul", "auto"), device, job,
-                                                       recipe.options.get("decode_fusion", "none"),
-                                                       recipe.options.get("decode_split_k", "none"))
+                                                       _option(recipe, "decode_matmul"), device, job,
+                                                       _option(recipe, "decode_fusion"),
+                                                       _option(recipe, "decode_split_k"))
         phases["select_matmuls_s"] = time.perf_counter() - t
-        attention = decode_kernels.attention_plan(cfg, dtype, recipe.options.get("decode_attention", "auto"), device)
+        attention = decode_kernels.attention_plan(cfg, dtype, _option(recipe, "decode_attention"), device)
         t = time.perf_counter()
-        prompt = prefill_attention.plan(cfg, dtype, recipe.options.get("prefill_attention", "auto"), device,
+        prompt = prefill_attention.plan(cfg, dtype, _option(recipe, "prefill_attention"), device,
                                         shapes.max_input_len, job)
         phases["select_prefill_attention_s"] = time.perf_counter() - t
 
