@@ -583,7 +583,8 @@ def main() -> None:
                          "(options.decode_attention), "
                          "engine@fused (options.decode_fusion), "
                          "engine@sdpa-prefill / engine@cudnn-prefill (options.prefill_attention), "
-                         "engine@split-k (options.decode_split_k timed), engine@epilogue / engine@no-epilogue (options.decode_fusion epilogue, the default, / none), "
+                         "engine@split-k (options.decode_split_k timed), "
+                         "engine@epilogue / engine@no-epilogue (options.decode_fusion epilogue, the default, / none), "
                          "engine@serial (every graph compiled in the build process, in a fresh store), "
                          "engine@no-pdl (the engine's decode graphs captured without PDL; after engine), "
                          "engine@again (the engine measured once more; last, to show the run's drift)")

@@ -35,8 +35,9 @@ def test_cuda_engine_matches_eager_and_replays_decode_in_a_cuda_graph(tmp_path: 
     want = eager_greedy(outcome.model.materialize(), prompts, 24, 48, dtype=dtype, device="cuda")
     if precision == "fp32":
         assert got == want
-    else:  # bf16 kernels may round differently; the first tokens must still agree
-        assert [row[:4] for row in got] == [row[:4] for row in want]
+    else:  # bf16: the default epilogue fusion sums in fp32 and rounds once, so a bf16 tie may go either way
+        assert eager_disagreements(outcome.model.materialize(), prompts, [row[:8] for row in got], 48,
+                                   dtype=dtype, device="cuda") == []
     assert report["device"].startswith("cuda") and report["tpot_ms"]["p50"] > 0
 
 
@@ -229,5 +230,6 @@ def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(
                 # cuBLAS's GEMMs never wait, so none may start early; trtbuild's kernels all may
                 assert not any(name.startswith(pdl.OWN_KERNELS) for name in r["serialized_kernels"]), r
     assert runs[True] == runs[False]
-    want = eager_greedy(outcome.model.materialize(), prompts, 24, 48, dtype=torch.bfloat16, device="cuda")
-    assert [row[:4] for row in runs[True][0]] == [row[:4] for row in want]
+    # the default epilogue fusion sums in fp32 and rounds once: tokens judged within bf16 rounding
+    assert eager_disagreements(outcome.model.materialize(), prompts, [row[:8] for row in runs[True][0]], 48,
+                               dtype=torch.bfloat16, device="cuda") == []

@@ -71,7 +71,8 @@ KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.models.decode_matmul",
 
 
 def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str, job: BuildJob,
-                fusion_mode: str = DECODE_FUSION_MODES[0], split_mode: str = DECODE_SPLIT_K_MODES[0]) -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
+                fusion_mode: str = DECODE_FUSION_MODES[0],
+                split_mode: str = DECODE_SPLIT_K_MODES[0]) -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
     """Which decode matmuls go through trtbuild's Triton kernel, measured per batch bucket and weight shape.
 
     For every weight shape of the model (QKV, output, gate/up, down, LM head) `decode_matmul.select`
