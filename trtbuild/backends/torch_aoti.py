@@ -49,7 +49,7 @@ class TorchAOTIBackend:
         problems = [f"options.{k}: unknown option for backend torch (known: {', '.join(OPTIONS)})"
                     for k in recipe.options if k not in OPTIONS]
         for name, modes in OPTIONS.items():
-            if recipe.options.get(name, modes[0]) not in modes:
+            if _option(recipe, name) not in modes:
                 problems.append(f"options.{name}: expected one of {', '.join(modes)}, got {recipe.options[name]!r}")
         if recipe.options.get("decode_matmul") == "kernel" and recipe.tactics_level == "none":
             problems.append("options.decode_matmul: 'kernel' picks its configuration by timing, which tactics "
