@@ -89,7 +89,8 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
     """options.decode_matmul kernel: every decode matmul goes through trtbuild's Triton kernel (chosen
     by timing its configurations over the model's weights), AOTInductor compiles it into the decode
     packages, the tokens are the eager model's, and a rebuild takes the timings from the tactic cache.
-    With options.decode_fusion fused, each call site's norm, gating or residual add is in the kernel; with
+    With options.decode_fusion fused, each call site's norm, gating or residual add is in the kernel, the
+    norms' gains folded into the weights (rms / rms_gate: this model's LM head is not tied); with
     epilogue, only the gating and the residual adds. With
     split-k (options.decode_split_k timed, the other candidates taken away), every matmul is split-K: two
     kernels inside the custom op, with a workspace of partial sums."""
@@ -115,11 +116,12 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
         assert all(("p" in r["used"]) == (fusion == "split-k") for r in shapes.values())
         fusions = sorted(key.partition("+")[2] for key in shapes)
         # five call sites; without fusion, gate/up and the LM head are one key (both 128x32 here)
-        assert fusions == {"fused": ["norm", "norm", "norm_gate", "residual", "residual"],
+        assert fusions == {"fused": ["residual", "residual", "rms", "rms", "rms_gate"],
                            "epilogue": ["", "", "gate", "residual", "residual"]}.get(fusion, [""] * 4)
     engine = json.loads((outcome.entry.path / "engine.json").read_text())
     assert all(len(engine["graphs"][g]["matmuls"]) == len(record[g]) for g in record)
     assert engine["graphs"]["prefill"].get("matmuls") is None  # prefill keeps cuBLAS
+    assert engine["norm_gains_folded"] is (fusion == "fused")
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
         got = session.generate(prompts, 16)

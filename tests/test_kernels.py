@@ -94,23 +94,26 @@ def test_decode_steps_through_the_attention_kernel_give_the_logits_of_the_aten_m
     assert models[1].layers[0].attention.decode_kernel == "aten"  # routing ends with the export
 
 
-@pytest.mark.parametrize("fusion", ["none", "norm", "residual", "norm_gate", "gate"])
+@pytest.mark.parametrize("fusion", ["none", "norm", "residual", "norm_gate", "gate", "rms", "rms_gate"])
 @pytest.mark.parametrize(("rows", "k"), [(1, 96), (3, 96), (2, 80), (1, 24)])
 def test_decode_matmul_with_each_fusion_matches_the_aten_ops_it_replaces(fusion: str, rows: int, k: int) -> None:
     """One row (multiply-and-sum) and several (dot), k a multiple of the block and not (masked loads; k 24:
     one block, and masked), against `reference`: the norm, gating and residual add in the model's own ATen
-    order."""
-    from trtbuild.models.decode_matmul import MatmulConfig, decode_matmul, reference
+    order. rms and rms_gate normalize without reading a gain (folded into w): their reference is the norm
+    with a gain of ones, which an rms sum left out (or a gain read from w's stand-in pointer) would miss."""
+    from trtbuild.models.decode_matmul import GATED, MatmulConfig, decode_matmul, reference
 
     g = torch.Generator().manual_seed(rows * k)
     n = 40  # not a multiple of block_n: the last program's columns are masked
-    w = torch.randn(2 * n if fusion in ("norm_gate", "gate") else n, k, generator=g).to(DEVICE)
+    w = torch.randn(2 * n if fusion in GATED else n, k, generator=g).to(DEVICE)
     x = (3 * torch.randn(rows, k, generator=g)).to(DEVICE)  # a residual stream's scale, far from unit rms
-    norm = (torch.rand(k, generator=g) + 0.5).to(DEVICE) if "norm" in fusion else None
+    gain = (torch.rand(k, generator=g) + 0.5).to(DEVICE) if "norm" in fusion else None
+    ones = torch.ones(k).to(DEVICE) if "rms" in fusion else None
     residual = torch.randn(rows, n, generator=g).to(DEVICE) if fusion == "residual" else None
-    got = decode_matmul(x, w, MatmulConfig(16, 32, 4, 1), norm=norm, eps=1e-5, gate=fusion in ("norm_gate", "gate"),
-                        residual=residual)
-    torch.testing.assert_close(got, reference(x, w, fusion, norm, 1e-5, residual), atol=1e-4, rtol=1e-4)
+    got = decode_matmul(x, w, MatmulConfig(16, 32, 4, 1), norm=gain, eps=1e-5, gate=fusion in GATED,
+                        residual=residual, rms="rms" in fusion)
+    want = reference(x, w, fusion, gain if ones is None else ones, 1e-5, residual)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("split", [2, 4])
@@ -176,6 +179,46 @@ def test_a_routed_model_computes_what_the_unrouted_one_does_with_and_without_fus
         assert {m.fusion: m.decode_fusion for m in linears} == {"norm": "none", "residual": "residual", "norm_gate": "gate"}
         got = model(tokens, pos)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_model_with_its_norm_gains_folded_computes_what_the_unfolded_one_does(tied: bool) -> None:
+    """options.decode_fusion fused folds each norm's gain into the weights after it: the folded model, through
+    ATen and with every Linear through the kernel doing the norm (rms / rms_gate, no gain read), gives the
+    unfolded model's logits. A tied LM head (the embedding table) keeps its norm's gain, and its call site
+    stays a gained norm: folding into it would change the token embeddings too."""
+    from trtbuild.backends.decode_kernels import fusion_of, routed
+    from trtbuild.models.decode_matmul import MatmulConfig
+    from trtbuild.models.llama import Linear, LlamaConfig, Transformer
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=tied,
+                      qkv_bias=False, o_bias=False, mlp_bias=False)
+    torch.manual_seed(0)
+    model = Transformer(cfg, max_batch_size=2, max_seq_len=16, dtype=torch.float32).to(DEVICE)
+    for mod in model.modules():  # norms away from 1, so a gain lost in the fold would show
+        if hasattr(mod, "eps"):
+            torch.nn.init.uniform_(mod.weight, 0.5, 1.5)
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
+    tokens = torch.randint(0, 64, (2, 3), device=DEVICE)
+    pos = torch.arange(3, device=DEVICE)
+    want = model(tokens, pos, all_logits=True)
+    embedding = model.tok_embeddings.weight.clone()
+    model.fold_norm_gains()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    head = "norm" if tied else "rms"
+    assert [m.fusion for m in linears[:5]] == ["rms", "residual", "rms_gate", "residual", "rms"]
+    assert model.output.fusion == head and model.norm.folded is not tied
+    assert torch.equal(model.tok_embeddings.weight, embedding)
+    torch.testing.assert_close(model(tokens, pos, all_logits=True), want, atol=1e-4, rtol=1e-4)
+    step = torch.randint(0, 64, (2, 1), device=DEVICE)
+    plan = {(m.out_features, m.in_features, fusion_of(m, "fused")): MatmulConfig(16, 32, 4, 1) for m in linears}
+    with routed(model, plan):
+        assert model.output.decode_fusion == head and linears[0].decode_fusion == "rms"
+        got = model(step, torch.tensor([3], device=DEVICE))
+    with routed(model, {}):
+        torch.testing.assert_close(got, model(step, torch.tensor([3], device=DEVICE)), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("rope", [False, True])

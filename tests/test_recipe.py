@@ -261,6 +261,15 @@ def test_a_torch_recipe_without_options_builds_with_each_options_default() -> No
     assert _option(unfused, "decode_fusion") == "none"
 
 
+def test_only_a_cuda_build_with_fused_decode_kernels_folds_the_norm_gains() -> None:
+    """The fold exists for the decode kernels (CUDA only); every other build stores the checkpoint's weights."""
+    from trtbuild.backends.torch_aoti import folds_norms
+
+    fused = parse_recipe(tiny_recipe_doc(options={"decode_fusion": "fused"}), Path("r.yaml"))
+    assert folds_norms(fused, "cuda") and not folds_norms(fused, "cpu")
+    assert not folds_norms(parse_recipe(tiny_recipe_doc(), Path("r.yaml")), "cuda")
+
+
 @pytest.mark.parametrize("mutate, expected", [
     (lambda d: d["shapes"].update(max_batch_size="2"), "shapes.max_batch_size: expected an integer, got str"),
     (lambda d: d["shapes"].update(max_batch_size=True), "shapes.max_batch_size: expected an integer, got bool"),

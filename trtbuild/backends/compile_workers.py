@@ -177,7 +177,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     spec: folder (the model folder, for config.json), precision, device, max_batch_size, max_input_len,
     max_seq_len, level (tactics level), graph ("prefill" or "decode_b<N>"), matmuls ({"<out>x<in>[+fusion]":
     configuration name} for trtbuild's decode matmul), attention (Attention.decode_kernel), prefill_attention
-    (Attention.prefill_kernel, for a prefill graph), tactics (the tactic cache folder), workdir (a folder
+    (Attention.prefill_kernel, for a prefill graph), fold_norms (place_model's), tactics (the tactic cache folder), workdir (a folder
     of its own), digest (the cache key the build computed for this graph).
     """
     import torch
@@ -192,7 +192,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     # Uninitialized weights, on the CPU like the build's own, through the same placement: what a graph
     # compiles to does not depend on the values, and the export must match the build's to the byte.
     hf = {k: torch.empty(shape, dtype=dtype) for k, shape in hf_parameter_shapes(cfg).items()}
-    model = torch_aoti.place_model(cfg, shapes, dtype, spec["device"], convert_hf_state_dict(hf, cfg))
+    model = torch_aoti.place_model(cfg, shapes, dtype, spec["device"], convert_hf_state_dict(hf, cfg),
+                                   spec.get("fold_norms", False))
     del hf
     matmuls: dict[decode_kernels.MatmulKey, Any] = {}
     if spec["matmuls"]:

@@ -38,11 +38,14 @@ DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
 # fourteenth and fifteenth sessions. Each fused call site is timed against cuBLAS plus Inductor's ops and
 # against the kernel alone plus those ops, so it is used only where it measured faster.
 # none = the kernel does the matmul alone and Inductor compiles the norms, gating and adds around it;
-# fused = the norms too (opt-in, an experiment: no gain on the H200, eighth session).
+# fused = the norms too, with each norm's gain folded into the weights after it at build time
+# (`Transformer.fold_norm_gains`: the kernel then only sums x's squares as it streams; the gain's loads and
+# per-element scaling measured +2.8 us on the 8B QKV call at batch 1, eighth session). Opt-in until measured.
 # The first mode of each option is its default.
 DECODE_FUSION_MODES = ("epilogue", "none", "fused")
 # a call site's fusion under `epilogue`: its norm stays outside the kernel
-EPILOGUE = {"none": "none", "norm": "none", "residual": "residual", "norm_gate": "gate"}
+EPILOGUE = {"none": "none", "norm": "none", "residual": "residual", "norm_gate": "gate", "rms": "none",
+            "rms_gate": "gate"}
 # options.decode_split_k: none (the default) = each program of the decode matmul streams whole weight rows;
 # timed = split-K configurations (each block of columns shared by 2 or 4 programs, each a slice of k, and a
 # small kernel adding their fp32 partial sums) are timed with the others, for the plain matmul. Opt-in:

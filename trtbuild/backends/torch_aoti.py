@@ -101,13 +101,19 @@ class TorchAOTIBackend:
         state = convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg)
         phases["load_weights_s"] = time.perf_counter() - t
 
+        # decode_fusion fused: the norms' gains go into the weights (on the device, before they are
+        # stored), so the decode kernels doing a norm read no gain; every graph runs on those weights.
+        fold = folds_norms(recipe, device)
+        model = place_model(cfg, shapes, dtype, device, state, fold)
         t = time.perf_counter()
+        if fold:  # the model's parameters are the folded weights now; the checkpoint's copy can go first
+            names = set(state)
+            del state
+            state = {k: v.detach().to("cpu") for k, v in model.state_dict().items() if k in names}
         stored = {k: v.contiguous() for k, v in state.items() if not (cfg.tie_word_embeddings and k == "output.weight")}
         save_weights(stored, job.workdir / WEIGHTS)
         phases["write_weights_s"] = time.perf_counter() - t
-
-        model = place_model(cfg, shapes, dtype, device, state)
-        del state
+        del state, stored
 
         t = time.perf_counter()
         with inductor_caches(job.tactics.path):
@@ -141,7 +147,7 @@ class TorchAOTIBackend:
         common = {"folder": str(folder), "precision": recipe.precision, "device": device,
                   "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
-                  "attention": attention["used"], "prefill_attention": prompt["used"]}
+                  "attention": attention["used"], "prefill_attention": prompt["used"], "fold_norms": fold}
         with inductor_caches(job.tactics.path), record_autotuning(tuned), \
                 compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers, \
                 (compile_workers.timing_alone(job.tactics.path / compile_workers.TIMING_LOCK) if workers_n
@@ -178,6 +184,7 @@ class TorchAOTIBackend:
             "max_seq_len": shapes.max_seq_len,
             "buckets": list(shapes.batch_buckets),
             "tied_output": cfg.tie_word_embeddings,
+            "norm_gains_folded": fold,
             "graphs": {name: {k: v for k, v in g.items()} for name, g in graphs.items()},
         }
         (job.workdir / ENGINE_JSON).write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
@@ -274,8 +281,15 @@ def kernels_wait(device: str) -> bool:
     return waits_on(device)
 
 
-def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any]) -> Any:
-    """The model on `device` with `state`'s tensors (this module's fused layout) as its parameters."""
+def folds_norms(recipe: Any, device: str) -> bool:
+    """Whether a build folds the norms' gains into the weights: with decode_fusion fused, for the decode
+    kernels, which run on CUDA only (a CPU build keeps its weights as the checkpoint has them)."""
+    return device == "cuda" and _option(recipe, "decode_fusion") == "fused"
+
+
+def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any], fold_norms: bool = False) -> Any:
+    """The model on `device` with `state`'s tensors (this module's fused layout) as its parameters, the
+    norms' gains folded into the weights after them with `fold_norms` (`Transformer.fold_norm_gains`)."""
     import torch
 
     from trtbuild.models.llama import Transformer, rope_table
@@ -293,6 +307,8 @@ def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str,
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise TrtbuildError(f"model: no weight for {', '.join(missing[:4])} after conversion")
+    if fold_norms:
+        model.fold_norm_gains()
     return model.eval().requires_grad_(False)
 
 

@@ -36,6 +36,7 @@ from torch.library import triton_op, wrap_triton
 
 from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor, waits_on
 from trtbuild.models.grid_dependency import source_digest as wait_digest
+from trtbuild.models.llama import NORMED
 from trtbuild.timing import graph_seconds
 
 
@@ -99,20 +100,31 @@ def source_digest() -> str:
 #   residual  y = r + x @ w^T                 (the residual add after the output and down projections)
 #   norm_gate y = silu(a) * b, [a | b] = rmsnorm(x) @ w^T   (gate/up: w holds both halves, y half as wide)
 #   gate      y = silu(a) * b, [a | b] = x @ w^T            (gate/up with the norm left outside)
-FUSIONS = ("none", "norm", "residual", "norm_gate", "gate")
-GATED = ("norm_gate", "gate")
+#   rms       y = (x / rms(x)) @ w^T, rms_gate likewise: the norm with its gain already folded into w
+#             (`Transformer.fold_norm_gains`), so the kernel reads no gain vector and scales nothing per
+#             element; it only sums x's squares as it streams, and scales the sums once at the end
+FUSIONS = ("none", "norm", "residual", "norm_gate", "gate", "rms", "rms_gate")
+GATED = ("norm_gate", "gate", "rms_gate")
+GAINED = ("norm", "norm_gate")  # the normed fusions whose gain the kernel applies itself
 
 
 @triton.jit
-def _normed(x, squares, g_ptr, k, K, NORM: tl.constexpr):
-    """x for one BLOCK_K step, and the running sum of its squares. With NORM, RMSNorm folded in: the
-    norm's weight scales x here, its 1/rms (a per-row scalar, known only after the whole row) scales
-    the sums at the end. Every program reads all of x anyway."""
+def _normed(x, squares, g_ptr, k, K, NORM: tl.constexpr, GAIN: tl.constexpr, USE_DOT: tl.constexpr):
+    """x for one BLOCK_K step, and the running sum of its squares. With NORM, RMSNorm folded in: its
+    1/rms (a per-row scalar, known only after the whole row) scales the sums at the end; with GAIN the
+    norm's weight also scales x here (without, it is already folded into w). Every program reads all of
+    x anyway. On the one-row path the squares stay per element ([1, BLOCK_K], a few registers) and are
+    summed once after the loop, not with a cross-thread reduction every step; the 16-row path sums each
+    step (per element would be 64 more registers a thread next to the dot's)."""
     if NORM:
         xf = x.to(tl.float32)
-        squares += tl.sum(xf * xf, axis=1)
-        g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        x = (xf * g[None, :]).to(x.dtype)
+        if USE_DOT:
+            squares += tl.sum(xf * xf, axis=1)
+        else:
+            squares += xf * xf
+        if GAIN:
+            g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            x = (xf * g[None, :]).to(x.dtype)
     return x, squares
 
 
@@ -130,7 +142,8 @@ def _dot(acc, x, w, USE_DOT: tl.constexpr):
 @triton.jit
 def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, EPS: tl.constexpr,
+                          USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, GAIN: tl.constexpr,
+                          EPS: tl.constexpr,
                           GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                           SPLIT: tl.constexpr, K_SLICE: tl.constexpr):
     # y[m, n] = sum_k x[m, k] * w[n, k]: w is an nn.Linear weight ([out, in], rows contiguous), so
@@ -156,7 +169,10 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if NORM and not USE_DOT:
+        squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    else:
+        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     k_lo = 0
     k_hi = K
     if SPLIT > 1:  # K_SLICE is a multiple of BLOCK_K; the last slices may be short or empty (zeros written)
@@ -171,11 +187,14 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
             w_mask = n_mask[:, None] & (k < K)[None, :]
             x_mask = m_mask[:, None] & (k < K)[None, :]
         w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
-        x, squares = _normed(tl.load(x_rows + k[None, :], mask=x_mask, other=0.0), squares, g_ptr, k, K, NORM)
+        x, squares = _normed(tl.load(x_rows + k[None, :], mask=x_mask, other=0.0), squares, g_ptr, k, K, NORM, GAIN,
+                             USE_DOT)
         acc = _dot(acc, x, w, USE_DOT)
         if GATE:
             acc_up = _dot(acc_up, x, tl.load(u_rows + k[None, :], mask=w_mask, other=0.0), USE_DOT)
     if NORM:
+        if not USE_DOT:
+            squares = tl.sum(squares, axis=1)
         inv_rms = 1.0 / tl.sqrt(squares / K + EPS)
         acc = acc * inv_rms[:, None]
         acc_up = acc_up * inv_rms[:, None]
@@ -217,10 +236,12 @@ def uses_dot(rows: int) -> bool:
 
 
 def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, norm: Tensor | None = None,
-            eps: float = 0.0, gate: bool = False, residual: Tensor | None = None,
+            eps: float = 0.0, gate: bool = False, residual: Tensor | None = None, rms: bool = False,
             reduce: Any = lambda k: k) -> None:
     """Launch `kernel` (the matmul, wrapped or not) and, for split-K, `reduce(_split_reduce_kernel)` after it:
-    the custom op wraps both for AOTInductor."""
+    the custom op wraps both for AOTInductor. x is normalized by its rms when `norm` (the norm's gain) is
+    given or `rms` is set (the gain folded into w)."""
+    rms = rms or norm is not None
     m, k = x.shape
     n = y.shape[1]
     if m > MAX_ROWS or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1 or w.shape[0] != n * (2 if gate else 1):
@@ -229,7 +250,7 @@ def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, 
     if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
         raise ValueError(f"decode_matmul's residual must be [M, N] with contiguous rows, got {tuple(residual.shape)}")
     split = config.split
-    if split > 1 and (norm is not None or gate or residual is not None):
+    if split > 1 and (rms or gate or residual is not None):
         raise ValueError(f"decode_matmul: split-K ({config.name}) does the plain matmul only")
     if split > 1 and y.stride(0) != n:
         raise ValueError(f"decode_matmul: split-K writes a contiguous output, got strides {y.stride()}")
@@ -243,7 +264,8 @@ def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, 
         x, w, target, w if norm is None else norm, w if residual is None else residual, m, n, k,
         x.stride(0), w.stride(0), target.stride(0), 0 if residual is None else residual.stride(0),
         BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_DOT=dot, EVEN_K=k % config.block_k == 0, NORM=norm is not None, EPS=float(eps), GATE=gate,
+        USE_DOT=dot, EVEN_K=k % config.block_k == 0, NORM=rms, GAIN=norm is not None, EPS=float(eps),
+        GATE=gate,
         RESIDUAL=residual is not None, PDL=pdl, SPLIT=split, K_SLICE=k_slice if split > 1 else 0,
         num_warps=config.warps, num_stages=config.stages)
     if split > 1:
@@ -256,30 +278,31 @@ def output_columns(w: Tensor, gate: bool) -> int:
 
 
 def decode_matmul(x: Tensor, w: Tensor, config: MatmulConfig, out: Tensor | None = None, norm: Tensor | None = None,
-                  eps: float = 0.0, gate: bool = False, residual: Tensor | None = None) -> Tensor:
+                  eps: float = 0.0, gate: bool = False, residual: Tensor | None = None, rms: bool = False) -> Tensor:
     """x [M, K] @ w[N, K]^T for M <= 16, with the fusions above, written into `out` when given (eager launch)."""
     y = torch.empty((x.shape[0], output_columns(w, gate)), dtype=x.dtype, device=x.device) if out is None else out
-    _launch(_decode_matmul_kernel, x, w, y, config, norm, eps, gate, residual)
+    _launch(_decode_matmul_kernel, x, w, y, config, norm, eps, gate, residual, rms)
     return y
 
 
 @triton_op("trtbuild::decode_matmul", mutates_args=())
 def decode_matmul_op(x: Tensor, w: Tensor, norm: Tensor | None, residual: Tensor | None, eps: float, gate: bool,
-                     block_n: int, block_k: int, warps: int, stages: int, split: int = 1) -> Tensor:
+                     block_n: int, block_k: int, warps: int, stages: int, split: int = 1, rms: bool = False) -> Tensor:
     """The kernel as a custom op: what the decode graphs call (`Linear.decode_config`). The config ints, eps
     and gate are literals in the exported program, so two configurations never share a compiled graph.
     (eps reaches the kernel as a compile-time constant: AOTInductor passes a float argument of a user
-    kernel as fp64, which would promote the normalization to fp64.)"""
+    kernel as fp64, which would promote the normalization to fp64.) `rms`: normalize x without a gain
+    (`norm` None), the gain being folded into w."""
     y = torch.empty((x.shape[0], output_columns(w, gate)), dtype=x.dtype, device=x.device)
     _launch(wrap_triton(_decode_matmul_kernel), x, w, y, MatmulConfig(block_n, block_k, warps, stages, split),
-            norm, eps, gate, residual, reduce=wrap_triton)
+            norm, eps, gate, residual, rms, reduce=wrap_triton)
     return y
 
 
 def reference(x: Tensor, w: Tensor, fusion: str, norm: Tensor | None = None, eps: float = 0.0,
               residual: Tensor | None = None) -> Tensor:
-    """What the kernel computes for `fusion` (`norm` given for the norm fusions, `residual` for residual),
-    in ATen ops the way the model computes it."""
+    """What the kernel computes for `fusion` (`norm` given for the normed fusions: for rms and rms_gate
+    the ones a folded norm keeps; `residual` for residual), in ATen ops the way the model computes it."""
     if norm is not None:
         xf = x.float()
         x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * norm
@@ -303,14 +326,17 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
     reference beyond bf16 rounding is refused, never chosen."""
     w0 = weights[0]
     x = torch.randn(rows, w0.shape[1], device=w0.device, dtype=w0.dtype)
-    norm = torch.rand(w0.shape[1], device=w0.device, dtype=w0.dtype) + 0.5 if fusion in ("norm", "norm_gate") else None
+    # a folded norm's gain is ones: the model still multiplies by it outside the kernel, the kernel reads none
+    norm = (torch.rand(w0.shape[1], device=w0.device, dtype=w0.dtype) + 0.5 if fusion in GAINED else
+            torch.ones(w0.shape[1], device=w0.device, dtype=w0.dtype) if fusion in NORMED else None)
     width = output_columns(w0, fusion in GATED)
     residual = torch.randn(rows, width, device=w0.device, dtype=w0.dtype) if fusion == "residual" else None
     ys = [torch.empty(rows, width, device=w0.device, dtype=w0.dtype) for _ in weights]
     ref = reference(x, w0, fusion, norm, 1e-5, residual).float()
 
     def launch(w: Tensor, y: Tensor, config: MatmulConfig) -> Tensor:
-        return decode_matmul(x, w, config, out=y, norm=norm, eps=1e-5, gate=fusion in GATED, residual=residual)
+        return decode_matmul(x, w, config, out=y, norm=norm if fusion in GAINED else None, eps=1e-5,
+                             gate=fusion in GATED, residual=residual, rms=fusion in NORMED)
 
     def cublas() -> None:
         for w in weights:

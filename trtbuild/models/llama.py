@@ -114,6 +114,10 @@ def kv_cache_shape(cfg: LlamaConfig, max_batch_size: int, max_seq_len: int) -> t
 
 
 class RMSNorm(nn.Module):
+    # True once `Transformer.fold_norm_gains` has moved the gain into the weights after the norm: the
+    # weight is then ones, and a decode kernel doing the norm reads no gain.
+    folded: bool = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -122,6 +126,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+# The call-site fusions (`decode_matmul.FUSIONS`) that include the RMSNorm before the matmul: "rms" and
+# "rms_gate" are "norm" and "norm_gate" after `Transformer.fold_norm_gains`.
+NORMED = ("norm", "norm_gate", "rms", "rms_gate")
+FOLDED = {"norm": "rms", "norm_gate": "rms_gate"}
 
 
 class Linear(nn.Linear):
@@ -149,7 +159,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gate: bool = False, residual: Tensor | None = None) -> Tensor:
         inside = self.decode_fusion  # what the kernel does ("none" whenever decode_config is None)
-        if norm is not None and "norm" not in inside:
+        if norm is not None and inside not in NORMED:
             x, norm = norm(x), None
         if inside != "none":  # the kernel with (part of) the fusion; a fused Linear never has a bias
             in_gate, in_residual = "gate" in inside, "residual" in inside
@@ -170,10 +180,11 @@ class Linear(nn.Linear):
         from trtbuild.models.decode_matmul import decode_matmul_op  # needs Triton: CUDA builds only
 
         c = self.decode_config
-        y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, None if norm is None else norm.weight,
+        gain = None if norm is None or norm.folded else norm.weight
+        y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, gain,
                              None if residual is None else residual.reshape(-1, residual.shape[-1]),
                              0.0 if norm is None else norm.eps, gate, c.block_n, c.block_k, c.warps, c.stages,
-                             c.split)
+                             c.split, norm is not None)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -332,6 +343,25 @@ class Transformer(nn.Module):
         for i in range(cfg.num_layers):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    @torch.no_grad()
+    def fold_norm_gains(self) -> None:
+        """Move each RMSNorm's gain into the weight of the matmul after it: rmsnorm(x; g) @ W^T equals
+        rmsnorm(x; 1) @ (W diag g)^T, so a decode matmul that does the norm itself (fusions rms and
+        rms_gate) needs neither the gain's loads nor a multiply per element. The norm keeps its weight,
+        as ones, so every graph (prefill too) computes the same thing on the folded weights. Rounding:
+        W * g is rounded to the weights' dtype once, where the model rounds the normed activations
+        times g at every call. A tied LM head is the embedding table, which the final norm's gain must
+        not change: that norm keeps its gain."""
+        pairs = [(block.attention_norm, block.attention.wqkv) for block in self.layers]
+        pairs += [(block.ffn_norm, block.feed_forward.w13) for block in self.layers]
+        if not self.cfg.tie_word_embeddings:
+            pairs.append((self.norm, self.output))
+        for norm, linear in pairs:
+            linear.weight.copy_(linear.weight.float() * norm.weight.float()[None, :])
+            norm.weight.fill_(1.0)
+            norm.folded = True
+            linear.fusion = FOLDED[linear.fusion]
 
     def forward(self, tokens: Tensor, input_pos: Tensor, all_logits: bool = False, from_start: bool = False,
                 span: Tensor | None = None) -> Tensor:
