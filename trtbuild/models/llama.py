@@ -353,8 +353,9 @@ class Transformer(nn.Module):
         W * g is rounded to the weights' dtype once, where the model rounds the normed activations
         times g at every call. A tied LM head is the embedding table, which the final norm's gain must
         not change: that norm keeps its gain."""
-        pairs = [(block.attention_norm, block.attention.wqkv) for block in self.layers]
-        pairs += [(block.ffn_norm, block.feed_forward.w13) for block in self.layers]
+        blocks: list[Block] = list(self.layers)  # type: ignore[arg-type]  # ModuleList items are Modules to mypy
+        pairs: list[tuple[RMSNorm, Linear]] = [(b.attention_norm, b.attention.wqkv) for b in blocks]
+        pairs += [(b.ffn_norm, b.feed_forward.w13) for b in blocks]
         if not self.cfg.tie_word_embeddings:
             pairs.append((self.norm, self.output))
         for norm, linear in pairs:
