@@ -110,22 +110,35 @@ GAINED = ("norm", "norm_gate")  # the normed fusions whose gain the kernel appli
 
 @triton.jit
 def _normed(x, squares, g_ptr, k, K, NORM: tl.constexpr, GAIN: tl.constexpr, USE_DOT: tl.constexpr):
-    """x for one BLOCK_K step, and the running sum of its squares. With NORM, RMSNorm folded in: its
-    1/rms (a per-row scalar, known only after the whole row) scales the sums at the end; with GAIN the
-    norm's weight also scales x here (without, it is already folded into w). Every program reads all of
-    x anyway. On the one-row path the squares stay per element ([1, BLOCK_K], a few registers) and are
-    summed once after the loop, not with a cross-thread reduction every step; the 16-row path sums each
-    step (per element would be 64 more registers a thread next to the dot's)."""
+    """x for one BLOCK_K step, and the running squares of its elements. With NORM, RMSNorm folded in: its
+    1/rms (a per-row scalar, known only after the whole row) scales the sums at the end (`_row_sums`);
+    with GAIN the norm's weight also scales x here (without, it is already folded into w). Every
+    program reads all of x anyway.
+    The squares are kept in the layouts the matmul already gives x, and summed once after the loop: on
+    the one-row path per element, [1, 1, BLOCK_K] as x is broadcast against w (a sum over k every step,
+    or a 2-D accumulator, measured on the H200 at +1-8 us a call against the plain kernel: cross-thread
+    reductions and layout conversions each step); on the tensor-core path as x @ x^T, [16, 16], whose
+    diagonal is each row's sum of squares (a second small dot on the operand already loaded)."""
     if NORM:
-        xf = x.to(tl.float32)
         if USE_DOT:
-            squares += tl.sum(xf * xf, axis=1)
+            squares = tl.dot(x, tl.trans(x), squares)
         else:
-            squares += xf * xf
+            xb = x[:, None, :].to(tl.float32)
+            squares += xb * xb
         if GAIN:
             g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            x = (xf * g[None, :]).to(x.dtype)
+            x = (x.to(tl.float32) * g[None, :]).to(x.dtype)
     return x, squares
+
+
+@triton.jit
+def _row_sums(squares, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
+    """Each row's sum of squares, [BLOCK_M], from what `_normed` accumulated."""
+    if USE_DOT:
+        rows = tl.arange(0, BLOCK_M)
+        return tl.sum(tl.where(rows[:, None] == rows[None, :], squares, 0.0), axis=1)
+    else:
+        return tl.sum(tl.sum(squares, axis=2), axis=1)
 
 
 @triton.jit
@@ -169,10 +182,12 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if NORM and not USE_DOT:
-        squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    if not NORM:
+        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
+    elif USE_DOT:
+        squares = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
     else:
-        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_M, 1, BLOCK_K), dtype=tl.float32)
     k_lo = 0
     k_hi = K
     if SPLIT > 1:  # K_SLICE is a multiple of BLOCK_K; the last slices may be short or empty (zeros written)
@@ -193,9 +208,7 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
         if GATE:
             acc_up = _dot(acc_up, x, tl.load(u_rows + k[None, :], mask=w_mask, other=0.0), USE_DOT)
     if NORM:
-        if not USE_DOT:
-            squares = tl.sum(squares, axis=1)
-        inv_rms = 1.0 / tl.sqrt(squares / K + EPS)
+        inv_rms = 1.0 / tl.sqrt(_row_sums(squares, BLOCK_M, USE_DOT) / K + EPS)
         acc = acc * inv_rms[:, None]
         acc_up = acc_up * inv_rms[:, None]
     if GATE:
