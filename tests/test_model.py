@@ -250,18 +250,25 @@ def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_
 
     # 8B QKV at batch 8: the fused norm lost to cuBLAS + Inductor's norm, the kernel alone + that norm wins
     qkv = timings("norm", "cublas", 15.76, 17.68, fused=31.64, broken="failed: OutOfResources")
-    assert pick(qkv, timings("none", "plain", 15.53, None, plain=14.79), "auto") == ("plain", False)
-    assert pick(qkv, None, "auto") == ("cublas", False)
-    assert pick(qkv, None, "kernel") == ("fused", True)  # kernel mode: the fused kernel, fastest configuration
+    assert pick(qkv, timings("none", "plain", 15.53, None, plain=14.79), "auto") == ("plain", "none")
+    assert pick(qkv, None, "auto") == ("cublas", "none")
+    assert pick(qkv, None, "kernel") == ("fused", "norm")  # kernel mode: the fused kernel, fastest configuration
     # 1B output projection at batch 1: the fused residual add beats the kernel alone + Inductor's add
     out = timings("residual", "fused", 6.24, 7.45, fused=5.76)
-    assert pick(out, timings("none", "plain", 6.23, None, plain=5.51), "auto") == ("fused", True)
+    assert pick(out, timings("none", "plain", 6.23, None, plain=5.51), "auto") == ("fused", "residual")
     # no Inductor timing of the unfused code (its compile failed): the selection's own choice stands
     failed = timings("residual", "fused", 6.24, None, fused=5.76) | {"unfused_us": "failed: BackendCompilerFailed"}
-    assert pick(failed, timings("none", "plain", 6.23, None, plain=1.0), "auto") == ("fused", True)
+    assert pick(failed, timings("none", "plain", 6.23, None, plain=1.0), "auto") == ("fused", "residual")
     # a call site without fusion: cuBLAS or the kernel, as timed
-    assert pick(timings("none", "cublas", 18.06, None, plain=18.38), None, "auto") == ("cublas", False)
-    assert pick(timings("none", "cublas", 1.0, None, broken="failed: x"), None, "kernel") == (None, False)
+    assert pick(timings("none", "cublas", 18.06, None, plain=18.38), None, "auto") == ("cublas", "none")
+    assert pick(timings("none", "cublas", 1.0, None, broken="failed: x"), None, "kernel") == (None, "none")
+    # 8B gate/up at batch 1 with the norm's gain folded (sixteenth session): the norm inside costs ~7 us, so
+    # the kernel with the gating alone and Inductor's norm (56.57 + 59.26 - 57.61 = 58.22) beats cuBLAS +
+    # Inductor (59.26), the fused kernel (63.67) and the plain kernel + Inductor (57.72 + 59.26 - 55.49)
+    up = timings("rms_gate", "cublas", 55.49, 59.26, fused=63.67)
+    gate = timings("gate", "gated", 55.80, 57.61, gated=56.57)
+    assert pick(up, timings("none", "cublas", 55.86, None, plain=57.72), "auto", gate) == ("gated", "gate")
+    assert pick(up, timings("none", "cublas", 55.86, None, plain=57.72), "auto") == ("cublas", "none")
 
 
 def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch: pytest.MonkeyPatch,
@@ -314,20 +321,23 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
         (qkv, d, "none"): "k", (d, d, "residual"): "k", (2 * f, d, "norm_gate"): "k", (d, f, "residual"): "k",
         (cfg.vocab_size, d, "norm"): "k"}
     assert record["decode_b1"][f"{qkv}x{d}+norm"]["fused"] is False
+    assert record["decode_b1"][f"{qkv}x{d}+norm"]["kernel_does"] == "none"
     # each call site group timed once with its fusion and once without, for `pick`; this config's LM head
     # and gate/up share a shape (128x32) but not a layer count, so each has its own timing
+    # (gate/up: and with its gating alone, the norm outside)
     fusions = ["norm", "residual", "norm_gate", "residual", "norm"]
-    assert sorted(timed) == sorted([(n, k, x) for (n, k), fusion in zip(shapes, fusions, strict=True) for x in (fusion, "none")])
+    assert sorted(timed) == sorted([(n, k, x) for (n, k), fusion in zip(shapes, fusions, strict=True) for x in (fusion, "none")]
+                                   + [(2 * f, d, "gate")])
     timed.clear()
     again, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "fused")  # type: ignore[arg-type]
     assert again == plan and timed == []  # every timing from the tactic cache
     # options.decode_split_k timed: another candidate list, so new timings (the cached ones stay valid)
     matmul_plan(model, (1,), "default", "auto", "cuda", job, "none", "timed")  # type: ignore[arg-type]
     assert sorted(timed) == sorted({(n, k, "none", "split") for n, k in shapes})
-    # options.decode_fusion epilogue: gate/up keeps only its gating (a new timing); every norm stays outside,
-    # so QKV and the LM head are plain matmuls, timed already
+    # options.decode_fusion epilogue: gate/up keeps only its gating; every norm stays outside, so QKV and the
+    # LM head are plain matmuls. All timed already: gate/up's gating alone by the fused plan, for `pick`
     timed.clear()
     plan, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue")  # type: ignore[arg-type]
-    assert timed == [(2 * f, d, "gate")]
+    assert timed == []
     assert sorted(plan[1]) == sorted([(qkv, d, "none"), (d, d, "residual"), (2 * f, d, "gate"), (d, f, "residual"),
                                       (cfg.vocab_size, d, "none")])

@@ -45,7 +45,7 @@ DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
 DECODE_FUSION_MODES = ("epilogue", "none", "fused")
 # a call site's fusion under `epilogue`: its norm stays outside the kernel
 EPILOGUE = {"none": "none", "norm": "none", "residual": "residual", "norm_gate": "gate", "rms": "none",
-            "rms_gate": "gate"}
+            "rms_gate": "gate", "gate": "gate"}
 # options.decode_split_k: none (the default) = each program of the decode matmul streams whole weight rows;
 # timed = split-K configurations (each block of columns shared by 2 or 4 programs, each a slice of k, and a
 # small kernel adding their fp32 partial sums) are timed with the others, for the plain matmul. Opt-in:
@@ -119,16 +119,21 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             continue
         for (n, k, fusion), weights in by_shape.items():
             result = _timings(dm, job, weights, rows, (n, k, fusion), split)
-            # a fused call site may still be best served by the kernel alone, with Inductor's ops around it
+            # a fused call site may still be best served by the kernel alone, with Inductor's ops around it,
+            # or (a norm's call site under `fused`) by the kernel with its epilogue only, the norm outside
             plain = (_timings(dm, job, weights, rows, (n, k, "none"), split)
                      if fusion != "none" and mode == "auto" else None)
-            choice, fused = pick(result, plain, mode)
+            outer = EPILOGUE[fusion]
+            epilogue = (_timings(dm, job, weights, rows, (n, k, outer), split)
+                        if outer not in ("none", fusion) and mode == "auto" else None)
+            choice, does = pick(result, plain, mode, epilogue)
             if choice is None:
                 raise TrtbuildError(f"options.decode_matmul: 'kernel', but no configuration of the kernel ran "
                                     f"correctly for batch {rows} and a {n}x{k} weight: {result['candidates']}")
-            record.setdefault(f"decode_b{rows}", {})[key_name((n, k, fusion))] = result | {"used": choice, "fused": fused}
+            record.setdefault(f"decode_b{rows}", {})[key_name((n, k, fusion))] = result | {
+                "used": choice, "fused": does != "none", "kernel_does": does}
             if choice != "cublas":
-                plan.setdefault(rows, {})[(n, k, fusion if fused else "none")] = dm.MatmulConfig.parse(choice)
+                plan.setdefault(rows, {})[(n, k, does)] = dm.MatmulConfig.parse(choice)
     return plan, record
 
 
@@ -139,25 +144,37 @@ def fastest(result: dict[str, Any]) -> str | None:
     return min(timed, key=timed.__getitem__) if timed else None
 
 
-def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str) -> tuple[str | None, bool]:
-    """(configuration or "cublas", whether the kernel also does the fusion) for one call site, from its
-    `select` result and, for a fused call site, the result of the same shape without the fusion.
+def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str,
+         epilogue: dict[str, Any] | None = None) -> tuple[str | None, str]:
+    """(configuration or "cublas", the fusion the kernel does: the call site's, its epilogue's or "none") for
+    one call site, from its `select` result and, for a fused call site, the results of the same shape
+    without the fusion (`plain`) and, for a norm's call site under options.decode_fusion fused, with only
+    the part after the matmul (`epilogue`: gate/up's gating).
 
-    Three ways to run a fused call site: cuBLAS with Inductor's ops around it (`unfused_us`), the fused
-    kernel, or the kernel alone with Inductor's ops around it (its time + unfused_us - cublas_us). The
-    third is there because on the H200 the fused norm doubled the kernel's time on its tensor-core path
-    while the plain kernel still beat cuBLAS (RESULTS.md, eighth session). `kernel` mode takes the
-    fastest fused configuration (None if none ran)."""
-    fused = result.get("fusion", "none") != "none"
+    The ways to run a fused call site: cuBLAS with Inductor's ops around it (`unfused_us`), the fused
+    kernel, the kernel alone with Inductor's ops around it (its time + unfused_us - cublas_us), and the
+    kernel with its epilogue and Inductor's norm before it (its time + unfused_us - the epilogue site's
+    unfused_us: the norm's share of Inductor's code). The third is there because on the H200 the fused
+    norm doubled the kernel's time on its tensor-core path while the plain kernel still beat cuBLAS
+    (RESULTS.md, eighth session); the fourth because the norm inside the one-row gate/up kernel still
+    cost ~7 us a call at 8B (sixteenth session). `kernel` mode takes the fastest fused configuration
+    (None if none ran)."""
+    fusion = result.get("fusion", "none")
     if mode == "kernel":
-        return fastest(result), fused
+        chosen = fastest(result)
+        return chosen, fusion if chosen is not None else "none"
     choice = result["choice"]
-    if plain is None or not isinstance(result.get("unfused_us"), float) or (alone := fastest(plain)) is None:
-        return choice, fused and choice != "cublas"
-    best = result["unfused_us"] if choice == "cublas" else result["candidates"][choice]
-    if plain["candidates"][alone] + result["unfused_us"] - result["cublas_us"] < best:
-        return alone, False
-    return choice, choice != "cublas"
+    unfused = result.get("unfused_us")
+    if not isinstance(unfused, float):
+        return choice, fusion if choice != "cublas" else "none"
+    ways = [(unfused if choice == "cublas" else result["candidates"][choice], choice,
+             fusion if choice != "cublas" else "none")]
+    if plain is not None and (alone := fastest(plain)) is not None:
+        ways.append((plain["candidates"][alone] + unfused - result["cublas_us"], alone, "none"))
+    if epilogue is not None and isinstance(epilogue.get("unfused_us"), float) and (outer := fastest(epilogue)) is not None:
+        ways.append((epilogue["candidates"][outer] + unfused - epilogue["unfused_us"], outer, epilogue["fusion"]))
+    _, chosen, does = min(ways, key=lambda way: way[0])  # the first of equals: the selection's own choice
+    return chosen, does
 
 
 def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey, split: bool = False) -> dict[str, Any]:
