@@ -44,8 +44,8 @@ def matmul_args(pdl: bool) -> dict[str, Any]:
     bf = torch.bfloat16
     x, w, y = torch.zeros(1, 64, dtype=bf), torch.zeros(32, 64, dtype=bf), torch.zeros(1, 32, dtype=bf)
     return dict(x_ptr=x, w_ptr=w, y_ptr=y, g_ptr=w, r_ptr=w, M=1, N=32, K=64, stride_xm=64, stride_wn=64, stride_ym=32,
-                stride_rm=0, BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, USE_DOT=False, EVEN_K=True, NORM=False, EPS=0.0, GATE=False,
-                RESIDUAL=False, PDL=pdl, SPLIT=1, K_SLICE=0)
+                stride_rm=0, BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, USE_DOT=False, EVEN_K=True, NORM=False, GAIN=False, EPS=0.0,
+                GATE=False, RESIDUAL=False, PDL=pdl, SPLIT=1, K_SLICE=0)
 
 
 def attention_args(pdl: bool) -> tuple[dict[str, Any], dict[str, Any]]:
