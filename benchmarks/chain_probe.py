@@ -17,6 +17,11 @@ multiplies link i-1's output by its own square bf16 matrix (distinct matrices, s
 L2), one kernel's code in all three (`_gemv`: one program per SM, each looping over blocks of rows),
 and cuBLAS one launch per link as what the engine's graphs get today. There the boundary also costs
 each matmul's ramp and tail, which the persistent kernel may or may not hide.
+`--prefetch-kb` adds `launch-pdl` cases whose programs, scheduled early under PDL, first issue L2
+prefetches (`cp.async.bulk.prefetch.L2`, 4 KB an instruction) of the first KB of their own rows of the
+next matrix, then wait: a weight never depends on the previous kernel, so its reads could start in that
+kernel's tail, where DRAM idles (the sixteenth session put the 8B step's mid-size matmuls at 3-5 us a
+call over their bytes' time; RESULTS.md).
 The cost per link is the slope between two chain lengths, so the graph's own launch and the
 barrier's counter reset drop out. Each case's result is checked before it is timed. Needs CUDA and
 Triton (sm_90 for pdl). Every case that waits on a barrier needs all its programs resident: run it
@@ -85,16 +90,43 @@ def _chain_persistent(buf_ptr, count_ptr, programs, links, BLOCK: tl.constexpr):
         _grid_barrier(count_ptr, (i + 1) * programs)
 
 
+PREFETCH_CHUNK = 4096  # bytes per bulk prefetch instruction
+CHUNK_ELEMS = tl.constexpr(PREFETCH_CHUNK // 2)  # bf16 elements per chunk, as the kernels see it
+
+
+@triton.jit
+def _prefetch_then_wait(first_row, CHUNKS: tl.constexpr, CHUNK_ELEMS: tl.constexpr):
+    """L2 prefetches of CHUNKS chunks from `first_row` (a bf16 pointer) on, then the PDL wait, which takes
+    the prefetches' (zero) result as its input so it cannot be scheduled before them. Returns an int32
+    zero to add to every pointer, as `wait_for_predecessor` does. (A chunk vector smaller than the
+    program's threads is replicated: some prefetches are issued more than once, which L2 merges.)"""
+    addr = first_row + tl.arange(0, CHUNKS) * CHUNK_ELEMS
+    size = tl.full([CHUNKS], CHUNK_ELEMS * 2, tl.int32)
+    issued = tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                       [addr, size], dtype=tl.int32, is_pure=True, pack=1)
+    zero = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, $1;", "=r,r", [tl.max(issued, 0)],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+    # unannotated, the pointers would lose their 16-byte alignment and the loads their vector width
+    return tl.multiple_of(zero, 16)
+
+
 @triton.jit
 def _gemv(w_ptr, x_ptr, count_ptr, programs, first, links, N: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, PDL: tl.constexpr, BARRIER: tl.constexpr):
+          BLOCK_K: tl.constexpr, PDL: tl.constexpr, BARRIER: tl.constexpr, PREFETCH: tl.constexpr = 0):
     """Links first .. first + links - 1 of the chain x[i + 1] = W[i] @ x[i] (x: [L + 1, N] bf16, W: [L, N, N]
     bf16, fp32 sums): one program per SM, each taking every `programs`-th block of BLOCK_N rows. With
-    BARRIER, one launch does every link, a grid barrier between them; without, one launch per link."""
-    if PDL:
-        z = wait_for_predecessor()
-        w_ptr, x_ptr, count_ptr = w_ptr + z, x_ptr + z, count_ptr + z
+    BARRIER, one launch does every link, a grid barrier between them; without, one launch per link. With
+    PDL and PREFETCH (4 KB chunks, a power of two), the program prefetches the first chunks of its first
+    block of rows into L2 before it waits."""
     pid = tl.program_id(0)
+    if PDL:
+        if PREFETCH:
+            # a program past the last block prefetches the last block's rows: a valid address, read anyway
+            block = tl.minimum(pid, N // BLOCK_N - 1)
+            z = _prefetch_then_wait(w_ptr + first * (N * N) + block * (BLOCK_N * N), PREFETCH, CHUNK_ELEMS)
+        else:
+            z = wait_for_predecessor()
+        w_ptr, x_ptr, count_ptr = w_ptr + z, x_ptr + z, count_ptr + z
     k = tl.arange(0, BLOCK_K)
     for i in range(first, first + links):
         w_mat = w_ptr + i * (N * N)  # int32 offsets: run_gemv keeps L * N * N below 2**31
@@ -131,9 +163,10 @@ GEMV_CONFIGS = [(32, 256, 4, 3), (32, 512, 8, 3), (16, 512, 4, 4)]  # block_n, b
 
 
 def run_gemv(w: torch.Tensor, x: torch.Tensor, programs: int, config: tuple[int, int, int, int], mode: str,
-             count: torch.Tensor | None = None) -> None:
+             count: torch.Tensor | None = None, prefetch_kb: int = 0) -> None:
     """The chain over every matrix of w ([L, N, N]) from x[0] into x[1..L]: `launch` or `launch-pdl`, one
-    launch per link; `barrier`, one launch (count: an int32 counter, zeroed here)."""
+    launch per link (`launch-pdl` with `prefetch_kb`: that many KB of each program's first rows prefetched
+    before the wait, at most its block's); `barrier`, one launch (count: an int32 counter, zeroed here)."""
     links, n = w.shape[0], w.shape[1]
     block_n, block_k, warps, stages = config
     if n % block_n or n % block_k or x.shape != (links + 1, n) or links * n * n >= 2**31:
@@ -144,8 +177,15 @@ def run_gemv(w: torch.Tensor, x: torch.Tensor, programs: int, config: tuple[int,
         count.zero_()
         _gemv[(programs,)](w, x, count, programs, 0, links, PDL=False, BARRIER=True, **kw)
         return
+    chunks = 0
+    if prefetch_kb:
+        if mode != "launch-pdl" or prefetch_kb * 1024 % PREFETCH_CHUNK or (prefetch_kb * 1024 // PREFETCH_CHUNK) & (
+                prefetch_kb * 1024 // PREFETCH_CHUNK - 1) or n * 2 % PREFETCH_CHUNK:
+            raise ValueError(f"chain_probe: a prefetch of {prefetch_kb} KB needs launch-pdl, a power of two of 4 KB "
+                             f"chunks and rows of whole chunks")
+        chunks = min(prefetch_kb * 1024, block_n * n * 2) // PREFETCH_CHUNK
     for i in range(links):
-        _gemv[(programs,)](w, x, x, programs, i, 1, PDL=mode == "launch-pdl", BARRIER=False, **kw)
+        _gemv[(programs,)](w, x, x, programs, i, 1, PDL=mode == "launch-pdl", BARRIER=False, PREFETCH=chunks, **kw)
 
 
 def reference_gemv(w: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
@@ -196,7 +236,7 @@ def measure(case: str, links: int, programs: int, block: int, reps: int) -> dict
 
 
 def measure_gemv(case: str, w: torch.Tensor, programs: int, config: tuple[int, int, int, int] | None,
-                 reps: int) -> dict[str, Any]:
+                 reps: int, prefetch_kb: int = 0) -> dict[str, Any]:
     """One GEMV chain case over every matrix of w: checked against the fp32 chain, then timed in a graph."""
     links, n = w.shape[0], w.shape[1]
     x = torch.zeros(links + 1, n, device="cuda", dtype=w.dtype)
@@ -209,7 +249,7 @@ def measure_gemv(case: str, w: torch.Tensor, programs: int, config: tuple[int, i
                 torch.mm(x[i:i + 1], w[i].t(), out=x[i + 1:i + 2])
         else:
             assert config is not None
-            run_gemv(w, x, programs, config, case, count)
+            run_gemv(w, x, programs, config, case, count, prefetch_kb)
 
     calls()
     torch.cuda.synchronize()
@@ -217,25 +257,28 @@ def measure_gemv(case: str, w: torch.Tensor, programs: int, config: tuple[int, i
     err = ((x.float() - want).abs().max() / want.abs().max()).item()
     seconds, edges = _replay_seconds(calls, case == "launch-pdl", reps)
     return {"case": case, "links": links, "us": seconds * 1e6, "max_rel_err": err, "correct": err <= 2e-2,
-            "programmatic_edges": edges}
+            "programmatic_edges": edges, "prefetch_kb": prefetch_kb}
 
 
-def gemv_rows(n: int, short: int, long: int, programs: int, reps: int) -> list[dict[str, Any]]:
+def gemv_rows(n: int, short: int, long: int, programs: int, reps: int,
+              prefetch_kb: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     """Per case, the cost per link of the GEMV chain (the slope between `short` and `long` links) and the
-    weight bytes per µs of that slope; the probe's kernel in each of its configurations, a row each."""
+    weight bytes per µs of that slope; the probe's kernel in each of its configurations, a row each, and
+    `launch-pdl` again with each prefetch size."""
     g = torch.Generator("cuda").manual_seed(1)
     w = (torch.randn(long, n, n, device="cuda", generator=g) * n ** -0.5).to(torch.bfloat16)
     rows: list[dict[str, Any]] = []
-    cases = [("cublas", None)] + [(c, cfg) for c in ("launch", "launch-pdl", "barrier") for cfg in GEMV_CONFIGS]
-    for case, cfg in cases:
+    cases = [("cublas", None, 0)] + [(c, cfg, 0) for c in ("launch", "launch-pdl", "barrier") for cfg in GEMV_CONFIGS]
+    cases += [("launch-pdl", cfg, kb) for kb in prefetch_kb for cfg in GEMV_CONFIGS]
+    for case, cfg, kb in cases:
         try:
-            runs = [measure_gemv(case, w[:links], programs, cfg, reps) for links in (short, long)]
+            runs = [measure_gemv(case, w[:links], programs, cfg, reps, kb) for links in (short, long)]
         except Exception as e:  # a configuration that does not compile here is a measurement too
-            rows.append({"case": case, "config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            rows.append({"case": case, "config": cfg, "prefetch_kb": kb, "error": f"{type(e).__name__}: {str(e)[:120]}"})
             continue
         slope = (runs[1]["us"] - runs[0]["us"]) / (long - short)
-        rows.append({"case": case, "config": cfg, "us_per_link": slope, "tb_s": n * n * 2 / slope / 1e6, "runs": runs,
-                     "correct": all(r["correct"] for r in runs)})
+        rows.append({"case": case, "config": cfg, "prefetch_kb": kb, "us_per_link": slope, "tb_s": n * n * 2 / slope / 1e6,
+                     "runs": runs, "correct": all(r["correct"] for r in runs)})
     return rows
 
 
@@ -245,6 +288,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=256, help="fp32 elements each program reads and writes a step")
     ap.add_argument("--gemv", type=int, default=4096, help="the GEMV chain's square matrix size (0 skips it)")
     ap.add_argument("--gemv-links", default="8,24", help="two GEMV chain lengths")
+    ap.add_argument("--prefetch-kb", default="", help="launch-pdl again with each of these KB prefetched before the "
+                    "wait (comma-separated powers of two of 4 KB, e.g. 16,64,256)")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
@@ -264,12 +309,14 @@ def main() -> None:
     gemv: list[dict[str, Any]] = []
     if args.gemv:
         g_short, g_long = sorted(int(n) for n in args.gemv_links.split(","))
-        gemv = gemv_rows(args.gemv, g_short, g_long, programs, args.reps)
+        kbs = tuple(int(kb) for kb in args.prefetch_kb.split(",") if kb)
+        gemv = gemv_rows(args.gemv, g_short, g_long, programs, args.reps, kbs)
         mb = args.gemv ** 2 * 2 / 1e6
         print(f"\nGEMV chain, {args.gemv}x{args.gemv} bf16 ({mb:.1f} MB a link), links {g_short} and {g_long}")
         print(f"{'case':12} {'config':18} {'us/link':>8} {'TB/s':>6}  result")
         for r in gemv:
             cfg = "-" if r["config"] is None else "n{}k{}w{}s{}".format(*r["config"])
+            cfg += f" +{r['prefetch_kb']}KB" if r["prefetch_kb"] else ""
             if "error" in r:
                 print(f"{r['case']:12} {cfg:18} {r['error']}")
             else:

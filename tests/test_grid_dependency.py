@@ -152,3 +152,10 @@ def test_the_chain_probes_kernels_compile_for_hopper_with_their_waits_and_barrie
     assert wait < min(i for i, line in enumerate(waiting) if memory_ops([line]))
     barrier = "\n".join(ptx(chain_probe._gemv, gemv | {"PDL": False, "BARRIER": True}))
     assert "atom.global.gpu.release.add" in barrier and "ld.global.gpu.acquire" in barrier and "griddepcontrol" not in barrier
+    # --prefetch-kb: the L2 prefetches of the program's own rows are issued before the wait, every load after it
+    early = ptx(chain_probe._gemv, gemv | {"PDL": True, "BARRIER": False, "PREFETCH": 4})
+    prefetches = [i for i, line in enumerate(early) if line.startswith("cp.async.bulk.prefetch.L2.global")]
+    waits = [i for i, line in enumerate(early) if line.startswith("griddepcontrol.wait")]
+    assert prefetches and waits and min(prefetches) < min(waits)
+    assert max(waits) < min(i for i, line in enumerate(early) if memory_ops([line]))
+    assert memory_ops(early) == memory_ops(waiting)  # the loads keep their width (the wait's zero stays 16-aligned)

@@ -293,3 +293,6 @@ def test_the_chain_probes_gemv_kernel_computes_the_chain_one_launch_per_link(pro
     torch.testing.assert_close(x, chain_probe.reference_gemv(w, x[0]), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="blocks of"):
         chain_probe.run_gemv(w, x, programs, (12, 16, 4, 1), "launch")
+    for mode, kb in (("launch", 16), ("launch-pdl", 12)):  # a prefetch needs PDL and a power of two of 4 KB chunks
+        with pytest.raises(ValueError, match="prefetch of"):
+            chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), mode, prefetch_kb=kb)
