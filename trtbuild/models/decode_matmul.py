@@ -114,11 +114,13 @@ def _normed(x, squares, g_ptr, k, K, NORM: tl.constexpr, GAIN: tl.constexpr, USE
     1/rms (a per-row scalar, known only after the whole row) scales the sums at the end (`_row_sums`);
     with GAIN the norm's weight also scales x here (without, it is already folded into w). Every
     program reads all of x anyway.
-    The squares are kept in the layouts the matmul already gives x, and summed once after the loop: on
-    the one-row path per element, [1, 1, BLOCK_K] as x is broadcast against w (a sum over k every step,
-    or a 2-D accumulator, measured on the H200 at +1-8 us a call against the plain kernel: cross-thread
-    reductions and layout conversions each step); on the tensor-core path as x @ x^T, [16, 16], whose
-    diagonal is each row's sum of squares (a second small dot on the operand already loaded)."""
+    The squares are summed once after the loop. On the tensor-core path they are x @ x^T, [16, 16], whose
+    diagonal is each row's sum of squares: a second small dot on the operand already loaded, which made
+    the norm nearly free there (8B QKV at batch 8: 15.51 us against 15.05 without the norm; a sum over k
+    every step had doubled the kernel's time). On the one-row path they are kept per element as x is
+    broadcast against w, [1, 1, BLOCK_K]; that measured no better than a 2-D accumulator: the norm still
+    costs ~1 us on the 8B QKV call and ~7 us on gate/up (RESULTS.md, sixteenth session), where the
+    selection then keeps Inductor's norm."""
     if NORM:
         if USE_DOT:
             squares = tl.dot(x, tl.trans(x), squares)
@@ -156,8 +158,7 @@ def _dot(acc, x, w, USE_DOT: tl.constexpr):
 def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, GAIN: tl.constexpr,
-                          EPS: tl.constexpr,
-                          GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                          EPS: tl.constexpr, GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                           SPLIT: tl.constexpr, K_SLICE: tl.constexpr):
     # y[m, n] = sum_k x[m, k] * w[n, k]: w is an nn.Linear weight ([out, in], rows contiguous), so
     # each program reads BLOCK_N whole rows of it, coalesced along k. With GATE it reads rows n and
@@ -278,8 +279,7 @@ def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, 
         x.stride(0), w.stride(0), target.stride(0), 0 if residual is None else residual.stride(0),
         BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         USE_DOT=dot, EVEN_K=k % config.block_k == 0, NORM=rms, GAIN=norm is not None, EPS=float(eps),
-        GATE=gate,
-        RESIDUAL=residual is not None, PDL=pdl, SPLIT=split, K_SLICE=k_slice if split > 1 else 0,
+        GATE=gate, RESIDUAL=residual is not None, PDL=pdl, SPLIT=split, K_SLICE=k_slice if split > 1 else 0,
         num_warps=config.warps, num_stages=config.stages)
     if split > 1:
         reduce(_split_reduce_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
