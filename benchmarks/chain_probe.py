@@ -160,18 +160,26 @@ def run_links(a: torch.Tensor, b: torch.Tensor, links: int, pdl: bool) -> torch.
 
 
 GEMV_CONFIGS = [(32, 256, 4, 3), (32, 512, 8, 3), (16, 512, 4, 4)]  # block_n, block_k, warps, stages
+# --gemv-grid blocks: one program per block of rows, as the engine's decode matmul launches, in the narrow
+# configurations its selection keeps at batch 1 (RESULTS.md, sixteenth session: n4k1024w4s1, n8k1024w4s3)
+BLOCK_GRID_CONFIGS = [(4, 1024, 4, 1), (8, 1024, 4, 3), (16, 512, 4, 3)]
 
 
 def run_gemv(w: torch.Tensor, x: torch.Tensor, programs: int, config: tuple[int, int, int, int], mode: str,
              count: torch.Tensor | None = None, prefetch_kb: int = 0) -> None:
     """The chain over every matrix of w ([L, N, N]) from x[0] into x[1..L]: `launch` or `launch-pdl`, one
     launch per link (`launch-pdl` with `prefetch_kb`: that many KB of each program's first rows prefetched
-    before the wait, at most its block's); `barrier`, one launch (count: an int32 counter, zeroed here)."""
+    before the wait, at most its block's); `barrier`, one launch (count: an int32 counter, zeroed here).
+    `programs` 0: one program per block of rows (not for `barrier`, which needs every program resident)."""
     links, n = w.shape[0], w.shape[1]
     block_n, block_k, warps, stages = config
     if n % block_n or n % block_k or x.shape != (links + 1, n) or links * n * n >= 2**31:
         raise ValueError(f"chain_probe: {n} rows in blocks of {block_n} x {block_k}, x {tuple(x.shape)}")
     kw = dict(N=n, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    if programs == 0:
+        if mode == "barrier":
+            raise ValueError("chain_probe: the barrier needs one program per SM, not one per block of rows")
+        programs = n // block_n
     if mode == "barrier":
         assert count is not None
         count.zero_()
@@ -264,12 +272,15 @@ def gemv_rows(n: int, short: int, long: int, programs: int, reps: int,
               prefetch_kb: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     """Per case, the cost per link of the GEMV chain (the slope between `short` and `long` links) and the
     weight bytes per µs of that slope; the probe's kernel in each of its configurations, a row each, and
-    `launch-pdl` again with each prefetch size."""
+    `launch-pdl` again with each prefetch size. `programs` 0: the engine's grid, one program per block of
+    rows, in its configurations (no barrier case)."""
     g = torch.Generator("cuda").manual_seed(1)
     w = (torch.randn(long, n, n, device="cuda", generator=g) * n ** -0.5).to(torch.bfloat16)
     rows: list[dict[str, Any]] = []
-    cases = [("cublas", None, 0)] + [(c, cfg, 0) for c in ("launch", "launch-pdl", "barrier") for cfg in GEMV_CONFIGS]
-    cases += [("launch-pdl", cfg, kb) for kb in prefetch_kb for cfg in GEMV_CONFIGS]
+    configs, modes = (BLOCK_GRID_CONFIGS, ("launch", "launch-pdl")) if programs == 0 else (
+        GEMV_CONFIGS, ("launch", "launch-pdl", "barrier"))
+    cases = [("cublas", None, 0)] + [(c, cfg, 0) for c in modes for cfg in configs]
+    cases += [("launch-pdl", cfg, kb) for kb in prefetch_kb for cfg in configs]
     for case, cfg, kb in cases:
         try:
             runs = [measure_gemv(case, w[:links], programs, cfg, reps, kb) for links in (short, long)]
@@ -290,6 +301,9 @@ def main() -> None:
     ap.add_argument("--gemv-links", default="8,24", help="two GEMV chain lengths")
     ap.add_argument("--prefetch-kb", default="", help="launch-pdl again with each of these KB prefetched before the "
                     "wait (comma-separated powers of two of 4 KB, e.g. 16,64,256)")
+    ap.add_argument("--gemv-grid", choices=("sms", "blocks"), default="sms",
+                    help="the GEMV chain's programs: one per SM, each looping over blocks of rows (the default), or "
+                    "one per block of rows, as the engine's decode matmul launches (no barrier case)")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
@@ -310,9 +324,10 @@ def main() -> None:
     if args.gemv:
         g_short, g_long = sorted(int(n) for n in args.gemv_links.split(","))
         kbs = tuple(int(kb) for kb in args.prefetch_kb.split(",") if kb)
-        gemv = gemv_rows(args.gemv, g_short, g_long, programs, args.reps, kbs)
+        gemv = gemv_rows(args.gemv, g_short, g_long, programs if args.gemv_grid == "sms" else 0, args.reps, kbs)
         mb = args.gemv ** 2 * 2 / 1e6
-        print(f"\nGEMV chain, {args.gemv}x{args.gemv} bf16 ({mb:.1f} MB a link), links {g_short} and {g_long}")
+        print(f"\nGEMV chain, {args.gemv}x{args.gemv} bf16 ({mb:.1f} MB a link), links {g_short} and {g_long}, "
+              f"{'one program per SM' if args.gemv_grid == 'sms' else 'one program per block of rows'}")
         print(f"{'case':12} {'config':18} {'us/link':>8} {'TB/s':>6}  result")
         for r in gemv:
             cfg = "-" if r["config"] is None else "n{}k{}w{}s{}".format(*r["config"])
@@ -325,6 +340,7 @@ def main() -> None:
                       f"{'correct' if r['correct'] else 'WRONG'} (max rel err {err:.1e})")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "programs": programs,
+              "gemv_grid": args.gemv_grid,
               "block": args.block, "rows": rows, "gemv": gemv, "seconds": time.perf_counter() - t0}
     (Path(args.out) / "chain-probe.json").write_text(json.dumps(result, indent=1) + "\n")
 

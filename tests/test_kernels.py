@@ -273,11 +273,12 @@ def test_the_chain_probe_checks_its_steps_against_what_they_compute(links: int) 
     assert not torch.equal(chain_probe.expected(start, links), chain_probe.expected(start, links + 1))
 
 
-@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("programs", [1, 3, 0])
 def test_the_chain_probes_gemv_kernel_computes_the_chain_one_launch_per_link(programs: int) -> None:
     """The probe's GEMV chain kernel, launched once per link (its barrier mode needs every program resident
     at once, which the interpreter's one-program-at-a-time run never has): every link's output is the
-    fp32 chain's, with programs taking every `programs`-th block of rows."""
+    fp32 chain's, with programs taking every `programs`-th block of rows (0: one program per block, the
+    engine's grid, which the barrier refuses)."""
     import sys
     from pathlib import Path
 
@@ -296,3 +297,6 @@ def test_the_chain_probes_gemv_kernel_computes_the_chain_one_launch_per_link(pro
     for mode, kb in (("launch", 16), ("launch-pdl", 12)):  # a prefetch needs PDL and a power of two of 4 KB chunks
         with pytest.raises(ValueError, match="prefetch of"):
             chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), mode, prefetch_kb=kb)
+    if programs == 0:
+        with pytest.raises(ValueError, match="one program per SM"):
+            chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), "barrier", torch.zeros(1, dtype=torch.int32).to(DEVICE))
