@@ -34,7 +34,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from trtbuild.models.grid_dependency import prefetch_l2, release_successor, wait_for_predecessor, waits_on
+from trtbuild.models.grid_dependency import (PREFETCH_BYTES, prefetch_l2, release_successor, wait_for_predecessor,
+                                              waits_on)
 from trtbuild.models.grid_dependency import source_digest as wait_digest
 from trtbuild.models.llama import NORMED
 from trtbuild.timing import graph_seconds
@@ -267,7 +268,6 @@ def _split_reduce_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.conste
 
 
 REDUCE_BLOCK = 1024
-PREFETCH_BYTES = tl.constexpr(4096)  # each `prefetch_l2` instruction's size
 
 
 def prefetch_chunks(w: Tensor, block_n: int, split: int, pdl: bool) -> int:
