@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from trtbuild.models.grid_dependency import PREFETCH_BYTES, prefetch_l2, release_successor, wait_for_predecessor  # noqa: E402
+from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor  # noqa: E402
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def _chain_persistent(buf_ptr, count_ptr, programs, links, BLOCK: tl.constexpr):
         _grid_barrier(count_ptr, (i + 1) * programs)
 
 
-PREFETCH_CHUNK = int(PREFETCH_BYTES)  # bytes per bulk prefetch instruction (grid_dependency.prefetch_l2)
+PREFETCH_CHUNK = 4096  # bytes per bulk prefetch instruction
 CHUNK_ELEMS = tl.constexpr(PREFETCH_CHUNK // 2)  # bf16 elements per chunk, as the kernels see it
 
 
@@ -100,7 +100,10 @@ def _prefetch_then_wait(first_row, CHUNKS: tl.constexpr, CHUNK_ELEMS: tl.constex
     the prefetches' (zero) result as its input so it cannot be scheduled before them. Returns an int32
     zero to add to every pointer, as `wait_for_predecessor` does. (A chunk vector smaller than the
     program's threads is replicated: some prefetches are issued more than once, which L2 merges.)"""
-    issued = prefetch_l2(first_row + tl.arange(0, CHUNKS) * CHUNK_ELEMS)
+    addr = first_row + tl.arange(0, CHUNKS) * CHUNK_ELEMS
+    size = tl.full([CHUNKS], CHUNK_ELEMS * 2, tl.int32)
+    issued = tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                       [addr, size], dtype=tl.int32, is_pure=True, pack=1)
     zero = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, $1;", "=r,r", [tl.max(issued, 0)],
                                      dtype=tl.int32, is_pure=True, pack=1)
     # unannotated, the pointers would lose their 16-byte alignment and the loads their vector width

@@ -83,7 +83,7 @@ def test_threaded_reader_puts_the_same_tensors_on_the_gpu(tmp_path: Path, thread
     assert all(got[k].is_cuda and got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("fusion", ["none", "split-k", "epilogue", "fused", "prefetch"])
+@pytest.mark.parametrize("fusion", ["none", "split-k", "epilogue", "fused"])
 def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_reused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str) -> None:
     """options.decode_matmul kernel: every decode matmul goes through trtbuild's Triton kernel (chosen
@@ -93,26 +93,19 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
     norms' gains folded into the weights (rms / rms_gate: this model's LM head is not tied); with
     epilogue, only the gating and the residual adds. With
     split-k (options.decode_split_k timed, the other candidates taken away), every matmul is split-K: two
-    kernels inside the custom op, with a workspace of partial sums. With prefetch (options.decode_prefetch
-    l2), every chosen configuration prefetches its weight rows into L2 before its PDL wait (on Hopper)."""
+    kernels inside the custom op, with a workspace of partial sums."""
     import json
 
     from trtbuild.models import decode_matmul
     from trtbuild.store import Store
 
     options = {"decode_matmul": "kernel", "decode_fusion": fusion if fusion in ("fused", "epilogue") else "none"}
-    if fusion == "prefetch":
-        options["decode_prefetch"] = "l2"
     if fusion == "split-k":
         options["decode_split_k"] = "timed"
         monkeypatch.setattr(decode_matmul, "ONE_ROW", [])
         monkeypatch.setattr(decode_matmul, "ROWS", [])
     doc = tiny_recipe_doc(precision="bf16", tactics={"level": "default"}, options=options,
                           shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
-    if fusion == "prefetch":  # rows of at least one 4 KB chunk (bf16: 2048 columns), or nothing is prefetched
-        from .conftest import TINY_CONFIG
-
-        doc["model"]["config"] = {**TINY_CONFIG, "hidden_size": 2048, "num_attention_heads": 16}
     recipe = load_recipe(write_recipe(tmp_path, doc))
     outcome = build(recipe, tmp_path / "store")
     record = outcome.entry.manifest["tactics"]["decode_matmuls"]
@@ -129,7 +122,6 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
     assert all(len(engine["graphs"][g]["matmuls"]) == len(record[g]) for g in record)
     assert engine["graphs"]["prefill"].get("matmuls") is None  # prefill keeps cuBLAS
     assert engine["norm_gains_folded"] is (fusion == "fused")
-    assert all(name.endswith("f") == (fusion == "prefetch") for g in record for name in engine["graphs"][g]["matmuls"].values())
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
         got = session.generate(prompts, 16)

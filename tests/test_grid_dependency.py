@@ -45,7 +45,7 @@ def matmul_args(pdl: bool) -> dict[str, Any]:
     x, w, y = torch.zeros(1, 64, dtype=bf), torch.zeros(32, 64, dtype=bf), torch.zeros(1, 32, dtype=bf)
     return dict(x_ptr=x, w_ptr=w, y_ptr=y, g_ptr=w, r_ptr=w, M=1, N=32, K=64, stride_xm=64, stride_wn=64, stride_ym=32,
                 stride_rm=0, BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, USE_DOT=False, EVEN_K=True, NORM=False, GAIN=False, EPS=0.0,
-                GATE=False, RESIDUAL=False, PDL=pdl, SPLIT=1, K_SLICE=0, PREFETCH=0)
+                GATE=False, RESIDUAL=False, PDL=pdl, SPLIT=1, K_SLICE=0)
 
 
 def attention_args(pdl: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -121,30 +121,6 @@ def test_the_wait_comes_before_every_memory_access_and_keeps_the_vector_loads(ho
         release = [i for i, line in enumerate(with_wait) if line.startswith("griddepcontrol.launch_dependents")]
         assert release and accesses[0] < release[0] and release[-1] < accesses[-1], kernel.__name__
         assert memory_ops(with_wait) == memory_ops(without), kernel.__name__  # e.g. v4 loads stay v4
-
-
-@pytest.mark.parametrize("gate", [False, True])
-def test_a_prefetching_decode_matmul_prefetches_before_its_wait_and_writes_only_its_output(
-        hopper_target: None, gate: bool) -> None:
-    """options.decode_prefetch l2 on sm_90: every L2 prefetch of the program's weight rows (and their up
-    halves when gated) is issued before the wait, every load and store after it, at the same vector width
-    as without the prefetch; and Inductor's analysis still sees only the output written (an impure
-    assembly statement would make it assume the weights written too, and clone them every step)."""
-    bf = torch.bfloat16
-    args = matmul_args(True) | ({"w_ptr": torch.zeros(64, 64, dtype=bf), "GATE": True} if gate else {})
-    chunks = 4 if gate else 2
-    plain, early = ptx(dm_kernel(), args), ptx(dm_kernel(), args | {"PREFETCH": chunks})
-    prefetches = [i for i, line in enumerate(early) if line.startswith("cp.async.bulk.prefetch.L2.global")]
-    wait = next(i for i, line in enumerate(early) if line.startswith("griddepcontrol.wait"))
-    assert prefetches and max(prefetches) < wait < min(i for i, line in enumerate(early) if memory_ops([line]))
-    assert memory_ops(early) == memory_ops(plain)
-    assert written(dm_kernel(), args | {"PREFETCH": chunks}) == ["y_ptr"]
-
-
-def dm_kernel() -> Any:
-    from trtbuild.models import decode_matmul
-
-    return decode_matmul._decode_matmul_kernel
 
 
 def test_the_chain_probes_kernels_compile_for_hopper_with_their_waits_and_barrier(hopper_target: None) -> None:

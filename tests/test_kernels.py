@@ -116,22 +116,6 @@ def test_decode_matmul_with_each_fusion_matches_the_aten_ops_it_replaces(fusion:
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_a_prefetching_launch_covers_one_programs_rows_only_where_it_can() -> None:
-    """options.decode_prefetch l2: 4 KB chunks over one program's weight rows, a power of two (the kernel
-    clamps the extra ones inside the rows); none without PDL, for split-K, or for rows shorter than a
-    chunk or not 16-byte aligned. (The prefetch itself runs only on Hopper, under PDL: its PTX is checked
-    in tests/test_grid_dependency.py.)"""
-    from trtbuild.models.decode_matmul import prefetch_chunks
-
-    bf = torch.empty(64, 4096, dtype=torch.bfloat16)
-    assert prefetch_chunks(bf, 4, 1, True) == 8  # 4 rows of 8 KB
-    assert prefetch_chunks(torch.empty(64, 14336, dtype=torch.bfloat16), 4, 1, True) == 32  # 28 chunks, rounded up
-    assert prefetch_chunks(bf, 4, 1, False) == 0 and prefetch_chunks(bf, 4, 2, True) == 0
-    assert prefetch_chunks(torch.empty(64, 1000), 4, 1, True) == 0  # a row of 4000 bytes
-    assert prefetch_chunks(torch.empty(64, 2052)[:, :2048], 4, 1, True) == 0  # rows not contiguous
-    assert prefetch_chunks(torch.empty(64 * 4096 + 1, dtype=torch.bfloat16)[1:].view(64, 4096), 4, 1, True) == 0
-
-
 @pytest.mark.parametrize("split", [2, 4])
 @pytest.mark.parametrize(("rows", "k"), [(1, 96), (3, 96), (2, 80), (1, 24)])
 def test_split_k_adds_its_partial_sums_to_the_plain_matmul(rows: int, k: int, split: int) -> None:
@@ -156,8 +140,6 @@ def test_split_k_is_a_candidate_for_the_plain_matmul_only() -> None:
         assert any(c.split > 1 for c in candidates(rows, "none", True))
         assert [c for c in candidates(rows, "none", True) if c.split == 1] == candidates(rows) == candidates(rows, "norm", True)
     assert MatmulConfig.parse("n8k1024w4s3") == MatmulConfig(8, 1024, 4, 3, 1)  # names from before split-K
-    for config in (MatmulConfig(8, 1024, 4, 3, 1, True), MatmulConfig(16, 32, 4, 1, 2, True)):
-        assert config.name.endswith("f") and MatmulConfig.parse(config.name) == config  # options.decode_prefetch l2
     x, w = torch.randn(1, 64).to(DEVICE), torch.randn(32, 64).to(DEVICE)
     with pytest.raises(ValueError, match="plain matmul only"):
         decode_matmul(x, w, MatmulConfig(16, 32, 4, 1, 2), residual=torch.zeros(1, 32).to(DEVICE))

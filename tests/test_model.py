@@ -286,7 +286,6 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     @dc(frozen=True)
     class Config:
         name: str
-        prefetch: bool = False
 
         @classmethod
         def parse(cls, name: str) -> "Config":
@@ -342,7 +341,3 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     assert timed == []
     assert sorted(plan[1]) == sorted([(qkv, d, "none"), (d, d, "residual"), (2 * f, d, "gate"), (d, f, "residual"),
                                       (cfg.vocab_size, d, "none")])
-    assert not any(c.prefetch for c in plan[1].values())
-    # options.decode_prefetch l2: the same choices, each marked to prefetch (nothing timed for it)
-    prefetching, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue", "none", "l2")  # type: ignore[arg-type]
-    assert timed == [] and prefetching[1] == {key: Config(c.name, prefetch=True) for key, c in plan[1].items()}

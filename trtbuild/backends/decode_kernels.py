@@ -10,7 +10,6 @@ the compiled-graph cache's key.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import importlib
 import json
@@ -53,17 +52,8 @@ EPILOGUE = {"none": "none", "norm": "none", "residual": "residual", "norm_gate":
 # small kernel adding their fp32 partial sums) are timed with the others, for the plain matmul. Opt-in:
 # on the H200, −22 µs a 1B step at batch 1, none kept at 8B (RESULTS.md, fourteenth session).
 DECODE_SPLIT_K_MODES = ("none", "timed")
-# options.decode_prefetch: none (the default); l2 = where the decode graphs run the decode matmul kernel
-# under PDL (Hopper), each program first prefetches its own weight rows into L2 (4 KB bulk prefetches),
-# then waits for the previous kernel: a weight never depends on it, so its reads can start in that
-# kernel's tail. For the ramp and tail of each mid-size launch, 3-5 us a call at 8B (sixteenth session).
-# Written in the sixteenth session, after its device time was spent: opt-in, NOT yet measured
-# (benchmarks/chain_probe.py --prefetch-kb first). Not timed by the selection, whose graphs run without
-# PDL edges: it only marks the chosen configurations ("f" in their names).
-DECODE_PREFETCH_MODES = ("none", "l2")
 OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES,
-           "decode_fusion": DECODE_FUSION_MODES, "decode_split_k": DECODE_SPLIT_K_MODES,
-           "decode_prefetch": DECODE_PREFETCH_MODES}
+           "decode_fusion": DECODE_FUSION_MODES, "decode_split_k": DECODE_SPLIT_K_MODES}
 
 MatmulKey = tuple[int, int, str]  # (out, in, fusion) of one routed Linear
 
@@ -85,8 +75,8 @@ KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.models.decode_matmul",
 
 
 def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str, job: BuildJob,
-                fusion_mode: str = DECODE_FUSION_MODES[0], split_mode: str = DECODE_SPLIT_K_MODES[0],
-                prefetch_mode: str = DECODE_PREFETCH_MODES[0]) -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
+                fusion_mode: str = DECODE_FUSION_MODES[0],
+                split_mode: str = DECODE_SPLIT_K_MODES[0]) -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
     """Which decode matmuls go through trtbuild's Triton kernel, measured per batch bucket and weight shape.
 
     For every weight shape of the model (QKV, output, gate/up, down, LM head) `decode_matmul.select`
@@ -96,8 +86,7 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     the shape, fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or
     another recipe of the same shapes) measures nothing. Returns the plan per bucket ({(out, in,
     fusion): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul;
-    `split_mode` options.decode_split_k (timed: split-K configurations among the candidates);
-    `prefetch_mode` options.decode_prefetch (l2: every chosen configuration prefetches under PDL).
+    `split_mode` options.decode_split_k (timed: split-K configurations among the candidates).
     """
     if mode == "kernel" and not device.startswith("cuda"):
         raise TrtbuildError("options.decode_matmul: 'kernel' is a CUDA kernel, and this build is for the CPU")
@@ -145,9 +134,7 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             record.setdefault(f"decode_b{rows}", {})[key_name((n, k, fusion))] = result | {
                 "used": choice, "fused": does != "none", "kernel_does": does}
             if choice != "cublas":
-                config = dm.MatmulConfig.parse(choice)
-                plan.setdefault(rows, {})[(n, k, does)] = (dataclasses.replace(config, prefetch=True)
-                                                           if prefetch_mode == "l2" else config)
+                plan.setdefault(rows, {})[(n, k, does)] = dm.MatmulConfig.parse(choice)
     return plan, record
 
 

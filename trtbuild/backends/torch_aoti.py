@@ -120,8 +120,7 @@ class TorchAOTIBackend:
             plan, matmuls = decode_kernels.matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
                                                        _option(recipe, "decode_matmul"), device, job,
                                                        _option(recipe, "decode_fusion"),
-                                                       _option(recipe, "decode_split_k"),
-                                                       _option(recipe, "decode_prefetch"))
+                                                       _option(recipe, "decode_split_k"))
         phases["select_matmuls_s"] = time.perf_counter() - t
         attention = decode_kernels.attention_plan(cfg, dtype, _option(recipe, "decode_attention"), device)
         t = time.perf_counter()

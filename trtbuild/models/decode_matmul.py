@@ -34,8 +34,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from trtbuild.models.grid_dependency import (PREFETCH_BYTES, prefetch_l2, release_successor, wait_for_predecessor,
-                                              waits_on)
+from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor, waits_on
 from trtbuild.models.grid_dependency import source_digest as wait_digest
 from trtbuild.models.llama import NORMED
 from trtbuild.timing import graph_seconds
@@ -50,23 +49,18 @@ class MatmulConfig:
     warps: int
     stages: int
     split: int = 1  # programs sharing one block of columns, each a slice of k (split-K; plain matmul only)
-    # options.decode_prefetch l2: under PDL each program prefetches its own weight rows into L2 before its
-    # wait (set on the plan's choices, never timed: the selection's graphs run without PDL edges)
-    prefetch: bool = False
 
     @property
     def name(self) -> str:
-        return (f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}" + (f"p{self.split}" if self.split > 1 else "")
-                + ("f" if self.prefetch else ""))
+        return f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}" + (f"p{self.split}" if self.split > 1 else "")
 
     @classmethod
     def parse(cls, name: str) -> "MatmulConfig":
-        prefetch = name.endswith("f")
-        n, rest = name[1:].removesuffix("f").split("k")
+        n, rest = name[1:].split("k")
         k, rest = rest.split("w")
         w, rest = rest.split("s")
         s, _, p = rest.partition("p")
-        return cls(int(n), int(k), int(w), int(s), int(p or 1), prefetch)
+        return cls(int(n), int(k), int(w), int(s), int(p or 1))
 
 
 # Candidates per row count. One row: a multiply-and-sum over BLOCK_N weight rows; several: a tensor-core
@@ -120,13 +114,11 @@ def _normed(x, squares, g_ptr, k, K, NORM: tl.constexpr, GAIN: tl.constexpr, USE
     1/rms (a per-row scalar, known only after the whole row) scales the sums at the end (`_row_sums`);
     with GAIN the norm's weight also scales x here (without, it is already folded into w). Every
     program reads all of x anyway.
-    The squares are summed once after the loop. On the tensor-core path they are x @ x^T, [16, 16], whose
-    diagonal is each row's sum of squares: a second small dot on the operand already loaded, which made
-    the norm nearly free there (8B QKV at batch 8: 15.51 us against 15.05 without the norm; a sum over k
-    every step had doubled the kernel's time). On the one-row path they are kept per element as x is
-    broadcast against w, [1, 1, BLOCK_K]; that measured no better than a 2-D accumulator: the norm still
-    costs ~1 us on the 8B QKV call and ~7 us on gate/up (RESULTS.md, sixteenth session), where the
-    selection then keeps Inductor's norm."""
+    The squares are kept in the layouts the matmul already gives x, and summed once after the loop: on
+    the one-row path per element, [1, 1, BLOCK_K] as x is broadcast against w (a sum over k every step,
+    or a 2-D accumulator, measured on the H200 at +1-8 us a call against the plain kernel: cross-thread
+    reductions and layout conversions each step); on the tensor-core path as x @ x^T, [16, 16], whose
+    diagonal is each row's sum of squares (a second small dot on the operand already loaded)."""
     if NORM:
         if USE_DOT:
             squares = tl.dot(x, tl.trans(x), squares)
@@ -150,16 +142,6 @@ def _row_sums(squares, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(w_ptr, first_row, rows, K, CHUNKS: tl.constexpr):
-    """L2 prefetches of `rows` whole rows of w (K elements each, contiguous) from `first_row` on, in CHUNKS
-    4 KB chunks (the last ones clamped inside the region, so repeated: L2 merges them); an int32 zero that
-    depends on every prefetch. The launcher guarantees a row of at least a chunk, 16-byte aligned rows."""
-    chunk = PREFETCH_BYTES * 8 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements
-    offs = tl.minimum(tl.arange(0, CHUNKS) * chunk, rows * K - chunk)
-    return tl.max(prefetch_l2(w_ptr + first_row * K + offs), 0)
-
-
-@triton.jit
 def _dot(acc, x, w, USE_DOT: tl.constexpr):
     """acc + x @ w^T for one BLOCK_K step."""
     if USE_DOT:
@@ -174,8 +156,9 @@ def _dot(acc, x, w, USE_DOT: tl.constexpr):
 def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, GAIN: tl.constexpr,
-                          EPS: tl.constexpr, GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                          SPLIT: tl.constexpr, K_SLICE: tl.constexpr, PREFETCH: tl.constexpr = 0):
+                          EPS: tl.constexpr,
+                          GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                          SPLIT: tl.constexpr, K_SLICE: tl.constexpr):
     # y[m, n] = sum_k x[m, k] * w[n, k]: w is an nn.Linear weight ([out, in], rows contiguous), so
     # each program reads BLOCK_N whole rows of it, coalesced along k. With GATE it reads rows n and
     # N + n (gate and up) and writes silu(gate) * up: N is then half of w's rows. With SPLIT > 1,
@@ -187,27 +170,17 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    ticket = 0
     if PDL:
         # programmatic dependent launch (grid_dependency.py): this kernel's blocks may be scheduled before the
         # previous kernel completes; every address depends on the wait. (Loading the first weight tile before
         # the wait, which no kernel of a step writes, was measured on the H200: no gain at batch 1, 0.12 ms
         # slower a 1B step at batch 8; RESULTS.md, thirteenth session. Removed.)
-        if PREFETCH:
-            # options.decode_prefetch l2: this program's weight rows (and their up halves) do not depend on
-            # the previous kernel; their L2 prefetch is issued before the wait, in that kernel's tail. Its
-            # (zero) result reaches only the accumulator's value: on the way to a store's address it would
-            # make Inductor's analysis count the weights as written (tests/test_grid_dependency.py)
-            rows = tl.minimum(BLOCK_N, N - pid * BLOCK_N)
-            ticket = _prefetch_rows(w_ptr, pid * BLOCK_N, rows, K, PREFETCH)
-            if GATE:
-                ticket = tl.maximum(ticket, _prefetch_rows(w_ptr, N + pid * BLOCK_N, rows, K, PREFETCH))
         z = wait_for_predecessor()
         x_ptr, w_ptr, y_ptr, g_ptr, r_ptr = x_ptr + z, w_ptr + z, y_ptr + z, g_ptr + z, r_ptr + z
     w_rows = w_ptr + offs_n[:, None] * stride_wn
     u_rows = w_ptr + (offs_n + N)[:, None] * stride_wn
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + ticket
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if not NORM:
         squares = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
@@ -270,18 +243,6 @@ def _split_reduce_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.conste
 REDUCE_BLOCK = 1024
 
 
-def prefetch_chunks(w: Tensor, block_n: int, split: int, pdl: bool) -> int:
-    """The PREFETCH of a launch with prefetch on: 4 KB chunks covering one program's rows of w, rounded up to
-    a power of two (0, off: no PDL, split-K, or rows that are not contiguous, 16-byte aligned and at least
-    a chunk long). The alignment is read from the storage offset (allocations are aligned; at export w
-    is a fake tensor, without an address)."""
-    row_bytes = w.shape[1] * w.element_size()
-    if not pdl or split > 1 or w.stride(0) != w.shape[1] or row_bytes % 16 or row_bytes < PREFETCH_BYTES \
-            or w.storage_offset() * w.element_size() % 16:
-        return 0
-    return triton.next_power_of_2(triton.cdiv(block_n * row_bytes, PREFETCH_BYTES))
-
-
 def uses_dot(rows: int) -> bool:
     """Tensor-core dot for 2+ rows; one row is a plain multiply-and-sum (a dot would pad it 16x in registers)."""
     return rows > 1
@@ -317,8 +278,8 @@ def _launch(kernel: Any, x: Tensor, w: Tensor, y: Tensor, config: MatmulConfig, 
         x.stride(0), w.stride(0), target.stride(0), 0 if residual is None else residual.stride(0),
         BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         USE_DOT=dot, EVEN_K=k % config.block_k == 0, NORM=rms, GAIN=norm is not None, EPS=float(eps),
-        GATE=gate, RESIDUAL=residual is not None, PDL=pdl, SPLIT=split, K_SLICE=k_slice if split > 1 else 0,
-        PREFETCH=prefetch_chunks(w, config.block_n, split, pdl) if config.prefetch else 0,
+        GATE=gate,
+        RESIDUAL=residual is not None, PDL=pdl, SPLIT=split, K_SLICE=k_slice if split > 1 else 0,
         num_warps=config.warps, num_stages=config.stages)
     if split > 1:
         reduce(_split_reduce_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
@@ -339,15 +300,14 @@ def decode_matmul(x: Tensor, w: Tensor, config: MatmulConfig, out: Tensor | None
 
 @triton_op("trtbuild::decode_matmul", mutates_args=())
 def decode_matmul_op(x: Tensor, w: Tensor, norm: Tensor | None, residual: Tensor | None, eps: float, gate: bool,
-                     block_n: int, block_k: int, warps: int, stages: int, split: int = 1, rms: bool = False,
-                     prefetch: bool = False) -> Tensor:
+                     block_n: int, block_k: int, warps: int, stages: int, split: int = 1, rms: bool = False) -> Tensor:
     """The kernel as a custom op: what the decode graphs call (`Linear.decode_config`). The config ints, eps
     and gate are literals in the exported program, so two configurations never share a compiled graph.
     (eps reaches the kernel as a compile-time constant: AOTInductor passes a float argument of a user
     kernel as fp64, which would promote the normalization to fp64.) `rms`: normalize x without a gain
-    (`norm` None), the gain being folded into w. `prefetch`: `MatmulConfig.prefetch`."""
+    (`norm` None), the gain being folded into w."""
     y = torch.empty((x.shape[0], output_columns(w, gate)), dtype=x.dtype, device=x.device)
-    _launch(wrap_triton(_decode_matmul_kernel), x, w, y, MatmulConfig(block_n, block_k, warps, stages, split, prefetch),
+    _launch(wrap_triton(_decode_matmul_kernel), x, w, y, MatmulConfig(block_n, block_k, warps, stages, split),
             norm, eps, gate, residual, rms, reduce=wrap_triton)
     return y
 

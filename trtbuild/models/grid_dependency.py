@@ -49,21 +49,6 @@ def wait_for_predecessor():
     return tl.multiple_of(zero, 16)
 
 
-PREFETCH_BYTES = tl.constexpr(4096)  # the size of each `prefetch_l2` instruction
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """One PREFETCH_BYTES `cp.async.bulk.prefetch.L2` (Hopper) from each of `ptrs` (16-byte aligned, that
-    many bytes readable from each); returns int32 zeros of their shape. Pure assembly, as the wait is, so Inductor's analysis
-    of which tensors a kernel writes sees through it; the caller must use the zeros (or the statement is
-    dead code), and only in stored values: a value on the way to a store's address counts, for that
-    analysis, as a write to every tensor it came from (tests/test_grid_dependency.py checks both)."""
-    size = tl.full(ptrs.shape, PREFETCH_BYTES, tl.int32)
-    return tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                     [ptrs, size], dtype=tl.int32, is_pure=True, pack=1)
-
-
 @triton.jit
 def release_successor(x):
     """x unchanged (an fp32 tensor the kernel computed last, e.g. its accumulator before the store),

@@ -184,7 +184,7 @@ class Linear(nn.Linear):
         y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, gain,
                              None if residual is None else residual.reshape(-1, residual.shape[-1]),
                              0.0 if norm is None else norm.eps, gate, c.block_n, c.block_k, c.warps, c.stages,
-                             c.split, norm is not None, c.prefetch)
+                             c.split, norm is not None)
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
