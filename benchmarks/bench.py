@@ -176,6 +176,7 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
                    "sdpa-prefill": ("prefill_attention", "sdpa", "prefill attention through SDPA's dispatch"),
                    "cudnn-prefill": ("prefill_attention", "cudnn", "prefill attention through cuDNN's"),
                    "split-k": ("decode_split_k", "timed", "split-K decode matmul configurations timed too"),
+                   "pdl-timing": ("decode_timing", "pdl", "decode matmuls selected in graphs with programmatic edges"),
                    "epilogue": ("decode_fusion", "epilogue", "decode matmul kernel fused with the gating and residual adds"),
                    # the default before the fifteenth session, for A/B runs against the default epilogue
                    "no-epilogue": ("decode_fusion", "none", "decode matmul kernel alone, Inductor's gating and residual adds")}
@@ -584,6 +585,7 @@ def main() -> None:
                          "engine@fused (options.decode_fusion), "
                          "engine@sdpa-prefill / engine@cudnn-prefill (options.prefill_attention), "
                          "engine@split-k (options.decode_split_k timed), "
+                         "engine@pdl-timing (options.decode_timing pdl), "
                          "engine@epilogue / engine@no-epilogue (options.decode_fusion epilogue, the default, / none), "
                          "engine@serial (every graph compiled in the build process, in a fresh store), "
                          "engine@no-pdl (the engine's decode graphs captured without PDL; after engine), "

@@ -83,7 +83,7 @@ def test_threaded_reader_puts_the_same_tensors_on_the_gpu(tmp_path: Path, thread
     assert all(got[k].is_cuda and got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("fusion", ["none", "split-k", "epilogue", "fused"])
+@pytest.mark.parametrize("fusion", ["none", "split-k", "epilogue", "fused", "pdl-timing"])
 def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_reused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str) -> None:
     """options.decode_matmul kernel: every decode matmul goes through trtbuild's Triton kernel (chosen
@@ -93,13 +93,16 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
     norms' gains folded into the weights (rms / rms_gate: this model's LM head is not tied); with
     epilogue, only the gating and the residual adds. With
     split-k (options.decode_split_k timed, the other candidates taken away), every matmul is split-K: two
-    kernels inside the custom op, with a workspace of partial sums."""
+    kernels inside the custom op, with a workspace of partial sums. With pdl-timing (options.decode_timing pdl,
+    on Hopper), every candidate was timed in graphs with programmatic edges."""
     import json
 
     from trtbuild.models import decode_matmul
     from trtbuild.store import Store
 
     options = {"decode_matmul": "kernel", "decode_fusion": fusion if fusion in ("fused", "epilogue") else "none"}
+    if fusion == "pdl-timing":
+        options["decode_timing"] = "pdl"
     if fusion == "split-k":
         options["decode_split_k"] = "timed"
         monkeypatch.setattr(decode_matmul, "ONE_ROW", [])
@@ -114,6 +117,7 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
         assert shapes and all(r["used"] != "cublas" and r.get("reused") is not True and r["cublas_us"] > 0
                               for r in shapes.values())
         assert all(("p" in r["used"]) == (fusion == "split-k") for r in shapes.values())
+        assert all(r.get("edges", "full") == ("programmatic" if fusion == "pdl-timing" else "full") for r in shapes.values())
         fusions = sorted(key.partition("+")[2] for key in shapes)
         # five call sites; without fusion, gate/up and the LM head are one key (both 128x32 here)
         assert fusions == {"fused": ["residual", "residual", "rms", "rms", "rms_gate"],

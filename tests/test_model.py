@@ -280,8 +280,10 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     import types
     from dataclasses import dataclass as dc
 
+    from trtbuild.backends import decode_kernels
     from trtbuild.backends.decode_kernels import matmul_plan
     from trtbuild.models.llama import LlamaConfig
+    from trtbuild.timing import active_edit
 
     @dc(frozen=True)
     class Config:
@@ -292,10 +294,12 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
             return cls(name)
 
     timed: list[tuple[int, int, str]] = []
+    edits: list[object] = []  # the graph edit each timing would apply (options.decode_timing)
 
     def select(weights: list[Tensor], rows: int, fusion: str, split: bool = False) -> dict[str, Any]:
         n, k = weights[0].shape
         timed.append((n, k, fusion) + (("split",) if split else ()))
+        edits.append(active_edit())
         fused = fusion != "none"
         # QKV (norm): the fused kernel is slow, the plain one fast; everything else: the fused kernel wins
         slow = fusion == "norm" and n == 64
@@ -341,3 +345,47 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     assert timed == []
     assert sorted(plan[1]) == sorted([(qkv, d, "none"), (d, d, "residual"), (2 * f, d, "gate"), (d, f, "residual"),
                                       (cfg.vocab_size, d, "none")])
+    assert set(edits) == {None}  # every timing so far in graphs with full edges
+    # options.decode_timing pdl: every call site timed again, each graph with the programmatic edit, kept
+    # under a key of its own (the full-edge timings stay); a rebuild reuses them
+    programmatic = object()
+    monkeypatch.setattr(decode_kernels, "pdl_edges", lambda device: lambda graph: programmatic)
+    edits.clear()
+    _, pdl_record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue", "none", "pdl")  # type: ignore[arg-type]
+    assert len(timed) == len(edits) == 8  # five call sites, three of them also without their epilogue
+    assert all(e is not None and e(0) is programmatic for e in edits)
+    assert all(r["edges"] == "programmatic" and not r.get("reused") for r in pdl_record["decode_b1"].values())
+    timed.clear()
+    _, again_record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue", "none", "pdl")  # type: ignore[arg-type]
+    assert timed == [] and all(r["reused"] for r in again_record["decode_b1"].values())
+    _, full_record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue")  # type: ignore[arg-type]
+    assert timed == [] and not any("edges" in r for r in full_record["decode_b1"].values())
+
+
+def test_the_graph_edit_of_an_enclosing_block_applies_where_a_timing_names_none() -> None:
+    """timing.graph_edits: what `graph_seconds` applies to each captured graph when its caller gives no edit
+    (options.decode_timing pdl reaches the kernel module's `select` this way), restored after the block."""
+    from trtbuild.timing import active_edit, graph_edits
+
+    def outer(graph: int) -> None:
+        return None
+
+    def own(graph: int) -> None:
+        return None
+
+    assert active_edit() is None
+    with graph_edits(outer):
+        assert active_edit() is outer and active_edit(own) is own
+        with graph_edits(None):
+            assert active_edit() is None
+        assert active_edit() is outer
+    assert active_edit() is None
+
+
+def test_pdl_timing_is_refused_with_the_reason_where_pdl_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trtbuild.backends import decode_kernels, pdl
+    from trtbuild.errors import TrtbuildError
+
+    monkeypatch.setattr(pdl, "available", lambda on_cuda: "compute capability 8.x (PDL needs 9.0, Hopper, or later)")
+    with pytest.raises(TrtbuildError, match=r"options.decode_timing: 'pdl' .* compute capability 8.x"):
+        decode_kernels.pdl_edges("cuda:0")

@@ -220,7 +220,7 @@ def test_unknown_backend() -> None:
 
 def test_backend_checks_its_own_options() -> None:
     assert ("options.workspace: unknown option for backend torch "
-            "(known: decode_matmul, decode_attention, decode_fusion, decode_split_k, prefill_attention)"
+            "(known: decode_matmul, decode_attention, decode_fusion, decode_split_k, decode_timing, prefill_attention)"
             in problems_of(tiny_recipe_doc(options={"workspace": 1})))
     assert ("options.prefill_attention: expected one of auto, sdpa, cudnn, got 'flash'"
             in problems_of(tiny_recipe_doc(options={"prefill_attention": "flash"})))
@@ -256,7 +256,7 @@ def test_a_torch_recipe_without_options_builds_with_each_options_default() -> No
     recipe = parse_recipe(tiny_recipe_doc(), Path("r.yaml"))
     assert {name: _option(recipe, name) for name in OPTIONS} == {
         "decode_matmul": "auto", "decode_attention": "auto", "decode_fusion": "epilogue", "decode_split_k": "none",
-        "prefill_attention": "auto"}
+        "decode_timing": "serialized", "prefill_attention": "auto"}
     unfused = parse_recipe(tiny_recipe_doc(options={"decode_fusion": "none"}), Path("r.yaml"))
     assert _option(unfused, "decode_fusion") == "none"
 

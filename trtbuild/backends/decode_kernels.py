@@ -13,11 +13,12 @@ import contextlib
 import hashlib
 import importlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from trtbuild.backends import BuildJob
 from trtbuild.errors import TrtbuildError
+from trtbuild.timing import graph_edits
 
 # options.decode_matmul: auto = trtbuild's decode kernel where it measures faster than cuBLAS (per weight
 # shape and batch bucket); cublas = never; kernel = always (its fastest configuration), for A/B runs.
@@ -52,8 +53,16 @@ EPILOGUE = {"none": "none", "norm": "none", "residual": "residual", "norm_gate":
 # small kernel adding their fp32 partial sums) are timed with the others, for the plain matmul. Opt-in:
 # on the H200, −22 µs a 1B step at batch 1, none kept at 8B (RESULTS.md, fourteenth session).
 DECODE_SPLIT_K_MODES = ("none", "timed")
+# options.decode_timing: how the selection's CUDA graphs join the launches they time. serialized (the
+# default) = full edges, each launch starting after the previous one completes; pdl = programmatic edges
+# where the kernel waits (backends/pdl.py), as the decode graphs run them on Hopper. The kernels' rank can
+# differ: in a PDL chain of 4096x4096 GEMVs on the H200, n4k1024 took 12.02 us a link serialized and 10.71
+# with PDL, n8k1024 11.33 and 11.08 (RESULTS.md, seventeenth session), and the selection, timing serialized,
+# picks by the first column. Opt-in until measured in the engine.
+DECODE_TIMING_MODES = ("serialized", "pdl")
 OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES,
-           "decode_fusion": DECODE_FUSION_MODES, "decode_split_k": DECODE_SPLIT_K_MODES}
+           "decode_fusion": DECODE_FUSION_MODES, "decode_split_k": DECODE_SPLIT_K_MODES,
+           "decode_timing": DECODE_TIMING_MODES}
 
 MatmulKey = tuple[int, int, str]  # (out, in, fusion) of one routed Linear
 
@@ -75,8 +84,8 @@ KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.models.decode_matmul",
 
 
 def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str, job: BuildJob,
-                fusion_mode: str = DECODE_FUSION_MODES[0],
-                split_mode: str = DECODE_SPLIT_K_MODES[0]) -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
+                fusion_mode: str = DECODE_FUSION_MODES[0], split_mode: str = DECODE_SPLIT_K_MODES[0],
+                timing_mode: str = DECODE_TIMING_MODES[0]) -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
     """Which decode matmuls go through trtbuild's Triton kernel, measured per batch bucket and weight shape.
 
     For every weight shape of the model (QKV, output, gate/up, down, LM head) `decode_matmul.select`
@@ -86,7 +95,8 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     the shape, fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or
     another recipe of the same shapes) measures nothing. Returns the plan per bucket ({(out, in,
     fusion): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul;
-    `split_mode` options.decode_split_k (timed: split-K configurations among the candidates).
+    `split_mode` options.decode_split_k (timed: split-K configurations among the candidates);
+    `timing_mode` options.decode_timing (pdl: every timed graph with programmatic edges, `pdl_edges`).
     """
     if mode == "kernel" and not device.startswith("cuda"):
         raise TrtbuildError("options.decode_matmul: 'kernel' is a CUDA kernel, and this build is for the CPU")
@@ -102,6 +112,7 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
         return {}, {"note": f"cuBLAS for every matmul: the decode kernel needs Triton ({e})"}
     from trtbuild.models.llama import Linear
 
+    edit = pdl_edges(device) if timing_mode == "pdl" else None
     by_shape: dict[MatmulKey, list[Any]] = {}
     for mod in model.modules():
         if isinstance(mod, Linear):
@@ -119,13 +130,13 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
             continue
         for (n, k, fusion), weights in by_shape.items():
-            result = _timings(dm, job, weights, rows, (n, k, fusion), split)
+            result = _timings(dm, job, weights, rows, (n, k, fusion), split, edit)
             # a fused call site may still be best served by the kernel alone, with Inductor's ops around it,
             # or (a norm's call site under `fused`) by the kernel with its epilogue only, the norm outside
-            plain = (_timings(dm, job, weights, rows, (n, k, "none"), split)
+            plain = (_timings(dm, job, weights, rows, (n, k, "none"), split, edit)
                      if fusion != "none" and mode == "auto" else None)
             outer = EPILOGUE[fusion]
-            epilogue = (_timings(dm, job, weights, rows, (n, k, outer), split)
+            epilogue = (_timings(dm, job, weights, rows, (n, k, outer), split, edit)
                         if outer not in ("none", fusion) and mode == "auto" else None)
             choice, does = pick(result, plain, mode, epilogue)
             if choice is None:
@@ -178,16 +189,35 @@ def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str,
     return chosen, does
 
 
-def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey, split: bool = False) -> dict[str, Any]:
+def pdl_edges(device: str) -> Callable[[int], object]:
+    """The graph edit that times the selection's graphs with programmatic edges (options.decode_timing pdl):
+    `pdl.overlap` for trtbuild's kernels only (the selection compiles Inductor's code without the wait).
+    Refused where PDL cannot run: before Hopper, or without the driver's graph-edge functions."""
+    import torch
+
+    from trtbuild.backends import pdl
+
+    why = pdl.available(lambda: torch.cuda.get_device_capability(torch.device(device)))
+    if why is not None:
+        raise TrtbuildError(f"options.decode_timing: 'pdl' times with programmatic dependent launch, which this "
+                            f"device cannot use: {why}")
+    return lambda graph: pdl.overlap(graph, inductor_pdl=False)
+
+
+def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey, split: bool = False,
+             edit: Callable[[int], object] | None = None) -> dict[str, Any]:
     """`decode_matmul.select` for one weight shape and fusion, kept in the tactic cache under the shape,
-    fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or another recipe
-    of the same shapes) measures nothing. `dm` is the decode_matmul module (it needs Triton)."""
+    fusion, batch, dtype, layer count, candidate list, kernel source and the graphs' edges (`edit`: the
+    programmatic ones of `pdl_edges`, or none: full), so a rebuild (or another recipe of the same shapes)
+    measures nothing. `dm` is the decode_matmul module (it needs Triton)."""
     from trtbuild.tactics import write_atomic
 
     n, k, fusion = key
     configs = dm.candidates(rows, fusion, split)
     identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
                 "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in configs]}
+    if edit is not None:  # absent: full edges, as every timing before options.decode_timing (their keys stay valid)
+        identity["edges"] = "programmatic"
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
     cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
     if cached.is_file():
@@ -195,7 +225,10 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
         return result
     job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
                  f"cuBLAS and {len(configs)} kernel configurations")
-    result = dm.select(weights, rows, fusion, split=split)
+    with graph_edits(edit):
+        result = dm.select(weights, rows, fusion, split=split)
+    if edit is not None:
+        result["edges"] = "programmatic"
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
     return result
 

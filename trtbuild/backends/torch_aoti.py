@@ -120,7 +120,8 @@ class TorchAOTIBackend:
             plan, matmuls = decode_kernels.matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
                                                        _option(recipe, "decode_matmul"), device, job,
                                                        _option(recipe, "decode_fusion"),
-                                                       _option(recipe, "decode_split_k"))
+                                                       _option(recipe, "decode_split_k"),
+                                                       _option(recipe, "decode_timing"))
         phases["select_matmuls_s"] = time.perf_counter() - t
         attention = decode_kernels.attention_plan(cfg, dtype, _option(recipe, "decode_attention"), device)
         t = time.perf_counter()
