@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import peers  # noqa: E402
 from profile_decode import kernels_of, profile_steps, show  # noqa: E402
-from trtbuild.backends import graph_cache, torch_aoti  # noqa: E402
+from trtbuild.backends import export, graph_cache, torch_aoti  # noqa: E402
 from trtbuild.backends.torch_runtime import _Decoder, _Model  # noqa: E402
 from trtbuild.models.source import resolve  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
@@ -151,12 +151,12 @@ def main() -> None:
     lengths = [min(int(x), shapes.max_input_len) for x in args.lengths.split(",")]
     try:
         if args.graph == "decode":
-            program = torch_aoti.export_decode(model, args.batch, shapes.max_seq_len, device)
+            program = export.export_decode(model, args.batch, shapes.max_seq_len, device)
             for name in args.options.split(","):
                 attempt(name, name, lambda name=name, program=program: decode_run(name, program))
             return
         for example_len in (int(x) for x in args.example_lens.split(",")):
-            program = torch_aoti.export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device, example_len)
+            program = export.export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device, example_len)
             for name in args.options.split(","):
                 attempt(f"{name}@{example_len}", name,
                         lambda name=name, program=program, n=example_len: prefill_run(name, program, n))

@@ -389,3 +389,18 @@ def test_pdl_timing_is_refused_with_the_reason_where_pdl_cannot_run(monkeypatch:
     monkeypatch.setattr(pdl, "available", lambda on_cuda: "compute capability 8.x (PDL needs 9.0, Hopper, or later)")
     with pytest.raises(TrtbuildError, match=r"options.decode_timing: 'pdl' .* compute capability 8.x"):
         decode_kernels.pdl_edges("cuda:0")
+
+
+def test_the_kernels_inline_assembly_has_no_escaped_line_breaks() -> None:
+    """AOTInductor writes each user kernel's source into a file of its own for its autotuning subprocess,
+    and an assembly string's `\\n` became a real line break there: the file no longer parsed (the
+    seventeenth session's L2-prefetch kernel failed so on the H200, before any token). Instructions in
+    one inline_asm_elementwise string are joined with `;` instead."""
+    import ast
+
+    models = Path(__file__).resolve().parents[1] / "trtbuild" / "models"
+    calls = [node for f in sorted(models.glob("*.py")) for node in ast.walk(ast.parse(f.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "inline_asm_elementwise"]
+    assert calls  # the wait and the release (grid_dependency.py)
+    assembly = [c.args[0].value for c in calls if isinstance(c.args[0], ast.Constant)]
+    assert len(assembly) == len(calls) and not any("\n" in a or "\t" in a for a in assembly)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_CONFIG
-from trtbuild.backends import prefill_attention, torch_aoti
+from trtbuild.backends import export, prefill_attention
 from trtbuild.errors import TrtbuildError
 from trtbuild.models.llama import Attention, LlamaConfig, Transformer, rope_table
 
@@ -31,9 +31,9 @@ def test_the_prefill_export_calls_the_routed_attention_and_the_switch_is_undone(
     model = Transformer(cfg, max_batch_size=2, max_seq_len=32, dtype=torch.float32).eval()
     model.rope = rope_table(cfg, 32)
     with prefill_attention.routed(model, "cudnn"):
-        routed = torch_aoti.export_prefill(model, 2, 16, "cpu")
+        routed = export.export_prefill(model, 2, 16, "cpu")
     assert all(m.prefill_kernel == "sdpa" for m in model.modules() if isinstance(m, Attention))
-    plain = torch_aoti.export_prefill(model, 2, 16, "cpu")
+    plain = export.export_prefill(model, 2, 16, "cpu")
     assert attention_ops(routed) == ["aten._scaled_dot_product_cudnn_attention.default"]
     assert attention_ops(plain) == ["aten.scaled_dot_product_attention.default"]
 

@@ -182,7 +182,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     """
     import torch
 
-    from trtbuild.backends import decode_kernels, graph_cache, torch_aoti
+    from trtbuild.backends import decode_kernels, export, graph_cache, torch_aoti
     from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes, read_config
 
     _, cfg = read_config(Path(spec["folder"]))
@@ -192,7 +192,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     # Uninitialized weights, on the CPU like the build's own, through the same placement: what a graph
     # compiles to does not depend on the values, and the export must match the build's to the byte.
     hf = {k: torch.empty(shape, dtype=dtype) for k, shape in hf_parameter_shapes(cfg).items()}
-    model = torch_aoti.place_model(cfg, shapes, dtype, spec["device"], convert_hf_state_dict(hf, cfg),
+    model = export.place_model(cfg, shapes, dtype, spec["device"], convert_hf_state_dict(hf, cfg),
                                    spec.get("fold_norms", False))
     del hf
     matmuls: dict[decode_kernels.MatmulKey, Any] = {}
@@ -201,7 +201,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
         for key, name in spec["matmuls"].items():
             matmuls[decode_kernels.parse_key(key)] = MatmulConfig.parse(name)
-    graph = torch_aoti.export_graph(model, spec["graph"], shapes, spec["device"], matmuls, spec["attention"],
+    graph = export.export_graph(model, spec["graph"], shapes, spec["device"], matmuls, spec["attention"],
                                     spec.get("prefill_attention", "sdpa"))
     configs = torch_aoti.inductor_configs(spec["level"], spec["device"], spec["graph"])
     digest = graph_cache.graph_digest(graph["program"], configs)

@@ -8,7 +8,8 @@ dtype. Each graph is compiled by `aoti_compile_and_package` without its weights 
 .so (and, on CUDA, its cubins). At load the weights and a KV cache that trtbuild allocates are
 handed to every graph as user-managed constants, so prefill and decode share one cache and the
 weights exist once on disk and once in device memory. Compiled graphs are kept and found again by
-`graph_cache.py`; the graphs after the first compile side by side in `compile_workers.py`.
+`graph_cache.py`; the graphs after the first compile side by side in `compile_workers.py`; the model
+is placed on the device and exported by `export.py`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import BuildJob, BuildOutput, compile_workers, decode_kernels, graph_cache, prefill_attention
+from trtbuild.backends.export import bucket, export_graph, model_bytes, place_model
 from trtbuild import fingerprint
-from trtbuild.errors import TrtbuildError
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WEIGHTS = "weights.safetensors"
@@ -42,7 +43,7 @@ def _option(recipe: Any, name: str) -> str:
 
 class TorchAOTIBackend:
     name = "torch"
-    build_modules = ("trtbuild.backends.decode_kernels", "trtbuild.backends.prefill_attention",
+    build_modules = ("trtbuild.backends.export", "trtbuild.backends.decode_kernels", "trtbuild.backends.prefill_attention",
                      "trtbuild.backends.graph_cache", "trtbuild.backends.compile_workers")
 
     def check(self, recipe: Any) -> list[str]:
@@ -132,7 +133,7 @@ class TorchAOTIBackend:
         graphs: dict[str, dict[str, Any]] = {}
         for name in ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets)]:
             job.progress(f"exporting {name}")
-            graphs[name] = export_graph(model, name, shapes, device, plan.get(_bucket(name), {}),
+            graphs[name] = export_graph(model, name, shapes, device, plan.get(bucket(name), {}),
                                         attention["used"], prompt["used"])
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
@@ -141,7 +142,7 @@ class TorchAOTIBackend:
             graph["digest"] = graph_cache.graph_digest(graph["program"], configs[name])
         graph_cache.sweep_half_copied(job.tactics.path)
         missing = [n for n, g in graphs.items() if not graph_cache.cached(job.tactics.path, g["digest"]).is_file()]
-        workers_n = compile_workers.worker_count(len(missing), _model_bytes(model), device)
+        workers_n = compile_workers.worker_count(len(missing), model_bytes(model), device)
         tuned: list[dict[str, Any]] = []
         t = time.perf_counter()
         spare = job.workdir / ".workers"  # removed before the entry is published
@@ -286,95 +287,6 @@ def folds_norms(recipe: Any, device: str) -> bool:
     """Whether a build folds the norms' gains into the weights: with decode_fusion fused, for the decode
     kernels, which run on CUDA only (a CPU build keeps its weights as the checkpoint has them)."""
     return device == "cuda" and _option(recipe, "decode_fusion") == "fused"
-
-
-def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any], fold_norms: bool = False) -> Any:
-    """The model on `device` with `state`'s tensors (this module's fused layout) as its parameters, the
-    norms' gains folded into the weights after them with `fold_norms` (`Transformer.fold_norm_gains`)."""
-    import torch
-
-    from trtbuild.models.llama import Transformer, rope_table
-
-    # Made on the meta device: every parameter is replaced by `state`'s next, and initializing them first
-    # would cost an 8B model 32 GB of random fp32 weights on the GPU (and seconds) for nothing.
-    with torch.device("meta"):
-        model = Transformer(cfg, shapes.max_batch_size, shapes.max_seq_len, dtype)
-    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
-    with torch.device(device):
-        model.rope = rope_table(cfg, shapes.max_seq_len)
-    for name, buf in list(model.named_buffers()):
-        if buf.is_meta:  # the KV caches
-            setattr(model, name, torch.zeros_like(buf, device=device))
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise TrtbuildError(f"model: no weight for {', '.join(missing[:4])} after conversion")
-    if fold_norms:
-        model.fold_norm_gains()
-    return model.eval().requires_grad_(False)
-
-
-def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[decode_kernels.MatmulKey, Any],
-                 attention: str, prefill_kernel: str = "sdpa") -> dict[str, Any]:
-    """Export one graph: "prefill" with its attention through `prefill_kernel`, or "decode_b<N>" with
-    the decode kernels routed as planned."""
-    t = time.perf_counter()
-    if name == "prefill":
-        with prefill_attention.routed(model, prefill_kernel):
-            ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
-        return {"batch": "dynamic", "program": ep, "prefill_attention": prefill_kernel,
-                "export_s": time.perf_counter() - t}
-    with decode_kernels.routed(model, matmuls, attention):
-        ep = export_decode(model, _bucket(name), shapes.max_seq_len, device)
-    return {"batch": _bucket(name), "program": ep, "window": "dynamic",
-            "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
-            "attention": attention, "export_s": time.perf_counter() - t}
-
-
-def _bucket(graph: str) -> int:
-    return int(graph.removeprefix("decode_b")) if graph.startswith("decode_b") else 0
-
-
-def _model_bytes(model: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-
-
-def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: str, example_len: int = 2) -> Any:
-    """The prompt step: batch and prompt length dynamic. Example sizes of 2 avoid export's 0/1
-    specialization (a dimension with max 1 stays static). Inductor tunes the graph's kernels at the
-    example sizes; `example_len` lets benchmarks/probe.py compare other lengths."""
-    import torch
-    from torch.export import Dim
-
-    from trtbuild.models.llama import Step
-
-    batch = Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else None
-    seq = Dim("seq", min=1, max=max_input_len) if max_input_len > 1 else None
-    ex_b, ex_t = min(2, max_batch_size), min(max(2, example_len), max_input_len)
-    with torch.no_grad():
-        return torch.export.export(Step(model, from_start=True),
-                                   (torch.zeros(ex_b, ex_t, dtype=torch.long, device=device),
-                                    torch.arange(ex_t, device=device)),
-                                   dynamic_shapes=({0: batch, 1: seq}, {0: seq}),
-                                   # guards export cannot prove become runtime asserts, not failures
-                                   prefer_deferred_runtime_asserts_over_guards=True)
-
-
-def export_decode(model: Any, batch: int, max_seq_len: int, device: str) -> Any:
-    """The decode step at one batch size: static batch, and one dynamic dimension, the number of
-    cache slots attended over (the runtime picks the smallest window that covers the position)."""
-    import torch
-    from torch.export import Dim
-
-    from trtbuild.models.llama import Step
-
-    window = {0: Dim("window", min=2, max=max_seq_len)} if max_seq_len > 2 else None
-    with torch.no_grad():
-        return torch.export.export(Step(model, from_start=False),
-                                   (torch.zeros(batch, 1, dtype=torch.long, device=device),
-                                    torch.ones(1, dtype=torch.long, device=device),
-                                    torch.arange(max_seq_len, device=device)),
-                                   dynamic_shapes=(None, None, window),
-                                   prefer_deferred_runtime_asserts_over_guards=True)
 
 
 @contextlib.contextmanager

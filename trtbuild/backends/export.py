@@ -1,0 +1,104 @@
+"""The model a torch build compiles, placed on its device and exported: one prefill graph (batch and
+prompt length dynamic) and one decode graph per batch bucket (static batch, dynamic cache window),
+with trtbuild's kernels routed in as the build's plans say. The build process and its compile workers
+(`compile_workers.py`) both export through here, so a worker's export has the build's cache key.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from trtbuild.backends import decode_kernels, prefill_attention
+from trtbuild.errors import TrtbuildError
+
+
+def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any], fold_norms: bool = False) -> Any:
+    """The model on `device` with `state`'s tensors (this module's fused layout) as its parameters, the
+    norms' gains folded into the weights after them with `fold_norms` (`Transformer.fold_norm_gains`)."""
+    import torch
+
+    from trtbuild.models.llama import Transformer, rope_table
+
+    # Made on the meta device: every parameter is replaced by `state`'s next, and initializing them first
+    # would cost an 8B model 32 GB of random fp32 weights on the GPU (and seconds) for nothing.
+    with torch.device("meta"):
+        model = Transformer(cfg, shapes.max_batch_size, shapes.max_seq_len, dtype)
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
+    with torch.device(device):
+        model.rope = rope_table(cfg, shapes.max_seq_len)
+    for name, buf in list(model.named_buffers()):
+        if buf.is_meta:  # the KV caches
+            setattr(model, name, torch.zeros_like(buf, device=device))
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise TrtbuildError(f"model: no weight for {', '.join(missing[:4])} after conversion")
+    if fold_norms:
+        model.fold_norm_gains()
+    return model.eval().requires_grad_(False)
+
+
+def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[decode_kernels.MatmulKey, Any],
+                 attention: str, prefill_kernel: str = "sdpa") -> dict[str, Any]:
+    """Export one graph: "prefill" with its attention through `prefill_kernel`, or "decode_b<N>" with
+    the decode kernels routed as planned."""
+    t = time.perf_counter()
+    if name == "prefill":
+        with prefill_attention.routed(model, prefill_kernel):
+            ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
+        return {"batch": "dynamic", "program": ep, "prefill_attention": prefill_kernel,
+                "export_s": time.perf_counter() - t}
+    with decode_kernels.routed(model, matmuls, attention):
+        ep = export_decode(model, bucket(name), shapes.max_seq_len, device)
+    return {"batch": bucket(name), "program": ep, "window": "dynamic",
+            "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
+            "attention": attention, "export_s": time.perf_counter() - t}
+
+
+def bucket(graph: str) -> int:
+    """The batch of a decode graph's name ("decode_b8": 8); 0 for the prefill graph."""
+    return int(graph.removeprefix("decode_b")) if graph.startswith("decode_b") else 0
+
+
+def model_bytes(model: Any) -> int:
+    """The bytes of the model's parameters and buffers (its KV caches included)."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: str, example_len: int = 2) -> Any:
+    """The prompt step: batch and prompt length dynamic. Example sizes of 2 avoid export's 0/1
+    specialization (a dimension with max 1 stays static). Inductor tunes the graph's kernels at the
+    example sizes; `example_len` lets benchmarks/probe.py compare other lengths."""
+    import torch
+    from torch.export import Dim
+
+    from trtbuild.models.llama import Step
+
+    batch = Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else None
+    seq = Dim("seq", min=1, max=max_input_len) if max_input_len > 1 else None
+    ex_b, ex_t = min(2, max_batch_size), min(max(2, example_len), max_input_len)
+    with torch.no_grad():
+        return torch.export.export(Step(model, from_start=True),
+                                   (torch.zeros(ex_b, ex_t, dtype=torch.long, device=device),
+                                    torch.arange(ex_t, device=device)),
+                                   dynamic_shapes=({0: batch, 1: seq}, {0: seq}),
+                                   # guards export cannot prove become runtime asserts, not failures
+                                   prefer_deferred_runtime_asserts_over_guards=True)
+
+
+def export_decode(model: Any, batch: int, max_seq_len: int, device: str) -> Any:
+    """The decode step at one batch size: static batch, and one dynamic dimension, the number of
+    cache slots attended over (the runtime picks the smallest window that covers the position)."""
+    import torch
+    from torch.export import Dim
+
+    from trtbuild.models.llama import Step
+
+    window = {0: Dim("window", min=2, max=max_seq_len)} if max_seq_len > 2 else None
+    with torch.no_grad():
+        return torch.export.export(Step(model, from_start=False),
+                                   (torch.zeros(batch, 1, dtype=torch.long, device=device),
+                                    torch.ones(1, dtype=torch.long, device=device),
+                                    torch.arange(max_seq_len, device=device)),
+                                   dynamic_shapes=(None, None, window),
+                                   prefer_deferred_runtime_asserts_over_guards=True)
