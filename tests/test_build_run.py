@@ -80,6 +80,36 @@ def _folder(recipe_path: Path, store: Path) -> Path:
     return build(recipe, store, allow_build=False).model.materialize()
 
 
+
+def test_a_run_report_sets_the_builds_matmul_timings_against_the_step(built: dict[str, Any], tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Where a build planned the decode matmuls (CUDA), each decode graph's step of matmuls as the selection
+    timed them goes into engine.json, and the run report sets it against the measured step. A CPU build
+    plans none, so the plan's sum is stood in for; the same recipe with other weights (another seed) builds
+    from a copy of the module's store, its compiled graphs from the tactic cache."""
+    from trtbuild.backends import decode_kernels
+    from trtbuild.cli import _print_report
+
+    monkeypatch.setattr(decode_kernels, "timed_step_us", lambda record, rows: 100.0 * rows if rows else None)
+    doc = tiny_recipe_doc(shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
+    doc["model"]["seed"] = 1
+    recipe = load_recipe(write_recipe(tmp_path, doc))
+    store = shutil.copytree(built["store"], tmp_path / "engines")
+    outcome = build(recipe, store)
+    assert not outcome.cache_hit and outcome.entry.manifest["tactics"]["compiled_graphs_reused"]
+    graphs = json.loads((outcome.entry.path / "engine.json").read_text())["graphs"]
+    assert [graphs[g].get("matmuls_timed_us") for g in ("prefill", "decode_b1", "decode_b2")] == [None, 100.0, 200.0]
+    with open_session(recipe, store, build=False) as session:
+        report = run_report(session, batch_size=2, input_len=4, output_len=3, iterations=1)
+        assert run_report(session, batch_size=1, input_len=4, output_len=3, iterations=1)["decode_matmuls_timed"] == {
+            "graph": "decode_b1", "ms": 0.1}
+    assert report["decode_matmuls_timed"] == {"graph": "decode_b2", "ms": 0.2}
+    _print_report(report)
+    out = capsys.readouterr().out
+    assert "decode_b2 matmuls" in out and "0.200 ms" in out and "as the build timed them" in out
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_engine_tokens_match_the_eager_model(built: dict[str, Any], batch: int) -> None:
     """The compiled prefill + decode packages, sharing one KV cache, give the eager model's greedy tokens."""

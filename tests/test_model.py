@@ -241,8 +241,13 @@ def test_decode_fusion_is_never_for_a_linear_with_a_bias() -> None:
 
 
 def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_kernel_alone() -> None:
-    """The plan's choice per call site, from the selection's timings (µs; numbers of the H200's eighth session)."""
-    from trtbuild.backends.decode_kernels import pick
+    """The plan's choice per call site, from the selection's timings (µs; numbers of the H200's eighth session),
+    with the time of one call the way chosen (what the run report adds up)."""
+    from trtbuild.backends.decode_kernels import pick as pick_timed
+
+    def pick(*args: Any) -> tuple[str | None, str, float | None]:
+        chosen, does, us = pick_timed(*args)
+        return chosen, does, None if us is None else round(us, 2)
 
     def timings(fusion: str, choice: str, cublas: float, unfused: float | None, **candidates: float | str) -> dict:
         return {"fusion": fusion, "choice": choice, "cublas_us": cublas, "candidates": candidates,
@@ -250,25 +255,26 @@ def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_
 
     # 8B QKV at batch 8: the fused norm lost to cuBLAS + Inductor's norm, the kernel alone + that norm wins
     qkv = timings("norm", "cublas", 15.76, 17.68, fused=31.64, broken="failed: OutOfResources")
-    assert pick(qkv, timings("none", "plain", 15.53, None, plain=14.79), "auto") == ("plain", "none")
-    assert pick(qkv, None, "auto") == ("cublas", "none")
-    assert pick(qkv, None, "kernel") == ("fused", "norm")  # kernel mode: the fused kernel, fastest configuration
+    # (the kernel alone + Inductor's norm: 14.79 + 17.68 - 15.76)
+    assert pick(qkv, timings("none", "plain", 15.53, None, plain=14.79), "auto") == ("plain", "none", 16.71)
+    assert pick(qkv, None, "auto") == ("cublas", "none", 17.68)  # with Inductor's norm
+    assert pick(qkv, None, "kernel") == ("fused", "norm", 31.64)  # kernel mode: the fused kernel, fastest configuration
     # 1B output projection at batch 1: the fused residual add beats the kernel alone + Inductor's add
     out = timings("residual", "fused", 6.24, 7.45, fused=5.76)
-    assert pick(out, timings("none", "plain", 6.23, None, plain=5.51), "auto") == ("fused", "residual")
+    assert pick(out, timings("none", "plain", 6.23, None, plain=5.51), "auto") == ("fused", "residual", 5.76)
     # no Inductor timing of the unfused code (its compile failed): the selection's own choice stands
     failed = timings("residual", "fused", 6.24, None, fused=5.76) | {"unfused_us": "failed: BackendCompilerFailed"}
-    assert pick(failed, timings("none", "plain", 6.23, None, plain=1.0), "auto") == ("fused", "residual")
+    assert pick(failed, timings("none", "plain", 6.23, None, plain=1.0), "auto") == ("fused", "residual", 5.76)
     # a call site without fusion: cuBLAS or the kernel, as timed
-    assert pick(timings("none", "cublas", 18.06, None, plain=18.38), None, "auto") == ("cublas", "none")
-    assert pick(timings("none", "cublas", 1.0, None, broken="failed: x"), None, "kernel") == (None, "none")
+    assert pick(timings("none", "cublas", 18.06, None, plain=18.38), None, "auto") == ("cublas", "none", 18.06)
+    assert pick(timings("none", "cublas", 1.0, None, broken="failed: x"), None, "kernel") == (None, "none", None)
     # 8B gate/up at batch 1 with the norm's gain folded (sixteenth session): the norm inside costs ~7 us, so
     # the kernel with the gating alone and Inductor's norm (56.57 + 59.26 - 57.61 = 58.22) beats cuBLAS +
     # Inductor (59.26), the fused kernel (63.67) and the plain kernel + Inductor (57.72 + 59.26 - 55.49)
     up = timings("rms_gate", "cublas", 55.49, 59.26, fused=63.67)
     gate = timings("gate", "gated", 55.80, 57.61, gated=56.57)
-    assert pick(up, timings("none", "cublas", 55.86, None, plain=57.72), "auto", gate) == ("gated", "gate")
-    assert pick(up, timings("none", "cublas", 55.86, None, plain=57.72), "auto") == ("cublas", "none")
+    assert pick(up, timings("none", "cublas", 55.86, None, plain=57.72), "auto", gate) == ("gated", "gate", 58.22)
+    assert pick(up, timings("none", "cublas", 55.86, None, plain=57.72), "auto") == ("cublas", "none", 59.26)
 
 
 def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch: pytest.MonkeyPatch,
@@ -326,6 +332,13 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
         (cfg.vocab_size, d, "norm"): "k"}
     assert record["decode_b1"][f"{qkv}x{d}+norm"]["fused"] is False
     assert record["decode_b1"][f"{qkv}x{d}+norm"]["kernel_does"] == "none"
+    # what a step's matmuls take as timed, for the run report: QKV the kernel alone + Inductor's norm
+    # (11.5) and the fused kernel (8.0) at the other three call sites of every layer, and the LM head once
+    layers = cfg.num_layers
+    assert [(r["calls"], r["chosen_us"]) for r in record["decode_b1"].values()] == \
+        [(layers, 11.5), (layers, 8.0), (layers, 8.0), (layers, 8.0), (1, 8.0)]
+    assert decode_kernels.timed_step_us(record, 1) == layers * 35.5 + 8.0
+    assert decode_kernels.timed_step_us(record, 8) is None
     # each call site group timed once with its fusion and once without, for `pick`; this config's LM head
     # and gate/up share a shape (128x32) but not a layer count, so each has its own timing
     # (gate/up: and with its gating alone, the norm outside)

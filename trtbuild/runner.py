@@ -194,6 +194,9 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
     launch = getattr(session.engine, "launch_report", None)  # how the decode steps launched (torch backend)
     if callable(launch):
         report["decode_launch"] = launch()
+    timed = getattr(session.engine, "timed_matmuls", None)  # the build's timings of the matmuls (torch backend)
+    if callable(timed) and (matmuls := timed(batch_size)) is not None:
+        report["decode_matmuls_timed"] = matmuls
     if outcome.model.tokenizer is not None:
         report["output_text"] = [session.decode(row) for row in gens[-1].output_ids]
     return report

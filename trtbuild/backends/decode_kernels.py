@@ -138,12 +138,13 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             outer = EPILOGUE[fusion]
             epilogue = (_timings(dm, job, weights, rows, (n, k, outer), split, edit)
                         if outer not in ("none", fusion) and mode == "auto" else None)
-            choice, does = pick(result, plain, mode, epilogue)
+            choice, does, us = pick(result, plain, mode, epilogue)
             if choice is None:
                 raise TrtbuildError(f"options.decode_matmul: 'kernel', but no configuration of the kernel ran "
                                     f"correctly for batch {rows} and a {n}x{k} weight: {result['candidates']}")
+            # calls: this call site's matmuls a step; chosen_us: one call the way chosen, as timed
             record.setdefault(f"decode_b{rows}", {})[key_name((n, k, fusion))] = result | {
-                "used": choice, "fused": does != "none", "kernel_does": does}
+                "used": choice, "fused": does != "none", "kernel_does": does, "calls": len(weights), "chosen_us": us}
             if choice != "cublas":
                 plan.setdefault(rows, {})[(n, k, does)] = dm.MatmulConfig.parse(choice)
     return plan, record
@@ -157,11 +158,11 @@ def fastest(result: dict[str, Any]) -> str | None:
 
 
 def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str,
-         epilogue: dict[str, Any] | None = None) -> tuple[str | None, str]:
-    """(configuration or "cublas", the fusion the kernel does: the call site's, its epilogue's or "none") for
-    one call site, from its `select` result and, for a fused call site, the results of the same shape
-    without the fusion (`plain`) and, for a norm's call site under options.decode_fusion fused, with only
-    the part after the matmul (`epilogue`: gate/up's gating).
+         epilogue: dict[str, Any] | None = None) -> tuple[str | None, str, float | None]:
+    """(configuration or "cublas", the fusion the kernel does: the call site's, its epilogue's or "none",
+    µs a call the way chosen, as timed) for one call site, from its `select` result and, for a fused call
+    site, the results of the same shape without the fusion (`plain`) and, for a norm's call site under
+    options.decode_fusion fused, with only the part after the matmul (`epilogue`: gate/up's gating).
 
     The ways to run a fused call site: cuBLAS with Inductor's ops around it (`unfused_us`), the fused
     kernel, the kernel alone with Inductor's ops around it (its time + unfused_us - cublas_us), and the
@@ -174,19 +175,28 @@ def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str,
     fusion = result.get("fusion", "none")
     if mode == "kernel":
         chosen = fastest(result)
-        return chosen, fusion if chosen is not None else "none"
+        return (chosen, fusion, result["candidates"][chosen]) if chosen is not None else (None, "none", None)
     choice = result["choice"]
     unfused = result.get("unfused_us")
     if not isinstance(unfused, float):
-        return choice, fusion if choice != "cublas" else "none"
+        return ((choice, fusion, result["candidates"][choice]) if choice != "cublas" else
+                ("cublas", "none", result["cublas_us"]))
     ways = [(unfused if choice == "cublas" else result["candidates"][choice], choice,
              fusion if choice != "cublas" else "none")]
     if plain is not None and (alone := fastest(plain)) is not None:
         ways.append((plain["candidates"][alone] + unfused - result["cublas_us"], alone, "none"))
     if epilogue is not None and isinstance(epilogue.get("unfused_us"), float) and (outer := fastest(epilogue)) is not None:
         ways.append((epilogue["candidates"][outer] + unfused - epilogue["unfused_us"], outer, epilogue["fusion"]))
-    _, chosen, does = min(ways, key=lambda way: way[0])  # the first of equals: the selection's own choice
-    return chosen, does
+    us, chosen, does = min(ways, key=lambda way: way[0])  # the first of equals: the selection's own choice
+    return chosen, does, us
+
+
+def timed_step_us(record: dict[str, Any], rows: int) -> float | None:
+    """µs of one decode step's matmuls at batch `rows`, from the selection's timings of the ways chosen
+    (`matmul_plan`'s record): each shape timed over its own weights in a CUDA graph, without what runs
+    between the matmuls in a step. None where the plan timed nothing for that batch."""
+    sites = [r for r in record.get(f"decode_b{rows}", {}).values() if isinstance(r, dict) and "chosen_us" in r]
+    return sum(r["chosen_us"] * r["calls"] for r in sites) if sites else None
 
 
 def pdl_edges(device: str) -> Callable[[int], object]:

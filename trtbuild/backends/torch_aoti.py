@@ -135,6 +135,8 @@ class TorchAOTIBackend:
             job.progress(f"exporting {name}")
             graphs[name] = export_graph(model, name, shapes, device, plan.get(bucket(name), {}),
                                         attention["used"], prompt["used"])
+            if (timed := decode_kernels.timed_step_us(matmuls, bucket(name))) is not None:
+                graphs[name]["matmuls_timed_us"] = timed  # for the run report: where a step's time goes
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}

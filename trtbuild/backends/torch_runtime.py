@@ -134,6 +134,14 @@ class TorchEngine:
         capture) or serialized, and why."""
         return {f"decode_b{b}": d.pdl_report for b, d in sorted(self._decoders.items())}
 
+    def timed_matmuls(self, batch: int) -> dict[str, Any] | None:
+        """The matmuls of one step of the decode graph serving `batch`, as the build's selection timed them
+        (each shape over its own weights in a CUDA graph, nothing between them): {"graph", "ms"}, or None
+        where the build planned none (CPU, tactics none, an engine built before it was recorded)."""
+        name = f"decode_b{self.bucket_for(batch)}"
+        us = self.spec["graphs"].get(name, {}).get("matmuls_timed_us")
+        return None if us is None else {"graph": name, "ms": us / 1e3}
+
     def _decode_bytes(self, batch: int, mean_len: float) -> float:
         c = self.cfg
         elem = next(iter(self._consts.values())).element_size()
