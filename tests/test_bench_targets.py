@@ -68,3 +68,18 @@ def test_a_lead_inside_the_engines_own_drift_in_the_run_is_unknown_not_met() -> 
     assert near["met"] is None and "moved 5.4% within the run" in near["measured"]  # 1.8% ahead, 5.4% drift
     assert v["prefill 1024 tokens: ahead of compile"]["met"] is False  # behind: drift does not make it a tie
     assert not any(t.endswith("engine@again") for t in v)  # the engine measured again is never a peer
+
+
+def test_the_engines_label_names_its_kernels_and_the_steps_matmuls_as_timed() -> None:
+    """benchmarks/peers.py describes the engine from its manifest: which call sites the kernel serves and,
+    per decode graph, the step's matmuls as the build's selection timed them (per call × calls a step)."""
+    import peers
+
+    qkv = {"used": "n8k1024w4s3", "calls": 32, "chosen_us": 15.0}
+    head = {"used": "cublas", "calls": 1, "chosen_us": 240.0}
+    manifest = {"tactics": {"decode_matmuls": {"decode_b1": {"6144x4096": qkv, "128256x4096": head},
+                                               "decode_b32": {"note": "cuBLAS: the kernel takes at most 16 rows"}}}}
+    label = peers.decode_kernels(manifest)
+    assert "decode_b1: decode kernel for 1 of 2 weight shapes (6144x4096)" in label
+    assert "the step's matmuls 0.720 ms as the build timed them" in label  # 32 x 15 + 240 us
+    assert "decode_b32" not in label
