@@ -5,7 +5,11 @@ interpreter's bf16 dot is not reliable."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -14,6 +18,14 @@ if not torch.cuda.is_available():  # read when the kernels are defined, so befor
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """One of benchmarks/'s scripts, imported as a module (they are scripts, not a package)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
 
 
 @pytest.mark.parametrize(("batch", "heads", "kv_heads", "head_dim", "pos"),
@@ -258,11 +270,7 @@ def test_decode_attention_reads_only_the_slices_it_wrote(monkeypatch: pytest.Mon
 def test_the_chain_probe_checks_its_steps_against_what_they_compute(links: int) -> None:
     """benchmarks/chain_probe.py judges each case by `expected` before timing it: the step kernel run
     `links` times (through the interpreter here) must leave exactly that, for odd and even chains."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import chain_probe
+    chain_probe = benchmark_module("chain_probe")
 
     programs, block = 5, 16
     start = torch.arange(programs * block, dtype=torch.float32).reshape(programs, block).to(DEVICE)
@@ -279,11 +287,7 @@ def test_the_chain_probes_gemv_kernel_computes_the_chain_one_launch_per_link(pro
     at once, which the interpreter's one-program-at-a-time run never has): every link's output is the
     fp32 chain's, with programs taking every `programs`-th block of rows (0: one program per block, the
     engine's grid, which the barrier refuses)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import chain_probe
+    chain_probe = benchmark_module("chain_probe")
 
     g = torch.Generator().manual_seed(3)
     n, links = 32, 3
@@ -300,3 +304,69 @@ def test_the_chain_probes_gemv_kernel_computes_the_chain_one_launch_per_link(pro
     if programs == 0:
         with pytest.raises(ValueError, match="one program per SM"):
             chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), "barrier", torch.zeros(1, dtype=torch.int32).to(DEVICE))
+
+
+def test_the_matmul_probe_times_extra_configurations_beside_the_builds_and_plans_the_step_with_the_fastest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/matmul_probe.py's bookkeeping, dry-run on the tiny recipe: the build's candidates (one here)
+    through `select`, then the extra configurations, each launched and judged against ATen; only at batch 1;
+    under `pdl` every graph timed with the edit `pdl_edges` gives. The stand-in clock makes every timing
+    faster than the one before, so the last extra configuration must be the fastest way for every shape
+    and the `best` step must use it."""
+    from trtbuild import timing
+    from trtbuild.models import decode_matmul as dm
+
+    probe = benchmark_module("matmul_probe")
+    clock, edits = iter(range(10_000, 0, -1)), []
+
+    def fake_graph_seconds(calls: object, reps: int = 15, edit: object = None) -> float:
+        calls()  # type: ignore[operator]  # the launches run (through the interpreter); only the clock is fake
+        edits.append(timing.active_edit(edit))
+        return next(clock) * 1e-6
+
+    pdl_edit = object()
+    monkeypatch.setattr(probe, "DEVICE", DEVICE)
+    monkeypatch.setattr(probe, "DTYPE", torch.float32)
+    monkeypatch.setattr(probe, "graph_seconds", fake_graph_seconds)
+    monkeypatch.setattr(dm, "graph_seconds", fake_graph_seconds)
+    monkeypatch.setattr(dm, "candidates", lambda rows, fusion="none", split=False: [dm.MatmulConfig(8, 32, 4, 1)])
+    monkeypatch.setattr(probe, "pdl_edges", lambda device: pdl_edit)
+    extra = probe.parse_configs("n4k64w4s1,n2k128w8s3")
+    out = probe.probe_recipe(str(ROOT / "recipes" / "tiny-llama.yaml"), [1, 2], 1, extra, ("serialized", "pdl"))
+
+    for t in ("serialized", "pdl"):
+        for name, row in out["shapes"][t]["1"].items():
+            assert set(row["extra"]) == {"n4k64w4s1", "n2k128w8s3"}, name
+            assert all(isinstance(us, float) for us in row["extra"].values()), row["extra"]
+            assert row["best"] == "n2k128w8s3", name
+        assert out["step"][t]["1"]["best"]["choice"] == dict.fromkeys(out["fusion"], "n2k128w8s3")
+        assert all(row["extra"] == {} for row in out["shapes"][t]["2"].values())
+        assert set(out["step"][t]["2"]) == {"cublas", "selected"}
+    assert out["step"]["serialized"]["1"]["selected"]["choice"]["qkv"] == "n8k32w4s1"
+    half = len(edits) // 2  # the serialized pass first, then the same graphs under the pdl edit
+    assert edits[:half] == [None] * half and edits[half:] == [pdl_edit] * half
+
+
+@pytest.mark.parametrize("fusion", ["none", "residual", "gate"])
+def test_the_matmul_probe_refuses_an_extra_configuration_whose_result_differs_from_atens(
+        monkeypatch: pytest.MonkeyPatch, fusion: str) -> None:
+    """An extra configuration is timed with the call site's fusion only once its output matches ATen's."""
+    from trtbuild.models import decode_matmul as dm
+
+    probe = benchmark_module("matmul_probe")
+    monkeypatch.setattr(probe, "graph_seconds", lambda calls, reps=15, edit=None: (calls(), 5e-6)[1])
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(48 if fusion == "gate" else 24, 40, generator=g).to(DEVICE) for _ in range(2)]
+    config = dm.MatmulConfig(8, 16, 4, 1)
+    assert probe.time_config(weights, 1, fusion, config, 1) == pytest.approx(2.5)  # 5 us / 2 matrices
+    monkeypatch.setattr(probe, "reference", lambda *args: dm.reference(*args) + 1.0)
+    assert str(probe.time_config(weights, 1, fusion, config, 1)).startswith("refused: max relative error")
+
+
+def test_the_matmul_probe_takes_configuration_names_or_wide_and_names_a_bad_one() -> None:
+    probe = benchmark_module("matmul_probe")
+    assert probe.parse_configs("") == [] and probe.parse_configs("wide") == probe.WIDE
+    assert [c.name for c in probe.parse_configs("n4k2048w4s3,n2k4096w8s1")] == ["n4k2048w4s3", "n2k4096w8s1"]
+    for bad, why in (("n3k2048w4s1", "powers of two"), ("n4k2048w4s1p2", "no split-K"), ("n4x", "configuration name")):
+        with pytest.raises(SystemExit, match=why):
+            probe.parse_configs(f"n4k1024w4s1,{bad}")
