@@ -418,7 +418,7 @@ def child_main(kind: str, recipe_path: str, engines: str, prompt_len: int) -> No
         gen = s.engine.generate(default_prompt(1, prompt_len, vocab_size(recipe, s)), 1)  # .tolist() syncs
         t_first = time.time()
         print(json.dumps({"t_main": t_main, "t_loaded": t_loaded, "t_first_token": t_first, "phases": s.phases,
-                          "prefill_s": gen.prefill_s}), flush=True)
+                          "prefill_s": gen.prefill_s, "load_note": getattr(s.engine, "load_note", "")}), flush=True)
 
 
 def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -427,28 +427,33 @@ def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, 
     weights = [entry / "weights.safetensors"] if (entry / "weights.safetensors").is_file() else files
     out: dict[str, Any] = {"weight_files": [str(w) for w in weights], "engine_files": len(files)}
     threads = args.load_threads if (entry / "weights.safetensors").is_file() else 0
-    # (reader, the engine's TRTBUILD_LOAD_THREADS, the floor read the same way): each engine restart
-    # is followed by its floor, both from a dropped page cache in the cold round.
-    readers: list[tuple[str, int, Callable[[], dict[str, float]]]] = [
-        ("one_thread", 0, lambda: read_to_device(weights, ctx["device"]))]
+    # (reader, the engine's environment, the floor read the same way, or None): each engine restart is
+    # followed by its floor, both from a dropped page cache in the cold round. The threaded reader runs
+    # twice: with the weights preloaded onto the GPU while torch imports (the CUDA default,
+    # backends/weights_preload.py) and without (TRTBUILD_PRELOAD=0), an A/B in the same run.
+    readers: list[tuple[str, dict[str, str], Callable[[], dict[str, float]] | None]] = [
+        ("one_thread", {"TRTBUILD_LOAD_THREADS": "0"}, lambda: read_to_device(weights, ctx["device"]))]
     if threads:
-        readers.append((f"threads_{threads}", threads, lambda: read_with_threads(weights, ctx["device"], threads)))
+        readers.append((f"threads_{threads}", {"TRTBUILD_LOAD_THREADS": str(threads)},
+                        lambda: read_with_threads(weights, ctx["device"], threads)))
+        readers.append((f"threads_{threads}_no_preload", {"TRTBUILD_LOAD_THREADS": str(threads), "TRTBUILD_PRELOAD": "0"},
+                        None))
     for cache in ("cold", "warm"):
         cold = cache == "cold"
         note = "files just read (warm page cache)"
         starts: dict[str, dict[str, Any]] = {}
         floors: dict[str, dict[str, float]] = {}
-        for reader, n, read_floor in readers:
+        for reader, env, read_floor in readers:
             if cold:
                 note = drop_page_cache(files)
-            r = child("restart", args.recipe_path, args.engines, ["--prompt-len", str(ctx["plan"].prompt_len)],
-                      {"TRTBUILD_LOAD_THREADS": str(n)})
+            r = child("restart", args.recipe_path, args.engines, ["--prompt-len", str(ctx["plan"].prompt_len)], env)
             if "error" not in r:
                 r["start_to_first_token_s"] = r["t_first_token"] - r["t_spawn"]
             starts[reader] = r
-            if cold:
-                drop_page_cache(weights)
-            floors[reader] = read_floor()
+            if read_floor is not None:
+                if cold:
+                    drop_page_cache(weights)
+                floors[reader] = read_floor()
         fastest = min(floors, key=lambda k: floors[k]["s"])
 
         def ratio(r: dict[str, Any], floor_s: float = floors[fastest]["s"]) -> float:
@@ -460,6 +465,8 @@ def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, 
         if threads:
             rec["engine_load_threads"] = starts[f"threads_{threads}"]
             rec["ratio_to_floor_load_threads"] = ratio(starts[f"threads_{threads}"])
+            rec["engine_load_threads_no_preload"] = starts[f"threads_{threads}_no_preload"]
+            rec["ratio_to_floor_load_threads_no_preload"] = ratio(starts[f"threads_{threads}_no_preload"])
         out[cache] = rec
     return out
 

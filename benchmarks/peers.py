@@ -322,12 +322,15 @@ def table(report: dict[str, Any]) -> str:
                 reader = f", {f['reader']}" if "reader" in f else ""
                 lines.append(f"  restart ({cache} page cache): start -> first token {got}; read weights to device "
                              f"{f['s']:.3f} s ({f['Bps'] / 1e9:.2f} GB/s{reader}); ratio {r['ratio_to_floor']:.2f}")
-                t = r.get("engine_load_threads")
-                if t:
-                    got = f"{t['start_to_first_token_s']:.2f} s" if "error" not in t else t["error"][:160]
-                    lines.append(f"    with TRTBUILD_LOAD_THREADS: start -> first token {got}; load "
-                                 f"{t.get('phases', {}).get('load_s', float('nan')):.2f} s; ratio "
-                                 f"{r['ratio_to_floor_load_threads']:.2f}")
+                for key, label in (("load_threads", "with TRTBUILD_LOAD_THREADS"),
+                                   ("load_threads_no_preload", "the same, TRTBUILD_PRELOAD=0")):
+                    t = r.get(f"engine_{key}")
+                    if t:
+                        got = f"{t['start_to_first_token_s']:.2f} s" if "error" not in t else t["error"][:160]
+                        preloaded = "; weights preloaded" if "start-up" in t.get("load_note", "") else ""
+                        lines.append(f"    {label}: start -> first token {got}; load "
+                                     f"{t.get('phases', {}).get('load_s', float('nan')):.2f} s; ratio "
+                                     f"{r[f'ratio_to_floor_{key}']:.2f}{preloaded}")
         b = rec.get("build")
         if b:
             def one(x: dict[str, Any]) -> str:

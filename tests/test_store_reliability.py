@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -13,9 +14,10 @@ from typing import Any
 
 import pytest
 
+from trtbuild.backends.torch_aoti import TorchAOTIBackend
 from trtbuild.builder import build
 from trtbuild.recipe import load_recipe
-from trtbuild.runner import open_session
+from trtbuild.runner import open_session, run_report
 from trtbuild.store import Store
 
 from .conftest import REPO, read_json_line, run_cli, tiny_recipe_doc, write_recipe
@@ -249,8 +251,60 @@ def test_a_run_prefetches_the_most_recently_used_entry_of_its_recipe(published: 
     assert len(read) == 1 and read[0] and all(src in f.parents for f in read[0])
     sizes = [f.stat().st_size for f in read[0]]
     assert sizes == sorted(sizes) and len(set(sizes)) > 1
+    # a file the backend reads onto its device itself is not read into the page cache as well
+    weights = src / "weights.safetensors"
+    monkeypatch.setattr(TorchAOTIBackend, "preload", lambda self, entry, manifest: [entry / "weights.safetensors"])
+    with open_session(load_recipe(published["recipe"]), store_dir, build=False):
+        pass
+    assert len(read) == 2 and weights in read[0] and weights not in read[1] and len(read[1]) == len(read[0]) - 1
     monkeypatch.setenv("TRTBUILD_PREFETCH", "0")
-    assert Store(store_dir).prefetch("rel") is None
+    with open_session(load_recipe(published["recipe"]), store_dir, build=False):
+        pass
+    assert len(read) == 2
+
+
+def test_a_run_takes_the_weights_preloaded_from_its_own_entry(published: dict[str, Any], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's loader takes a preload of its own weights file (here read into the host stand-in of
+    the GPU's memory, and the CPU engine reading with threads, as a CUDA engine does), says so in the
+    run report's load row, and generates what it does when it reads the file itself. The memory goes
+    when the session closes."""
+    pytest.importorskip("numpy")
+    from tests.doubles.host_cuda_driver import HostDriver
+    from trtbuild.backends import weights_preload
+
+    store_dir = _copy_store(published, tmp_path / "engines")
+    monkeypatch.setenv("TRTBUILD_LOAD_THREADS", "2")
+    recipe = load_recipe(published["recipe"])
+    with open_session(recipe, store_dir, build=False) as s:
+        want = s.generate([[1, 2, 3]], 4)
+        assert s.engine.load_note == ""  # type: ignore[attr-defined]
+    drv = HostDriver()
+    assert weights_preload.start(store_dir / "v1" / published["entry"] / "weights.safetensors", 2, driver=drv)
+    with open_session(recipe, store_dir, build=False) as s:
+        report = run_report(s, batch_size=1, input_len=3, output_len=4, iterations=1)
+        assert "during start-up" in report["load_note"] and drv.device
+        assert s.generate([[1, 2, 3]], 4) == want
+    assert not drv.device and not drv.misuse  # freed at the session's exit, not left to the runner
+
+
+def test_closing_a_session_frees_its_weights_and_caches(published: dict[str, Any], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """AOTInductor's runner keeps its user-managed constants alive after it is destroyed (torch 2.13), so
+    the engine frees the memory under them itself once its graphs are gone: after the session nothing it
+    loaded holds memory. With the threaded reader, a CUDA engine's default; safetensors' loader (the CPU
+    default) maps the file, and its tensors' storage cannot be freed from Python (file-backed pages)."""
+    import weakref
+
+    monkeypatch.setenv("TRTBUILD_LOAD_THREADS", "2")
+    store_dir = _copy_store(published, tmp_path / "engines")
+    with open_session(load_recipe(published["recipe"]), store_dir, build=False) as s:
+        s.generate([[1, 2, 3]], 4)
+        consts = [weakref.ref(t) for t in s.engine._consts.values()]  # type: ignore[attr-defined]
+        assert all(c().untyped_storage().nbytes() > 0 for c in consts)  # type: ignore[union-attr]
+    gc.collect()
+    alive = [c() for c in consts if c() is not None]
+    assert all(t.untyped_storage().nbytes() == 0 for t in alive)
 
 
 def _processes_mentioning(text: str) -> list[int]:

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trtbuild.backends.torch_runtime import load_threads
-from trtbuild.backends.weights_reader import _contiguous_groups, read_safetensors
+from trtbuild.backends.weights_reader import contiguous_groups, read_safetensors
 from trtbuild.errors import InputError, TrtbuildError
 
 
@@ -42,10 +42,10 @@ def test_threaded_read_gives_the_same_tensors_as_safetensors(weights: Path, thre
 
 def test_each_thread_reads_one_contiguous_range_of_about_equal_size() -> None:
     jobs = [(offset, 100, None, 0) for offset in range(0, 1000, 100)]
-    groups = _contiguous_groups(list(reversed(jobs)), 3)
+    groups = contiguous_groups(list(reversed(jobs)), 3)
     assert [len(g) for g in groups] == [4, 3, 3]
     assert [j[0] for g in groups for j in g] == sorted(j[0] for j in jobs)
-    assert _contiguous_groups([], 4) == []
+    assert contiguous_groups([], 4) == []
 
 
 def test_a_truncated_or_garbled_file_is_a_clear_error_naming_it(weights: Path) -> None:

@@ -11,12 +11,14 @@ import contextlib
 import os
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 from trtbuild import backends
 from trtbuild.backends import Engine, Generation
 from trtbuild.builder import BuildOutcome, Progress, build, no_build_from_env
-from trtbuild.errors import EngineMissingError, IncompatibleEngineError, InputError, TrtbuildError
+from trtbuild.errors import (BackendUnavailableError, EngineMissingError, IncompatibleEngineError, InputError,
+                             TrtbuildError)
 from trtbuild.recipe import Recipe, run_shape_problems
 from trtbuild.store import Store, verify
 from trtbuild.timing import percentiles
@@ -137,9 +139,24 @@ def open_session(recipe: Recipe, engines: str | os.PathLike[str] | None = None, 
                  progress: Progress = lambda message: None, verify: bool = False) -> Session:
     """Find (or build) the engine and return a Session; enter it to load the engine."""
     allow = build and not no_build_from_env()
-    Store(engines).prefetch(recipe.name)  # disk reads overlap importing torch and device start-up
+    _read_ahead(recipe, Store(engines))
     outcome = _build(recipe, engines, allow_build=allow, full_verify=verify, progress=progress)
     return Session(recipe, outcome, engines, allow_build=allow, progress=progress)
+
+
+def _read_ahead(recipe: Recipe, store: Store) -> None:
+    """Start reading the entry the key will most likely select while the framework imports and the device
+    starts (seconds on a GPU host): onto the device where its backend can (`preload`), else, and for the
+    rest of its files, into the page cache. The guess is checked where it is used: a backend takes preloaded
+    weights only for the entry it loads. TRTBUILD_PREFETCH=0 turns both off."""
+    if os.environ.get("TRTBUILD_PREFETCH", "1") == "0" or (entry := store.newest(recipe.name)) is None:
+        return
+    skip: tuple[Path, ...] = ()
+    with contextlib.suppress(BackendUnavailableError):
+        preload = getattr(backends.get(recipe.backend), "preload", None)  # optional: the torch backend has one
+        if preload is not None:
+            skip = tuple(preload(entry.path, entry.manifest))
+    store.prefetch(entry, skip)
 
 
 def default_prompt(batch_size: int, input_len: int, vocab_size: int) -> list[list[int]]:
@@ -191,6 +208,7 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
         "output_ids": gens[-1].output_ids,
     }
     report["roofline"] = roofline(gens[-1], ttft["p50"], tpot["p50"], session.engine.device)
+    report["load_note"] = getattr(session.engine, "load_note", "")
     launch = getattr(session.engine, "launch_report", None)  # how the decode steps launched (torch backend)
     if callable(launch):
         report["decode_launch"] = launch()

@@ -158,24 +158,24 @@ class Store:
             raise InputError(f"{ref!r} matches several engines: {names}", hint="give the key prefix")
         return matches[0]
 
-    def prefetch(self, name: str) -> threading.Thread | None:
-        """Start reading the most recently used engine named `name` into the page cache, in the background.
+    def newest(self, name: str) -> Entry | None:
+        """The most recently used entry of recipe `name`: before its key is known (that takes importing the
+        framework and finding the device), nearly always the one the key then selects."""
+        candidates = [e for e in self.entries() if e.name == name]
+        return max(candidates, key=lambda e: e.manifest.get("last_used", 0)) if candidates else None
+
+    def prefetch(self, entry: Entry, skip: tuple[Path, ...] = ()) -> threading.Thread:
+        """Start reading `entry`'s files (less `skip`, which its backend is already reading) into the page
+        cache, in the background.
 
         A run imports its framework and initializes the device (seconds on a GPU host) before it
-        knows its key, and a cold disk takes about as long again to deliver the weights. The newest
-        entry of the recipe's name is nearly always the one the key then selects, so its files are
-        read meanwhile; a wrong guess costs one background read. TRTBUILD_PREFETCH=0 turns it off.
+        knows its key, and a cold disk takes about as long again to deliver the weights. The caller
+        guesses the entry (`newest`); a wrong guess costs one background read.
 
         Smallest files first: the compiled graphs and their kernel files (a few MB) are read from disk
         when the first token runs, and behind a 15 GB weight file they would still be cold then (on
         the H200, 2026-12-03, the 8B's first prefill after a restart took 0.84 s cold, 0.19 s warm)."""
-        if os.environ.get("TRTBUILD_PREFETCH", "1") == "0":
-            return None
-        candidates = [e for e in self.entries() if e.name == name]
-        if not candidates:
-            return None
-        entry = max(candidates, key=lambda e: e.manifest.get("last_used", 0))
-        files = sorted((p for p in entry.path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        files = sorted((p for p in entry.path.rglob("*") if p.is_file() and p not in skip), key=lambda p: p.stat().st_size)
         thread = threading.Thread(target=_read_through, args=(files,), name="trtbuild-prefetch", daemon=True)
         thread.start()
         return thread

@@ -14,6 +14,7 @@ and its GPU test found the same tensors as `load_file`.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -34,15 +35,15 @@ def read_safetensors(path: Path, device: str, threads: int = 8, chunk_bytes: int
     header is unreadable or its data is shorter than the header says."""
     import torch
 
-    header, data_start = _header(path)
+    head, data_start = header(path)
     size = path.stat().st_size
     tensors: dict[str, Any] = {}
     jobs: list[Job] = []
-    for name, info in header.items():
+    for name, info in head.items():
         if name == "__metadata__":
             continue
         try:
-            dtype = getattr(torch, DTYPES[info["dtype"]])
+            dtype = torch_dtype(info["dtype"])
             begin, end = (int(x) for x in info["data_offsets"])
             t = torch.empty([int(d) for d in info["shape"]], dtype=dtype, device=device)
         except (KeyError, TypeError, ValueError) as exc:
@@ -55,7 +56,7 @@ def read_safetensors(path: Path, device: str, threads: int = 8, chunk_bytes: int
             flat = t.view(-1).view(torch.uint8)
             jobs += [(data_start + begin + off, min(chunk_bytes, end - begin - off), flat, off)
                      for off in range(0, end - begin, chunk_bytes)]
-    groups = _contiguous_groups(jobs, max(1, threads))
+    groups = contiguous_groups(jobs, max(1, threads))
     cuda = device.startswith("cuda")
     with ThreadPoolExecutor(max_workers=len(groups) or 1, thread_name_prefix="trtbuild-load") as pool:
         done = [pool.submit(_read_group_cuda, path, g, device, chunk_bytes) if cuda else pool.submit(_read_group, path, g)
@@ -65,7 +66,14 @@ def read_safetensors(path: Path, device: str, threads: int = 8, chunk_bytes: int
     return tensors
 
 
-def _header(path: Path) -> tuple[dict[str, Any], int]:
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of a safetensors dtype name (KeyError for one trtbuild never writes)."""
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def header(path: Path) -> tuple[dict[str, Any], int]:
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
@@ -79,7 +87,7 @@ def _header(path: Path) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-def _contiguous_groups(jobs: list[Job], n: int) -> list[list[Job]]:
+def contiguous_groups(jobs: list[Job], n: int) -> list[list[Job]]:
     """Split jobs (in file order) into at most n runs of about equal bytes: one sequential range per thread."""
     jobs = sorted(jobs, key=lambda j: j[0])
     total = sum(j[1] for j in jobs)
@@ -93,7 +101,7 @@ def _contiguous_groups(jobs: list[Job], n: int) -> list[list[Job]]:
     return [g for g in groups if g]
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
+def pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
@@ -102,7 +110,14 @@ def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
         got += n
 
 
-def _open(path: Path) -> int:
+def host_bytes(address: int, n: int) -> memoryview:
+    """n writable bytes of host memory at `address`. For a CPU tensor, instead of `.numpy()`, which would
+    make its storage unresizable for good: the engine frees its weights by resizing their storage to
+    nothing (torch_runtime.TorchEngine.__exit__)."""
+    return memoryview((ctypes.c_char * n).from_address(address)).cast("B")
+
+
+def open_sequential(path: Path) -> int:
     fd = os.open(path, os.O_RDONLY)
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -111,10 +126,10 @@ def _open(path: Path) -> int:
 
 def _read_group(path: Path, jobs: list[Job]) -> None:
     """CPU: straight into the destination tensors' memory."""
-    fd = _open(path)
+    fd = open_sequential(path)
     try:
         for offset, n, flat, at in jobs:
-            _pread_into(fd, memoryview(flat.numpy())[at:at + n], offset, path)
+            pread_into(fd, host_bytes(flat.data_ptr() + at, n), offset, path)
     finally:
         os.close(fd)
 
@@ -124,7 +139,7 @@ def _read_group_cuda(path: Path, jobs: list[Job], device: str, chunk_bytes: int)
     thread's stream; a buffer is reused only after its copy has finished."""
     import torch
 
-    fd = _open(path)
+    fd = open_sequential(path)
     try:
         with torch.cuda.device(device):
             stream = torch.cuda.Stream()
@@ -134,7 +149,7 @@ def _read_group_cuda(path: Path, jobs: list[Job], device: str, chunk_bytes: int)
                 k = i % 2
                 if copied[k] is not None:
                     copied[k].synchronize()
-                _pread_into(fd, memoryview(staging[k].numpy())[:n], offset, path)
+                pread_into(fd, memoryview(staging[k].numpy())[:n], offset, path)
                 with torch.cuda.stream(stream):
                     flat[at:at + n].copy_(staging[k][:n], non_blocking=True)
                     copied[k] = torch.cuda.Event()

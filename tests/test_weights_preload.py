@@ -1,0 +1,212 @@
+"""backends/weights_preload.py on the CPU, through a strict host-memory stand-in for the CUDA driver
+(tests/doubles/host_cuda_driver.py): the tensors the file holds when the guess was right; nothing taken,
+and everything freed, when it was wrong, the file changed, or the read failed."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.doubles.host_cuda_driver import HostDriver
+from trtbuild.backends import weights_preload
+from trtbuild.backends.torch_aoti import TorchAOTIBackend
+
+np = pytest.importorskip("numpy")  # the stand-in hands its memory to torch through numpy's array interface
+
+
+@pytest.fixture(autouse=True)
+def no_pending() -> Any:
+    yield
+    weights_preload.discard()  # a test that leaves one must not hand it to the next
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "big.bf16": torch.randn(300, 257, generator=g).to(torch.bfloat16),  # many 4 KB chunks
+        "mid.f32": torch.randn(33, 7, generator=g),
+        "ids.i64": torch.arange(-50, 50),
+        "flag.bool": torch.tensor([True, False, True]),
+        "scalar.f16": torch.tensor(1.5, dtype=torch.float16),
+        "empty.f32": torch.zeros(0, 4),
+    }
+    path = tmp_path / "weights.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+def _all_freed(drv: HostDriver) -> bool:
+    gc.collect()
+    return not drv.device and not drv.host and not drv.streams and not drv.misuse
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_preload_gives_the_tensors_the_file_holds_and_frees_them_with_the_last_tensor(weights: Path,
+                                                                                       threads: int) -> None:
+    drv = HostDriver()
+    assert weights_preload.start(weights, threads, driver=drv, chunk=4096)
+    got = weights_preload.take(weights, "cpu")
+    assert got is not None
+    tensors = got.tensors
+    want = load_file(str(weights))
+    assert tensors.keys() == want.keys() and got.seconds > 0
+    for name, t in want.items():
+        assert tensors[name].dtype == t.dtype and tensors[name].shape == t.shape, name
+        assert torch.equal(tensors[name], t), name
+    assert drv.copies > 20 and len(drv.device) == 5  # one allocation per non-empty tensor, none for the empty one
+    assert not drv.host and not drv.streams and not drv.misuse  # staging and streams gone once the read is done
+    del tensors, got
+    assert _all_freed(drv)
+    assert weights_preload.take(weights, "cpu") is None  # taken once
+
+
+def test_freeing_what_was_taken_frees_it_once_though_its_tensors_live_on(weights: Path) -> None:
+    """The engine frees the preloaded memory at exit, while the runner may still hold its tensors (torch
+    2.13's AOTInductor runner keeps its user-managed constants alive): once, not again when they go."""
+    drv = HostDriver()
+    assert weights_preload.start(weights, 2, driver=drv)
+    got = weights_preload.take(weights, "cpu")
+    assert got is not None and len(drv.device) == 5
+    got.free()
+    assert not drv.device
+    got.free()
+    del got
+    assert _all_freed(drv)  # no second free of any allocation (misuse empty)
+
+
+def test_a_preload_of_another_file_or_of_a_replaced_one_is_freed_and_not_taken(weights: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(weights.read_bytes())
+    drv = HostDriver()
+    assert weights_preload.start(weights, 2, driver=drv, chunk=4096)
+    assert weights_preload.take(other, "cpu") is None
+    assert _all_freed(drv)
+
+    drv = HostDriver()
+    assert weights_preload.start(weights, 2, driver=drv, chunk=4096)
+    weights_preload._pending.wait()  # type: ignore[union-attr]  # the read is done; then the entry is rebuilt
+    os.replace(other, weights)  # same path and bytes, another file: a rebuild at the same key
+    assert weights_preload.take(weights, "cpu") is None
+    assert _all_freed(drv)
+
+
+def test_a_preload_for_another_device_is_not_taken(weights: Path) -> None:
+    drv = HostDriver()
+    assert weights_preload.start(weights, 2, driver=drv)
+    assert weights_preload.take(weights, "cuda:1") is None
+    assert _all_freed(drv)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "copy fails"])
+def test_a_preload_that_fails_frees_everything_and_leaves_the_read_to_the_loader(weights: Path, damage: str) -> None:
+    if damage == "truncated":
+        data = weights.read_bytes()
+        weights.write_bytes(data[:len(data) - 100])
+    drv = HostDriver(fail_copy_at=3 if damage == "copy fails" else None)
+    assert weights_preload.start(weights, 2, driver=drv, chunk=4096)
+    assert weights_preload.take(weights, "cpu") is None
+    assert _all_freed(drv)
+
+
+def test_a_build_discards_the_preload_and_a_second_start_waits_for_the_first(weights: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    drv = HostDriver()
+    assert weights_preload.start(weights, 2, driver=drv)
+    assert not weights_preload.start(weights, 2, driver=HostDriver())  # one at a time
+    weights_preload.discard()
+    assert _all_freed(drv) and weights_preload.take(weights, "cpu") is None
+    assert not weights_preload.start(weights, 0, driver=HostDriver())
+    assert not weights_preload.start(weights.with_name("missing.safetensors"), 2, driver=HostDriver())
+    monkeypatch.setenv("TRTBUILD_PRELOAD", "0")
+    assert not weights_preload.start(weights, 2, driver=HostDriver())
+
+
+def test_the_stand_in_has_exactly_the_real_drivers_methods() -> None:
+    def methods(cls: type) -> set[str]:
+        return {n for n, f in inspect.getmembers(cls, callable) if not n.startswith("_")}
+
+    assert methods(HostDriver) == methods(weights_preload.Driver)
+
+
+class _Lib:
+    """libcuda as ctypes sees it: records each call's arguments; writes a 64-bit handle through each
+    pointer argument, as the driver does."""
+
+    HANDLE = 0x7F00_1234_5678
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> int:
+            self.calls.append((name, args))
+            for a in args:
+                target = getattr(a, "_obj", None)  # ctypes.byref(x)
+                if isinstance(target, ctypes.c_uint64 | ctypes.c_void_p):
+                    target.value = self.HANDLE
+            return 0
+        return call
+
+
+def test_the_driver_passes_handles_and_sizes_as_64_bit_values() -> None:
+    """ctypes passes a bare Python int as a 32-bit C int: every pointer, handle and size must go typed,
+    or an allocation above 4 GB (or a 6 GB copy) would be cut short."""
+    lib = _Lib()
+    drv = weights_preload.Driver(lib)
+    drv.open(0)
+    ptr = drv.alloc(6 << 30)
+    host = drv.alloc_host(64 << 20)
+    stream = drv.stream()
+    drv.copy_to_device(ptr + (5 << 30), host, 64 << 20, stream)
+    drv.synchronize(stream)
+    drv.free(ptr)
+    names = [n for n, _ in lib.calls]
+    assert names[:4] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent"]
+    assert ptr == host == stream == _Lib.HANDLE
+    for name, args in lib.calls:
+        assert not any(type(a) is int for a in args), (name, args)
+    copy = dict(lib.calls)["cuMemcpyHtoDAsync_v2"]
+    assert copy[0].value == _Lib.HANDLE + (5 << 30) and copy[2].value == 64 << 20
+    assert dict(lib.calls)["cuMemAlloc_v2"][1].value == 6 << 30
+
+
+def test_a_failing_driver_call_names_itself() -> None:
+    lib = _Lib()
+    lib.cuInit = lambda *args: 100  # CUDA_ERROR_NO_DEVICE
+    with pytest.raises(RuntimeError, match=r"cuInit failed \(CUresult 100\)"):
+        weights_preload.Driver(lib).open(0)
+
+
+def _entry(tmp_path: Path, device: str) -> Path:
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    (entry / "engine.json").write_text(f'{{"device": "{device}"}}')
+    (entry / "weights.safetensors").write_bytes(b"")
+    return entry
+
+
+@pytest.mark.parametrize(("device", "env", "expected"), [("cuda", {}, True), ("cpu", {}, False),
+                                                         ("cuda", {"TRTBUILD_LOAD_THREADS": "0"}, False),
+                                                         ("cuda", {"TRTBUILD_LOAD_THREADS": "lots"}, False)])
+def test_the_torch_backend_preloads_a_cuda_engines_weights_with_the_loaders_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, env: dict[str, str], expected: bool) -> None:
+    """A CUDA entry's weights with the threads the loader would use; never a CPU entry's, nor with the
+    threaded reader off (safetensors' loader then reads), nor with a malformed thread count (the loader
+    reports it)."""
+    started: list[tuple[Path, int]] = []
+    monkeypatch.setattr(weights_preload, "start", lambda path, threads: started.append((path, threads)) or True)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    entry = _entry(tmp_path, device)
+    files = TorchAOTIBackend().preload(entry, {})
+    assert files == ([entry / "weights.safetensors"] if expected else [])
+    assert started == ([(entry / "weights.safetensors", 8)] if expected else [])

@@ -1,0 +1,330 @@
+"""Reading a cached engine's weights onto the GPU while the process is still importing torch.
+
+Why: a restart of the 8B engine from a warm page cache spent 4.0-4.7 s starting up (mostly importing
+torch, on one core) and then 1.31 s loading the weights, against 0.60 s to read them (H200, tenth
+session). The read needs no torch: the CUDA driver's own API (libcuda, which ships with the driver and
+loads in milliseconds) can allocate device memory and copy into it. So before torch is imported,
+`runner.open_session` lets the backend start this module on the entry the store guesses the key will
+select (the newest of the recipe's name), and other cores read its weights.safetensors into device
+memory the way the threaded reader does (weights_reader.py: each thread a contiguous range of the
+file, two pinned staging buffers, its own streams) while the main thread imports torch.
+
+A guess, never trusted: the engine's loader `take`s the tensors only for the file it is about to read
+(the same path, and the same device, inode, size and modification time: a rebuilt entry at the same
+path is another file), only if the read completed, and only for the one device it was read to; in any
+other case they are freed and the loader reads as before. A build frees them first (`discard`), so a
+wrong guess never holds device memory through a build. torch adopts each allocation through
+`__cuda_array_interface__` (the memory stays the driver's; torch keeps the owner alive until its last
+tensor is gone, and the owner then frees it). Both processes share the device's primary context, which
+the CUDA runtime under torch uses too.
+
+Written in the eighteenth session, when no GPU was lent: tested against a strict stand-in for the
+driver on the CPU, **not yet run on a GPU**. TRTBUILD_PRELOAD=0 turns it off (TRTBUILD_PREFETCH=0 turns
+off every read-ahead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trtbuild.backends.weights_reader import contiguous_groups, header, host_bytes, open_sequential, pread_into
+
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+            "F8_E4M3": 1, "F8_E5M2": 1}
+CHUNK = 64 << 20  # fewer, larger chunks than the loader's: each one takes the GIL from the import a few times
+
+
+class Driver:
+    """The CUDA driver calls the preload makes, through ctypes. Every 64-bit value is passed typed (ctypes
+    would pass a bare int as a 32-bit C int)."""
+
+    def __init__(self, lib: Any = None) -> None:
+        self.lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+        self.ctx: int | None = None
+
+    def _call(self, name: str, *args: Any) -> None:
+        rc = getattr(self.lib, name)(*args)
+        if rc != 0:
+            raise RuntimeError(f"{name} failed (CUresult {rc})")
+
+    def open(self, ordinal: int) -> None:
+        """Initialize the driver and retain device `ordinal`'s primary context (the one torch will use),
+        current on the calling thread. Never released: the adopted memory lives in it."""
+        self._call("cuInit", ctypes.c_uint(0))
+        dev = ctypes.c_int()
+        self._call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
+        ctx = ctypes.c_void_p()
+        self._call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+        self.ctx = ctx.value
+        self.make_current()
+
+    def make_current(self) -> None:
+        self._call("cuCtxSetCurrent", ctypes.c_void_p(self.ctx))
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = ctypes.c_uint64()
+        self._call("cuMemAlloc_v2", ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        return ptr.value
+
+    def free(self, ptr: int) -> None:
+        self.make_current()  # a tensor's last reference may go on any thread
+        self._call("cuMemFree_v2", ctypes.c_uint64(ptr))
+
+    def alloc_host(self, nbytes: int) -> int:
+        ptr = ctypes.c_void_p()
+        self._call("cuMemHostAlloc", ctypes.byref(ptr), ctypes.c_size_t(nbytes), ctypes.c_uint(0))
+        assert ptr.value is not None
+        return ptr.value
+
+    def free_host(self, ptr: int) -> None:
+        self._call("cuMemFreeHost", ctypes.c_void_p(ptr))
+
+    def stream(self) -> int:
+        s = ctypes.c_void_p()
+        self._call("cuStreamCreate", ctypes.byref(s), ctypes.c_uint(1))  # CU_STREAM_NON_BLOCKING
+        assert s.value is not None
+        return s.value
+
+    def destroy_stream(self, stream: int) -> None:
+        self._call("cuStreamDestroy_v2", ctypes.c_void_p(stream))
+
+    def copy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._call("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
+                   ctypes.c_void_p(stream))
+
+    def synchronize(self, stream: int) -> None:
+        self._call("cuStreamSynchronize", ctypes.c_void_p(stream))
+
+    def adopt(self, allocation: "Allocation") -> Any:
+        """What torch.as_tensor takes to make a uint8 tensor of `allocation` without a copy."""
+        return _CudaArray(allocation)
+
+    @staticmethod
+    def torch_device(ordinal: int) -> str:
+        """The torch device that device `ordinal` is (both count the devices CUDA_VISIBLE_DEVICES leaves)."""
+        return f"cuda:{ordinal}"
+
+
+class Allocation:
+    """One device allocation of the preload, freed once: by `free` (the engine's exit), or else when the
+    last reference to it goes."""
+
+    def __init__(self, driver: Any, ptr: int, nbytes: int) -> None:
+        self.driver, self.ptr, self.nbytes = driver, ptr, nbytes
+
+    def free(self) -> None:
+        ptr, self.ptr = self.ptr, 0
+        if ptr:
+            self.driver.free(ptr)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the driver may be gone; so is the process
+            self.free()
+
+
+class _CudaArray:
+    """An allocation as torch adopts it: torch holds this object (and so the allocation) until its last
+    tensor on the memory is freed."""
+
+    def __init__(self, allocation: Allocation) -> None:
+        self.allocation = allocation
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        a = self.allocation
+        return {"shape": (a.nbytes,), "typestr": "|u1", "data": (a.ptr, False), "version": 2}
+
+
+@dataclass
+class _Tensor:
+    name: str
+    dtype: str  # the safetensors name (BF16)
+    shape: list[int]
+    ptr: int  # 0 for an empty tensor
+    nbytes: int
+
+
+def _identity(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@dataclass
+class Preload:
+    """One file being read onto device `ordinal` in the background (`start`)."""
+
+    path: Path
+    driver: Any
+    threads: int
+    ordinal: int = 0
+    chunk: int = CHUNK
+    identity: tuple[int, int, int, int] | None = None
+    tensors: list[_Tensor] = field(default_factory=list)
+    error: BaseException | None = None
+    seconds: float | None = None
+    _thread: threading.Thread | None = None
+
+    def begin(self) -> None:
+        self.identity = _identity(self.path)
+        self._thread = threading.Thread(target=self._run, name="trtbuild-preload", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def release(self) -> None:
+        """Free every allocation not yet adopted (after `wait`)."""
+        for t in self.tensors:
+            if t.ptr:
+                with contextlib.suppress(Exception):
+                    self.driver.free(t.ptr)
+        self.tensors = []
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            head, data_start = header(self.path)
+            size = self.path.stat().st_size
+            self.driver.open(self.ordinal)
+            jobs: list[tuple[int, int, int, int]] = []  # (file offset, bytes, device pointer, offset in it)
+            for name, info in head.items():
+                if name == "__metadata__":
+                    continue
+                begin, end = (int(x) for x in info["data_offsets"])
+                shape = [int(d) for d in info["shape"]]
+                numel = 1
+                for d in shape:
+                    numel *= d
+                if end - begin != numel * ITEMSIZE[info["dtype"]] or data_start + end > size:
+                    raise ValueError(f"tensor {name!r}: its bytes do not match its shape or lie past the end")
+                n = end - begin
+                self.tensors.append(_Tensor(name, info["dtype"], shape, self.driver.alloc(n) if n else 0, n))
+                ptr = self.tensors[-1].ptr
+                jobs += [(data_start + begin + off, min(self.chunk, n - off), ptr, off) for off in range(0, n, self.chunk)]
+            groups = contiguous_groups(jobs, max(1, self.threads))
+            with ThreadPoolExecutor(max_workers=len(groups) or 1, thread_name_prefix="trtbuild-preload") as pool:
+                for done in [pool.submit(self._read_group, g) for g in groups]:
+                    done.result()
+        except BaseException as e:  # the loader reads the file itself and reports what is wrong with it
+            self.error = e
+            self.release()
+        self.seconds = time.perf_counter() - t0
+
+    def _read_group(self, jobs: list[tuple[int, int, int, int]]) -> None:
+        """Read into one pinned buffer while the other's copy runs on its own stream; a buffer is refilled
+        only after its stream has finished the copy out of it."""
+        drv = self.driver
+        drv.make_current()
+        fd = open_sequential(self.path)
+        staging: list[int] = []
+        streams: list[int] = []
+        try:
+            staging = [drv.alloc_host(self.chunk) for _ in range(2)]
+            streams = [drv.stream() for _ in range(2)]
+            for i, (offset, n, ptr, at) in enumerate(jobs):
+                k = i % 2
+                drv.synchronize(streams[k])
+                pread_into(fd, host_bytes(staging[k], n), offset, self.path)
+                drv.copy_to_device(ptr + at, staging[k], n, streams[k])
+        finally:
+            for s in streams:  # no copy may still read a staging buffer when it is freed
+                with contextlib.suppress(Exception):
+                    drv.synchronize(s)
+                with contextlib.suppress(Exception):
+                    drv.destroy_stream(s)
+            for buf in staging:
+                with contextlib.suppress(Exception):
+                    drv.free_host(buf)
+            os.close(fd)
+
+
+_pending: Preload | None = None
+_lock = threading.Lock()
+
+
+def start(path: Path, threads: int, driver: Any = None, chunk: int = CHUNK) -> bool:
+    """Begin reading `path` onto the first GPU in the background; False where it cannot (turned off, no
+    threads, no file, no CUDA driver) or one is already under way."""
+    global _pending
+    if os.environ.get("TRTBUILD_PRELOAD", "1") == "0" or threads <= 0 or not path.is_file():
+        return False
+    with _lock:
+        if _pending is not None:
+            return False
+        try:
+            drv = driver if driver is not None else Driver()
+        except OSError:  # no libcuda: a CPU-only host
+            return False
+        _pending = Preload(path, drv, threads, chunk=chunk)
+        _pending.begin()
+    return True
+
+
+def _claim() -> Preload | None:
+    global _pending
+    with _lock:
+        pre, _pending = _pending, None
+    if pre is not None:
+        pre.wait()
+    return pre
+
+
+def discard() -> None:
+    """Free a preload nobody will take (a build is about to need the device memory)."""
+    pre = _claim()
+    if pre is not None:
+        pre.release()
+
+
+@dataclass
+class Preloaded:
+    """What `take` hands the loader: the tensors, the seconds their read took, and the allocations under
+    them, which `free` releases (once nothing will run on the tensors again)."""
+
+    tensors: dict[str, Any]
+    seconds: float
+    allocations: list[Allocation]
+
+    def free(self) -> None:
+        for a in self.allocations:
+            a.free()
+
+
+def take(path: Path, device: str) -> Preloaded | None:
+    """The preloaded tensors of `path` on `device`, if a preload of that very file completed; else None
+    (and whatever was preloaded is freed)."""
+    pre = _claim()
+    if pre is None:
+        return None
+    if (pre.error is not None or pre.path != path or pre.identity != _identity(path)
+            or device != pre.driver.torch_device(pre.ordinal)):
+        pre.release()
+        return None
+    import torch
+
+    from trtbuild.backends.weights_reader import torch_dtype
+
+    # Every allocation gets its owner first: whatever happens below, each is freed exactly once.
+    owned = [(t, Allocation(pre.driver, t.ptr, t.nbytes) if t.ptr else None) for t in pre.tensors]
+    pre.tensors = []
+    tensors: dict[str, Any] = {}
+    for t, allocation in owned:
+        dtype = torch_dtype(t.dtype)
+        if allocation is None:
+            tensors[t.name] = torch.empty(t.shape, dtype=dtype, device=device)
+        else:
+            tensors[t.name] = torch.as_tensor(pre.driver.adopt(allocation), device=device).view(dtype).view(t.shape)
+    assert pre.seconds is not None
+    return Preloaded(tensors, pre.seconds, [a for _, a in owned if a is not None])
