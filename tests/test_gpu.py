@@ -83,6 +83,54 @@ def test_threaded_reader_puts_the_same_tensors_on_the_gpu(tmp_path: Path, thread
     assert all(got[k].is_cuda and got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_preload_puts_the_files_tensors_on_the_gpu_and_frees_them(tmp_path: Path, threads: int) -> None:
+    """weights_preload through the real CUDA driver: the tensors safetensors' loader gives, in memory
+    torch adopted without a copy, freed again by `free` (the device's free memory comes back)."""
+    from safetensors.torch import load_file, save_file
+
+    from trtbuild.backends import weights_preload
+
+    g = torch.Generator().manual_seed(2)
+    tensors = {"a": torch.randn(8192, 4096, generator=g).to(torch.bfloat16), "b": torch.randn(3, 5, generator=g),
+               "c": torch.arange(77), "d": torch.zeros(0, 3)}  # a: 64 MiB, enough to see in the free memory
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    want = load_file(str(path), device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.mem_get_info()[0]
+    assert weights_preload.start(path, threads, chunk=1 << 20)
+    got = weights_preload.take(path, "cuda:0")
+    assert got is not None, "the preload failed or was refused"
+    assert got.tensors.keys() == want.keys()
+    assert all(got.tensors[k].is_cuda and got.tensors[k].dtype == want[k].dtype and torch.equal(got.tensors[k], want[k])
+               for k in want)
+    assert before - torch.cuda.mem_get_info()[0] >= 64 << 20
+    del got.tensors
+    got.free()
+    torch.cuda.synchronize()
+    assert abs(torch.cuda.mem_get_info()[0] - before) < 8 << 20
+
+
+def test_a_restart_takes_the_weights_it_preloaded_while_torch_imported(tmp_path: Path) -> None:
+    """`trtbuild run` in a new process, as a restart: its weights are read onto the GPU before torch is
+    imported (the run report's load row says so), and its tokens are those of a run that reads them after."""
+    from .conftest import read_json_line, run_cli
+
+    doc = tiny_recipe_doc(precision="bf16", shapes={"max_batch_size": 1, "max_input_len": 16, "max_seq_len": 48,
+                                                   "batch_buckets": [1]})
+    path = write_recipe(tmp_path, doc)
+    store = tmp_path / "store"
+    build(load_recipe(path), store)
+    runs = {}
+    for preload in ("1", "0"):
+        proc = run_cli("run", str(path), "--engines", str(store), "--no-build", "--json", env={"TRTBUILD_PRELOAD": preload})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[preload] = read_json_line(proc.stdout)
+    assert "during start-up" in runs["1"]["load_note"] and runs["0"]["load_note"] == ""
+    assert runs["1"]["output_ids"] == runs["0"]["output_ids"]
+
+
 @pytest.mark.parametrize("fusion", ["none", "split-k", "epilogue", "fused", "pdl-timing"])
 def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_reused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str) -> None:

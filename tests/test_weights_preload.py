@@ -117,6 +117,16 @@ def test_a_preload_that_fails_frees_everything_and_leaves_the_read_to_the_loader
     assert _all_freed(drv)
 
 
+def test_a_preload_torch_cannot_adopt_is_freed_and_not_taken(weights: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch reads `__cuda_array_interface__` with numpy's help; without it (or any other refusal) the
+    loader reads the file itself."""
+    drv = HostDriver()
+    assert weights_preload.start(weights, 2, driver=drv)
+    monkeypatch.setattr(torch, "as_tensor", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("Numpy is not available")))
+    assert weights_preload.take(weights, "cpu") is None
+    assert _all_freed(drv)
+
+
 def test_a_build_discards_the_preload_and_a_second_start_waits_for_the_first(weights: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     drv = HostDriver()

@@ -30,7 +30,6 @@ import ctypes
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,18 +212,31 @@ class Preload:
                 self.tensors.append(_Tensor(name, info["dtype"], shape, self.driver.alloc(n) if n else 0, n))
                 ptr = self.tensors[-1].ptr
                 jobs += [(data_start + begin + off, min(self.chunk, n - off), ptr, off) for off in range(0, n, self.chunk)]
-            groups = contiguous_groups(jobs, max(1, self.threads))
-            with ThreadPoolExecutor(max_workers=len(groups) or 1, thread_name_prefix="trtbuild-preload") as pool:
-                for done in [pool.submit(self._read_group, g) for g in groups]:
-                    done.result()
+            # daemon threads, not an executor's: a process that exits early (its engine not found) must
+            # not wait at exit for a read nobody will use
+            errors: list[BaseException] = []
+            workers = [threading.Thread(target=self._read_group, args=(g, errors), daemon=True, name="trtbuild-preload")
+                       for g in contiguous_groups(jobs, max(1, self.threads))]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            if errors:
+                raise errors[0]
         except BaseException as e:  # the loader reads the file itself and reports what is wrong with it
             self.error = e
             self.release()
         self.seconds = time.perf_counter() - t0
 
-    def _read_group(self, jobs: list[tuple[int, int, int, int]]) -> None:
+    def _read_group(self, jobs: list[tuple[int, int, int, int]], errors: list[BaseException]) -> None:
         """Read into one pinned buffer while the other's copy runs on its own stream; a buffer is refilled
-        only after its stream has finished the copy out of it."""
+        only after its stream has finished the copy out of it. An error goes to `errors`."""
+        try:
+            self._copy_group(jobs)
+        except BaseException as e:
+            errors.append(e)
+
+    def _copy_group(self, jobs: list[tuple[int, int, int, int]]) -> None:
         drv = self.driver
         drv.make_current()
         fd = open_sequential(self.path)
@@ -319,12 +331,19 @@ def take(path: Path, device: str) -> Preloaded | None:
     # Every allocation gets its owner first: whatever happens below, each is freed exactly once.
     owned = [(t, Allocation(pre.driver, t.ptr, t.nbytes) if t.ptr else None) for t in pre.tensors]
     pre.tensors = []
+    allocations = [a for _, a in owned if a is not None]
     tensors: dict[str, Any] = {}
-    for t, allocation in owned:
-        dtype = torch_dtype(t.dtype)
-        if allocation is None:
-            tensors[t.name] = torch.empty(t.shape, dtype=dtype, device=device)
-        else:
-            tensors[t.name] = torch.as_tensor(pre.driver.adopt(allocation), device=device).view(dtype).view(t.shape)
+    try:
+        for t, allocation in owned:
+            dtype = torch_dtype(t.dtype)
+            if allocation is None:
+                tensors[t.name] = torch.empty(t.shape, dtype=dtype, device=device)
+            else:
+                tensors[t.name] = torch.as_tensor(pre.driver.adopt(allocation), device=device).view(dtype).view(t.shape)
+    except Exception:  # torch reads the array interface with numpy's help, which a process may lack
+        tensors.clear()
+        for a in allocations:
+            a.free()
+        return None
     assert pre.seconds is not None
-    return Preloaded(tensors, pre.seconds, [a for _, a in owned if a is not None])
+    return Preloaded(tensors, pre.seconds, allocations)
