@@ -27,7 +27,6 @@ from typing import Any
 from trtbuild.backends import BuildJob, BuildOutput, compile_workers, decode_kernels, graph_cache, prefill_attention
 from trtbuild.backends.export import bucket, export_graph, model_bytes, place_model
 from trtbuild import fingerprint
-from trtbuild.errors import TrtbuildError
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WEIGHTS = "weights.safetensors"
@@ -211,19 +210,11 @@ class TorchAOTIBackend:
         return TorchEngine(entry)
 
     def preload(self, entry: Path, manifest: dict[str, Any]) -> list[Path]:
-        """Start reading a cached CUDA engine's weights onto the GPU before torch is imported (a guess of the
-        entry `load` will get: backends/weights_preload.py); the files it reads. Never raises: whatever
-        stops it, the loader reads as before and reports what is wrong."""
-        from trtbuild.backends import weights_preload
-        from trtbuild.backends.torch_runtime import load_threads
+        """Start reading a cached engine's weights onto its GPU before torch is imported (torch_runtime.preload,
+        runtime code kept out of this module, whose source keys every engine); the files it reads."""
+        from trtbuild.backends.torch_runtime import preload
 
-        weights = entry / WEIGHTS
-        try:
-            cuda = json.loads((entry / "engine.json").read_text()).get("device") == "cuda"
-            threads = load_threads("cuda") if cuda else 0
-        except (OSError, ValueError, TrtbuildError):  # unreadable spec, TRTBUILD_LOAD_THREADS malformed
-            return []
-        return [weights] if threads and weights_preload.start(weights, threads) else []
+        return preload(entry)
 
 
 def save_weights(tensors: dict[str, Any], path: Path) -> None:

@@ -229,21 +229,21 @@ class Preload:
         self.seconds = time.perf_counter() - t0
 
     def _read_group(self, jobs: list[tuple[int, int, int, int]], errors: list[BaseException]) -> None:
-        """Read into one pinned buffer while the other's copy runs on its own stream; a buffer is refilled
-        only after its stream has finished the copy out of it. An error goes to `errors`."""
         try:
             self._copy_group(jobs)
         except BaseException as e:
             errors.append(e)
 
     def _copy_group(self, jobs: list[tuple[int, int, int, int]]) -> None:
+        """Read into one pinned buffer while the other's copy runs on its own stream; a buffer is refilled
+        only after its stream has finished the copy out of it."""
         drv = self.driver
         drv.make_current()
         fd = open_sequential(self.path)
         staging: list[int] = []
         streams: list[int] = []
         try:
-            staging = [drv.alloc_host(self.chunk) for _ in range(2)]
+            staging = [drv.alloc_host(max(n for _, n, _, _ in jobs)) for _ in range(2)]  # pinning takes time: no more
             streams = [drv.stream() for _ in range(2)]
             for i, (offset, n, ptr, at) in enumerate(jobs):
                 k = i % 2
