@@ -22,10 +22,13 @@ from trtbuild.backends.torch_aoti import TorchAOTIBackend
 np = pytest.importorskip("numpy")  # the stand-in hands its memory to torch through numpy's array interface
 
 
+_discard = weights_preload.discard  # the real one, whatever a test patched in its place
+
+
 @pytest.fixture(autouse=True)
 def no_pending() -> Any:
     yield
-    weights_preload.discard()  # a test that leaves one must not hand it to the next
+    _discard()  # a test that leaves one must not hand it to the next
 
 
 @pytest.fixture
@@ -220,3 +223,21 @@ def test_the_torch_backend_preloads_a_cuda_engines_weights_with_the_loaders_thre
     files = TorchAOTIBackend().preload(entry, {})
     assert files == ([entry / "weights.safetensors"] if expected else [])
     assert started == ([(entry / "weights.safetensors", 8)] if expected else [])
+
+
+def test_a_torch_build_frees_a_pending_preload_before_anything_else(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    """A run whose guess was another entry goes on to build: the guessed weights must not hold device
+    memory through the build."""
+    from trtbuild.backends import BuildJob
+
+    class Discarded(Exception):
+        pass
+
+    def discard() -> None:
+        raise Discarded
+
+    monkeypatch.setattr(weights_preload, "discard", discard)
+    job = BuildJob(recipe=None, model=None, workdir=tmp_path, tactics=None, device={"kind": "cuda"})  # type: ignore[arg-type]
+    with pytest.raises(Discarded):
+        TorchAOTIBackend().build(job)

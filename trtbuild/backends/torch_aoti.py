@@ -90,10 +90,9 @@ class TorchAOTIBackend:
         import torch
 
         from trtbuild.backends import weights_preload
-
-        weights_preload.discard()  # a run's guess of another entry: its device memory is the build's now
         from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
 
+        weights_preload.discard()  # a run's guess of another entry: its device memory is the build's now
         recipe, shapes = job.recipe, job.recipe.shapes
         dtype = getattr(torch, DTYPE_NAMES[recipe.precision])
         device = "cuda" if job.device.get("kind") == "cuda" else "cpu"
