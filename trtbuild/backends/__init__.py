@@ -86,6 +86,10 @@ class Backend(Protocol):
 
     def load(self, entry: Path, manifest: dict[str, Any]) -> Engine: ...
 
+    # Optional, looked up with getattr (runner._read_ahead): `preload(entry, manifest) -> list[Path]` starts
+    # reading a cached entry onto its device before the framework is imported, a guess that `load` checks,
+    # and returns the files it reads. The torch backend has one (backends/weights_preload.py).
+
 
 @dataclass(frozen=True)
 class _Registration:
