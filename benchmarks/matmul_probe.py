@@ -126,11 +126,13 @@ def shape_row(weights: list[torch.Tensor], m: int, fusion: str, extra: list[Matm
 
 
 def probe_recipe(path: str, batches: list[int], reps: int, extra: list[MatmulConfig] | None = None,
-                 timings: tuple[str, ...] = ("serialized",), fusion: str = "none") -> dict[str, Any]:
+                 timings: tuple[str, ...] = ("serialized",), fusion: str = "none",
+                 save: Callable[[dict[str, Any]], None] = lambda partial: None) -> dict[str, Any]:
     """Every weight shape of the recipe at each batch, under each edge mode of `timings` (serialized: full
     edges; pdl: the programmatic ones the decode graphs use, `decode_kernels.pdl_edges`), with `fusion`
     (none, or epilogue: the default engine's call sites). `extra` configurations (one-row: batch 1 only)
-    are timed beside the build's own candidates, and the step's matmuls are timed with each plan."""
+    are timed beside the build's own candidates, and the step's matmuls are timed with each plan. `save`
+    gets the result so far after each batch (a probe cut off by its time limit keeps what it measured)."""
     recipe = load_recipe(path)
     assert recipe.model.config is not None, "the probe takes recipes with an inline (synthetic) config"
     cfg = LlamaConfig.from_hf(recipe.model.config)
@@ -165,6 +167,7 @@ def probe_recipe(path: str, batches: list[int], reps: int, extra: list[MatmulCon
                         "ms": t * 1e3, "TBps": total / t / 1e12, "choice": chosen}
                     print(f"[probe] {recipe.name} {timing} b{m} whole step's matmuls, {plan:9s} {t * 1e3:7.3f} ms "
                           f"{total / t / 1e12:.2f} TB/s {chosen if plan != 'cublas' else ''}", flush=True)
+                save(out)
     weights.clear()  # free this recipe's weights before the next
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -238,9 +241,12 @@ def main() -> None:
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device,
               "torch": torch.__version__, "command": " ".join(sys.argv), "recipes": []}
     a.out.mkdir(parents=True, exist_ok=True)
+    def save(partial: dict[str, Any]) -> None:
+        (a.out / "matmul_probe.json").write_text(json.dumps(result | {"recipes": [*result["recipes"], partial]}, indent=1))
+
     for path in a.recipes:
         result["recipes"].append(probe_recipe(path, [int(b) for b in a.batches.split(",")], a.reps, extra, timings,
-                                              a.fusion))
+                                              a.fusion, save))
         (a.out / "matmul_probe.json").write_text(json.dumps(result, indent=1))
     print(f"[probe] done in {time.perf_counter() - t0:.0f} s; {a.out / 'matmul_probe.json'}")
 

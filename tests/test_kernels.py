@@ -332,7 +332,10 @@ def test_the_matmul_probe_times_extra_configurations_beside_the_builds_and_plans
     monkeypatch.setattr(dm, "candidates", lambda rows, fusion="none", split=False: [dm.MatmulConfig(8, 32, 4, 1)])
     monkeypatch.setattr(probe, "pdl_edges", lambda device: pdl_edit)
     extra = probe.parse_configs("n4k64w4s1,n2k128w8s3")
-    out = probe.probe_recipe(str(ROOT / "recipes" / "tiny-llama.yaml"), [1, 2], 1, extra, ("serialized", "pdl"))
+    saved: list[int] = []  # after each batch of each timing, what is measured so far goes to `save`
+    out = probe.probe_recipe(str(ROOT / "recipes" / "tiny-llama.yaml"), [1, 2], 1, extra, ("serialized", "pdl"),
+                             save=lambda partial: saved.append(sum(len(b) for b in partial["step"].values())))
+    assert saved == [1, 2, 3, 4]
 
     for t in ("serialized", "pdl"):
         for name, row in out["shapes"][t]["1"].items():
