@@ -47,6 +47,9 @@ class TorchEngine:
             raise TrtbuildError(f"{self.entry} was built for CUDA and this process sees no GPU")
         self.cfg = LlamaConfig.from_hf(self.spec["hf_config"])
         threads = load_threads(self.device)
+        # The graphs' runners first: they need no weights, a preload still reading from a cold disk goes on
+        # meanwhile, and a graph that cannot load fails before 15 GB are read.
+        models = {name: _Model(self.entry / graph["so"], self.device) for name, graph in self.spec["graphs"].items()}
         path = self.entry / "weights.safetensors"
         preloaded = weights_preload.take(path, self.device) if threads else None
         if preloaded is not None:  # read onto the GPU while torch was imported, from this very file
@@ -71,12 +74,12 @@ class TorchEngine:
             consts[f"model.k_cache_{i}"] = torch.zeros(cache_shape, dtype=dtype, device=self.device)
             consts[f"model.v_cache_{i}"] = torch.zeros(cache_shape, dtype=dtype, device=self.device)
         self._consts = consts
-        for name, graph in self.spec["graphs"].items():
-            model = _Model(self.entry / graph["so"], self.device)
+        for name, model in models.items():
             missing = [n for n in model.fqns() if n not in consts]
             if missing:
-                raise TrtbuildError(f"{self.entry / graph['so']}: the compiled graph expects constants trtbuild does not "
-                                    f"have: {', '.join(missing[:3])}", hint="rebuild the engine (`trtbuild cache rm`)")
+                raise TrtbuildError(f"{self.entry / self.spec['graphs'][name]['so']}: the compiled graph expects constants "
+                                    f"trtbuild does not have: {', '.join(missing[:3])}",
+                                    hint="rebuild the engine (`trtbuild cache rm`)")
             model.load_constants(consts)
             self._packages[name] = model
         return self
