@@ -241,3 +241,21 @@ def test_a_torch_build_frees_a_pending_preload_before_anything_else(monkeypatch:
     job = BuildJob(recipe=None, model=None, workdir=tmp_path, tactics=None, device={"kind": "cuda"})  # type: ignore[arg-type]
     with pytest.raises(Discarded):
         TorchAOTIBackend().build(job)
+
+
+def test_the_loader_is_told_how_long_it_waited_for_a_read_still_under_way(weights: Path) -> None:
+    """A read that outlasts start-up (a cold disk) makes the loader wait; the load row says how long."""
+    import time
+
+    class SlowDriver(HostDriver):
+        def open(self, ordinal: int) -> None:
+            time.sleep(0.2)
+            super().open(ordinal)
+
+    drv = SlowDriver()
+    assert weights_preload.start(weights, 2, driver=drv)
+    got = weights_preload.take(weights, "cpu")
+    assert got is not None and 0.15 < got.waited_s <= got.seconds + 0.05
+    got.free()
+    del got
+    assert _all_freed(drv)

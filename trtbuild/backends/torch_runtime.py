@@ -54,7 +54,8 @@ class TorchEngine:
         preloaded = weights_preload.take(path, self.device) if threads else None
         if preloaded is not None:  # read onto the GPU while torch was imported, from this very file
             weights, self._preloaded = preloaded.tensors, preloaded
-            self.load_note = f"weights read onto the GPU during start-up ({preloaded.seconds:.2f} s of reading, overlapped)"
+            self.load_note = (f"weights read onto the GPU during start-up ({preloaded.seconds:.2f} s of reading, "
+                              f"{preloaded.waited_s:.2f} s of it waited for here)")
         elif threads:
             weights = read_safetensors(path, self.device, threads)
         else:

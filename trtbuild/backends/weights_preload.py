@@ -284,18 +284,20 @@ def start(path: Path, threads: int, driver: Any = None, chunk: int = CHUNK) -> b
     return True
 
 
-def _claim() -> Preload | None:
+def _claim() -> tuple[Preload | None, float]:
+    """The pending preload, once its read is over, and the seconds spent waiting for that."""
     global _pending
     with _lock:
         pre, _pending = _pending, None
+    t = time.perf_counter()
     if pre is not None:
         pre.wait()
-    return pre
+    return pre, time.perf_counter() - t
 
 
 def discard() -> None:
     """Free a preload nobody will take (a build is about to need the device memory)."""
-    pre = _claim()
+    pre, _ = _claim()
     if pre is not None:
         pre.release()
 
@@ -308,6 +310,7 @@ class Preloaded:
     tensors: dict[str, Any]
     seconds: float
     allocations: list[Allocation]
+    waited_s: float = 0.0  # how long the loader waited for the read to end (a cold disk outlasting start-up)
 
     def free(self) -> None:
         for a in self.allocations:
@@ -317,7 +320,7 @@ class Preloaded:
 def take(path: Path, device: str) -> Preloaded | None:
     """The preloaded tensors of `path` on `device`, if a preload of that very file completed; else None
     (and whatever was preloaded is freed)."""
-    pre = _claim()
+    pre, waited = _claim()
     if pre is None:
         return None
     if (pre.error is not None or pre.path != path or pre.identity != _identity(path)
@@ -346,4 +349,4 @@ def take(path: Path, device: str) -> Preloaded | None:
             a.free()
         return None
     assert pre.seconds is not None
-    return Preloaded(tensors, pre.seconds, allocations)
+    return Preloaded(tensors, pre.seconds, allocations, waited)
