@@ -14,9 +14,9 @@ A guess, never trusted: the engine's loader `take`s the tensors only for the fil
 path is another file), only if the read completed, and only for the one device it was read to; in any
 other case they are freed and the loader reads as before. A build frees them first (`discard`), so a
 wrong guess never holds device memory through a build. torch adopts each allocation through
-`__cuda_array_interface__` (the memory stays the driver's; torch keeps the owner alive until its last
-tensor is gone, and the owner then frees it). Both processes share the device's primary context, which
-the CUDA runtime under torch uses too.
+`__cuda_array_interface__` without a copy: the memory stays the driver's, freed by the engine at its exit
+(`Preloaded.free`) or else when its last tensor goes. The preload and torch share the device's primary
+context, the one the CUDA runtime under torch uses.
 
 Written in the eighteenth session, when no GPU was lent: tested against a strict stand-in for the
 driver on the CPU, **not yet run on a GPU**. TRTBUILD_PRELOAD=0 turns it off (TRTBUILD_PREFETCH=0 turns
