@@ -323,7 +323,7 @@ def table(report: dict[str, Any]) -> str:
                 lines.append(f"  restart ({cache} page cache): start -> first token {got}; read weights to device "
                              f"{f['s']:.3f} s ({f['Bps'] / 1e9:.2f} GB/s{reader}); ratio {r['ratio_to_floor']:.2f}")
                 for key, label in (("load_threads", "with TRTBUILD_LOAD_THREADS"),
-                                   ("load_threads_no_preload", "the same, TRTBUILD_PRELOAD=0")):
+                                   ("load_threads_preload", "the same, TRTBUILD_PRELOAD=1")):
                     t = r.get(f"engine_{key}")
                     if t:
                         got = f"{t['start_to_first_token_s']:.2f} s" if "error" not in t else t["error"][:160]

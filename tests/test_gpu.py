@@ -84,7 +84,8 @@ def test_threaded_reader_puts_the_same_tensors_on_the_gpu(tmp_path: Path, thread
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_preload_puts_the_files_tensors_on_the_gpu_and_frees_them(tmp_path: Path, threads: int) -> None:
+def test_preload_puts_the_files_tensors_on_the_gpu_and_frees_them(tmp_path: Path, threads: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """weights_preload through the real CUDA driver: the tensors safetensors' loader gives, in memory
     torch adopted without a copy, freed again by `free` (the device's free memory comes back)."""
     from safetensors.torch import load_file, save_file
@@ -98,6 +99,7 @@ def test_preload_puts_the_files_tensors_on_the_gpu_and_frees_them(tmp_path: Path
     save_file(tensors, str(path))
     want = load_file(str(path), device="cuda")
     torch.cuda.synchronize()
+    monkeypatch.setenv("TRTBUILD_PRELOAD", "1")  # opt-in until this test and the benchmark have run
     before = torch.cuda.mem_get_info()[0]
     assert weights_preload.start(path, threads, chunk=1 << 20)
     got = weights_preload.take(path, "cuda:0")

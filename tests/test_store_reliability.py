@@ -275,6 +275,7 @@ def test_a_run_takes_the_weights_preloaded_from_its_own_entry(published: dict[st
 
     store_dir = _copy_store(published, tmp_path / "engines")
     monkeypatch.setenv("TRTBUILD_LOAD_THREADS", "2")
+    monkeypatch.setenv("TRTBUILD_PRELOAD", "1")
     recipe = load_recipe(published["recipe"])
     with open_session(recipe, store_dir, build=False) as s:
         want = s.generate([[1, 2, 3]], 4)

@@ -26,7 +26,8 @@ _discard = weights_preload.discard  # the real one, whatever a test patched in i
 
 
 @pytest.fixture(autouse=True)
-def no_pending() -> Any:
+def no_pending(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("TRTBUILD_PRELOAD", "1")  # opt-in until it has run on a GPU
     yield
     _discard()  # a test that leaves one must not hand it to the next
 
@@ -140,6 +141,8 @@ def test_a_build_discards_the_preload_and_a_second_start_waits_for_the_first(wei
     assert not weights_preload.start(weights, 0, driver=HostDriver())
     assert not weights_preload.start(weights.with_name("missing.safetensors"), 2, driver=HostDriver())
     monkeypatch.setenv("TRTBUILD_PRELOAD", "0")
+    assert not weights_preload.start(weights, 2, driver=HostDriver())
+    monkeypatch.delenv("TRTBUILD_PRELOAD")  # the default, until it has run on a GPU
     assert not weights_preload.start(weights, 2, driver=HostDriver())
 
 

@@ -19,8 +19,9 @@ wrong guess never holds device memory through a build. torch adopts each allocat
 context, the one the CUDA runtime under torch uses.
 
 Written in the eighteenth session, when no GPU was lent: tested against a strict stand-in for the
-driver on the CPU, **not yet run on a GPU**. TRTBUILD_PRELOAD=0 turns it off (TRTBUILD_PREFETCH=0 turns
-off every read-ahead).
+driver on the CPU, **not yet run on a GPU**, so opt-in until it has: TRTBUILD_PRELOAD=1 turns it on
+(TRTBUILD_PREFETCH=0 turns off every read-ahead). A ctypes call the real driver takes differently would
+not fall back, it would end the process.
 """
 
 from __future__ import annotations
@@ -267,10 +268,10 @@ _lock = threading.Lock()
 
 
 def start(path: Path, threads: int, driver: Any = None, chunk: int = CHUNK) -> bool:
-    """Begin reading `path` onto the first GPU in the background; False where it cannot (turned off, no
+    """Begin reading `path` onto the first GPU in the background; False where it cannot (not turned on, no
     threads, no file, no CUDA driver) or one is already under way."""
     global _pending
-    if os.environ.get("TRTBUILD_PRELOAD", "1") == "0" or threads <= 0 or not path.is_file():
+    if os.environ.get("TRTBUILD_PRELOAD", "0") != "1" or threads <= 0 or not path.is_file():
         return False
     with _lock:
         if _pending is not None:
