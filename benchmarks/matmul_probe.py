@@ -7,7 +7,7 @@ inside one CUDA graph per candidate (no launch overhead, as in the engine):
   - cuBLAS through `F.linear` (what the compiled graphs call at tactics `default`),
   - every candidate launch configuration of `trtbuild.models.decode_matmul` (the build's own
     selection, `decode_matmul.select`),
-  - with `--configs`, more one-row configurations at batch 1 (names, or `wide`: WIDE below), timed the
+  - with `--configs`, more configurations (names, or `wide`: WIDE at batch 1, WIDE_ROWS above), timed the
     same way and judged against ATen the same way, without making them build candidates (which would
     change the kernel's source digest, and with it every cached timing and compiled graph),
 then the whole step's matmuls in layer order (QKV, output, gate/up, down per layer, then the LM head)
@@ -64,12 +64,16 @@ EPILOGUE_FUSION = {"qkv": "none", "o": "residual", "gate_up": "gate", "down": "r
 # this times such neighbours per weight shape, both ways, before any of them becomes a build candidate
 # (which changes the kernel's source and so every cached timing and graph).
 WIDE = [MatmulConfig(n, k, w, s) for n in (2, 4, 8) for k in (1024, 2048, 4096) for w in (4, 8) for s in (1, 3)]
+# and for 2-16 rows (the tensor-core path, blocks of at least 16 columns), beyond the build's ROWS: longer k
+# steps, 8 warps, 2-5 stages. The 1B shape's batch 8 is the decode row furthest from its target (1.68x).
+WIDE_ROWS = [MatmulConfig(n, k, w, s) for n in (16, 32) for k in (512, 1024) for w in (4, 8) for s in (2, 3, 5)]
 
 
-def parse_configs(spec: str) -> list[MatmulConfig]:
-    """`--configs`: "wide", or configuration names as the build records them (n4k2048w4s3)."""
+def parse_configs(spec: str) -> dict[str, list[MatmulConfig]]:
+    """`--configs`: "wide" ({"one": WIDE for batch 1, "rows": WIDE_ROWS for more}), or configuration names
+    as the build records them (n4k2048w4s3), timed at every batch."""
     if spec in ("", "wide"):
-        return list(WIDE) if spec else []
+        return {"one": list(WIDE), "rows": list(WIDE_ROWS)} if spec else {}
     configs = []
     for name in spec.split(","):
         try:
@@ -80,7 +84,7 @@ def parse_configs(spec: str) -> list[MatmulConfig]:
         if config.split != 1 or any(s < 1 or s & (s - 1) for s in sizes) or config.warps not in (1, 2, 4, 8, 16):
             raise SystemExit(f"--configs: {name!r}: blocks must be powers of two, warps 1-16, no split-K")
         configs.append(config)
-    return configs
+    return {"one": configs, "rows": configs}
 
 
 def time_config(weights: list[torch.Tensor], rows: int, fusion: str, config: MatmulConfig, reps: int) -> float | str:
@@ -125,13 +129,13 @@ def shape_row(weights: list[torch.Tensor], m: int, fusion: str, extra: list[Matm
     return row
 
 
-def probe_recipe(path: str, batches: list[int], reps: int, extra: list[MatmulConfig] | None = None,
+def probe_recipe(path: str, batches: list[int], reps: int, extra: dict[str, list[MatmulConfig]] | None = None,
                  timings: tuple[str, ...] = ("serialized",), fusion: str = "none",
                  save: Callable[[dict[str, Any]], None] = lambda partial: None) -> dict[str, Any]:
     """Every weight shape of the recipe at each batch, under each edge mode of `timings` (serialized: full
     edges; pdl: the programmatic ones the decode graphs use, `decode_kernels.pdl_edges`), with `fusion`
-    (none, or epilogue: the default engine's call sites). `extra` configurations (one-row: batch 1 only)
-    are timed beside the build's own candidates, and the step's matmuls are timed with each plan. `save`
+    (none, or epilogue: the default engine's call sites). `extra` configurations (`parse_configs`: "one" at
+    batch 1, "rows" above) are timed beside the build's own candidates, and the step's matmuls are timed with each plan. `save`
     gets the result so far after each batch (a probe cut off by its time limit keeps what it measured)."""
     recipe = load_recipe(path)
     assert recipe.model.config is not None, "the probe takes recipes with an inline (synthetic) config"
@@ -153,13 +157,13 @@ def probe_recipe(path: str, batches: list[int], reps: int, extra: list[MatmulCon
     for timing in timings:
         with graph_edits(pdl_edges(DEVICE) if timing == "pdl" else None):
             for m in batches:
-                rows = {name: shape_row(weights[name], m, fusions[name], (extra or []) if m == 1 else [], reps)
-                        for name in shapes}
+                more = (extra or {}).get("one" if m == 1 else "rows", [])
+                rows = {name: shape_row(weights[name], m, fusions[name], more, reps) for name in shapes}
                 out["shapes"].setdefault(timing, {})[str(m)] = rows
                 for name, row in rows.items():
                     _print_shape(recipe.name, timing, m, name, row)
                 plans = {"cublas": {n: "cublas" for n in shapes}, "selected": {n: r["choice"] for n, r in rows.items()}}
-                if extra and m == 1:
+                if more:
                     plans["best"] = {n: r["best"] for n, r in rows.items()}
                 for plan, chosen in plans.items():
                     t = graph_seconds(_step(cfg, weights, fusions, chosen, m, gen), reps)
@@ -224,8 +228,8 @@ def main() -> None:
     ap.add_argument("recipes", nargs="+")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--configs", default="", help="one-row configurations to time beside the build's candidates at "
-                    "batch 1: names (n4k2048w4s3,...) or 'wide' (WIDE)")
+    ap.add_argument("--configs", default="", help="configurations to time beside the build's candidates: names "
+                    "(n4k2048w4s3,...), at every batch, or 'wide' (WIDE at batch 1, WIDE_ROWS above)")
     ap.add_argument("--timing", default="serialized", help="serialized, pdl or both: the graphs' edges, as "
                     "options.decode_timing")
     ap.add_argument("--fusion", choices=("none", "epilogue"), default="none",

@@ -309,7 +309,8 @@ def test_the_chain_probes_gemv_kernel_computes_the_chain_one_launch_per_link(pro
 def test_the_matmul_probe_times_extra_configurations_beside_the_builds_and_plans_the_step_with_the_fastest(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/matmul_probe.py's bookkeeping, dry-run on the tiny recipe: the build's candidates (one here)
-    through `select`, then the extra configurations, each launched and judged against ATen; only at batch 1;
+    through `select`, then the extra configurations, each launched and judged against ATen: the one-row set
+    at batch 1, the other at batch 2;
     under `pdl` every graph timed with the edit `pdl_edges` gives. The stand-in clock makes every timing
     faster than the one before, so the last extra configuration must be the fastest way for every shape
     and the `best` step must use it."""
@@ -331,11 +332,11 @@ def test_the_matmul_probe_times_extra_configurations_beside_the_builds_and_plans
     monkeypatch.setattr(dm, "graph_seconds", fake_graph_seconds)
     monkeypatch.setattr(dm, "candidates", lambda rows, fusion="none", split=False: [dm.MatmulConfig(8, 32, 4, 1)])
     monkeypatch.setattr(probe, "pdl_edges", lambda device: pdl_edit)
-    extra = probe.parse_configs("n4k64w4s1,n2k128w8s3")
+    extra = {"one": probe.parse_configs("n4k64w4s1,n2k128w8s3")["one"], "rows": [dm.MatmulConfig(16, 64, 4, 2)]}
     saved: list[int] = []  # after each batch of each timing, what is measured so far goes to `save`
     out = probe.probe_recipe(str(ROOT / "recipes" / "tiny-llama.yaml"), [1, 2], 1, extra, ("serialized", "pdl"),
                              save=lambda partial: saved.append(sum(len(b) for b in partial["step"].values())))
-    assert saved == [1, 2, 3, 4]
+    assert saved == [1, 2, 3, 4]  # batches with their plans timed so far
 
     for t in ("serialized", "pdl"):
         for name, row in out["shapes"][t]["1"].items():
@@ -343,8 +344,10 @@ def test_the_matmul_probe_times_extra_configurations_beside_the_builds_and_plans
             assert all(isinstance(us, float) for us in row["extra"].values()), row["extra"]
             assert row["best"] == "n2k128w8s3", name
         assert out["step"][t]["1"]["best"]["choice"] == dict.fromkeys(out["fusion"], "n2k128w8s3")
-        assert all(row["extra"] == {} for row in out["shapes"][t]["2"].values())
-        assert set(out["step"][t]["2"]) == {"cublas", "selected"}
+        # at batch 2 the "rows" set: the tensor-core path's configuration, timed and (the clock says) fastest
+        assert all(list(row["extra"]) == ["n16k64w4s2"] and isinstance(row["extra"]["n16k64w4s2"], float)
+                   for row in out["shapes"][t]["2"].values())
+        assert out["step"][t]["2"]["best"]["choice"] == dict.fromkeys(out["fusion"], "n16k64w4s2")
     assert out["step"]["serialized"]["1"]["selected"]["choice"]["qkv"] == "n8k32w4s1"
     half = len(edits) // 2  # the serialized pass first, then the same graphs under the pdl edit
     assert edits[:half] == [None] * half and edits[half:] == [pdl_edit] * half
@@ -368,8 +371,10 @@ def test_the_matmul_probe_refuses_an_extra_configuration_whose_result_differs_fr
 
 def test_the_matmul_probe_takes_configuration_names_or_wide_and_names_a_bad_one() -> None:
     probe = benchmark_module("matmul_probe")
-    assert probe.parse_configs("") == [] and probe.parse_configs("wide") == probe.WIDE
-    assert [c.name for c in probe.parse_configs("n4k2048w4s3,n2k4096w8s1")] == ["n4k2048w4s3", "n2k4096w8s1"]
+    assert probe.parse_configs("") == {} and probe.parse_configs("wide") == {"one": probe.WIDE, "rows": probe.WIDE_ROWS}
+    named = probe.parse_configs("n4k2048w4s3,n2k4096w8s1")
+    assert [c.name for c in named["one"]] == ["n4k2048w4s3", "n2k4096w8s1"] and named["rows"] == named["one"]
+    assert all(c.block_n >= 16 for c in probe.WIDE_ROWS)  # the tensor-core path's smallest block
     for bad, why in (("n3k2048w4s1", "powers of two"), ("n4k2048w4s1p2", "no split-K"), ("n4x", "configuration name")):
         with pytest.raises(SystemExit, match=why):
             probe.parse_configs(f"n4k1024w4s1,{bad}")
