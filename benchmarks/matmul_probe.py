@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from trtbuild.backends.decode_kernels import fastest, pdl_edges  # noqa: E402
-from trtbuild.models.decode_matmul import (GATED, MatmulConfig, decode_matmul, output_columns,  # noqa: E402
-                                           reference, select)
+from trtbuild.models.decode_matmul import (GATED, MatmulConfig, _failure, decode_matmul,  # noqa: E402
+                                           output_columns, reference, select)
 from trtbuild.timing import graph_edits, graph_seconds  # noqa: E402
 from trtbuild.models.llama import LlamaConfig  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
@@ -108,8 +108,8 @@ def time_config(weights: list[torch.Tensor], rows: int, fusion: str, config: Mat
             for w, y in zip(weights, ys, strict=True):
                 decode_matmul(x, w, config, out=y, gate=gate, residual=residual)
         return graph_seconds(calls, reps) / len(weights) * 1e6
-    except Exception as e:  # a configuration that does not compile is a measurement too
-        return f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    except Exception as e:  # a configuration that does not compile is a measurement too, recorded as select does
+        return _failure(e)
 
 
 def shape_row(weights: list[torch.Tensor], m: int, fusion: str, extra: list[MatmulConfig], reps: int) -> dict[str, Any]:

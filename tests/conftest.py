@@ -51,6 +51,27 @@ def engine_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return store
 
 
+@pytest.fixture
+def weights(tmp_path: Path) -> Path:
+    """A safetensors file of every kind of tensor the weight readers meet: bf16 spanning many small chunks,
+    fp32, int64, bool, a scalar and an empty tensor."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "big.bf16": torch.randn(300, 257, generator=g).to(torch.bfloat16),  # spans many 1-4 KB chunks
+        "mid.f32": torch.randn(33, 7, generator=g),
+        "ids.i64": torch.arange(-50, 50),
+        "flag.bool": torch.tensor([True, False, True]),
+        "scalar.f16": torch.tensor(1.5, dtype=torch.float16),
+        "empty.f32": torch.zeros(0, 4),
+    }
+    path = tmp_path / "weights.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
 def write_recipe(folder: Path, doc: dict[str, Any], name: str = "recipe.yaml") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tests.doubles.host_cuda_driver import HostDriver
 from trtbuild.backends import weights_preload
@@ -30,22 +30,6 @@ def no_pending(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("TRTBUILD_PRELOAD", "1")  # opt-in until it has run on a GPU
     yield
     _discard()  # a test that leaves one must not hand it to the next
-
-
-@pytest.fixture
-def weights(tmp_path: Path) -> Path:
-    g = torch.Generator().manual_seed(0)
-    tensors = {
-        "big.bf16": torch.randn(300, 257, generator=g).to(torch.bfloat16),  # many 4 KB chunks
-        "mid.f32": torch.randn(33, 7, generator=g),
-        "ids.i64": torch.arange(-50, 50),
-        "flag.bool": torch.tensor([True, False, True]),
-        "scalar.f16": torch.tensor(1.5, dtype=torch.float16),
-        "empty.f32": torch.zeros(0, 4),
-    }
-    path = tmp_path / "weights.safetensors"
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return path
 
 
 def _all_freed(drv: HostDriver) -> bool:

@@ -7,27 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from trtbuild.backends.torch_runtime import load_threads
 from trtbuild.backends.weights_reader import contiguous_groups, read_safetensors
 from trtbuild.errors import InputError, TrtbuildError
-
-
-@pytest.fixture
-def weights(tmp_path: Path) -> Path:
-    g = torch.Generator().manual_seed(0)
-    tensors = {
-        "big.bf16": torch.randn(300, 257, generator=g).to(torch.bfloat16),  # spans many 1 KB chunks
-        "mid.f32": torch.randn(33, 7, generator=g),
-        "ids.i64": torch.arange(-50, 50),
-        "flag.bool": torch.tensor([True, False, True]),
-        "scalar.f16": torch.tensor(1.5, dtype=torch.float16),
-        "empty.f32": torch.zeros(0, 4),
-    }
-    path = tmp_path / "weights.safetensors"
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return path
 
 
 @pytest.mark.parametrize("threads", [1, 3, 8])

@@ -44,29 +44,30 @@ class HostDriver:
         if self.opened is None:
             self.misuse.append("make_current before open")
 
+    def _new(self, table: dict[int, Any], nbytes: int) -> int:
+        buf = ctypes.create_string_buffer(max(nbytes, 1))
+        with self._lock:
+            table[ctypes.addressof(buf)] = buf
+        return ctypes.addressof(buf)
+
+    def _drop(self, table: dict[int, Any], ptr: int, what: str) -> None:
+        with self._lock:
+            if table.pop(ptr, None) is None:
+                self.misuse.append(f"{what} of {ptr:#x}, not allocated")
+
     def alloc(self, nbytes: int) -> int:
         if self.opened is None or nbytes <= 0:
             self.misuse.append(f"alloc({nbytes}) {'before open' if self.opened is None else 'of nothing'}")
-        buf = ctypes.create_string_buffer(max(nbytes, 1))
-        with self._lock:
-            self.device[ctypes.addressof(buf)] = buf
-        return ctypes.addressof(buf)
+        return self._new(self.device, nbytes)
 
     def free(self, ptr: int) -> None:
-        with self._lock:
-            if self.device.pop(ptr, None) is None:
-                self.misuse.append(f"free of {ptr:#x}, not allocated")
+        self._drop(self.device, ptr, "free")
 
     def alloc_host(self, nbytes: int) -> int:
-        buf = ctypes.create_string_buffer(nbytes)
-        with self._lock:
-            self.host[ctypes.addressof(buf)] = buf
-        return ctypes.addressof(buf)
+        return self._new(self.host, nbytes)
 
     def free_host(self, ptr: int) -> None:
-        with self._lock:
-            if self.host.pop(ptr, None) is None:
-                self.misuse.append(f"free_host of {ptr:#x}, not allocated")
+        self._drop(self.host, ptr, "free_host")
 
     def stream(self) -> int:
         with self._lock:

@@ -209,11 +209,11 @@ class TorchAOTIBackend:
         return TorchEngine(entry)
 
     def preload(self, entry: Path, manifest: dict[str, Any]) -> list[Path]:
-        """Start reading a cached engine's weights onto its GPU before torch is imported (torch_runtime.preload,
-        runtime code kept out of this module, whose source keys every engine); the files it reads."""
-        from trtbuild.backends.torch_runtime import preload
+        """Start reading a cached engine's weights onto its GPU before torch is imported (weights_preload:
+        runtime code, kept out of this module, whose source keys every engine); the files it reads."""
+        from trtbuild.backends import weights_preload
 
-        return preload(entry)
+        return weights_preload.start_for(entry)
 
 
 def save_weights(tensors: dict[str, Any], path: Path) -> None:

@@ -240,22 +240,6 @@ def load_threads(device: str) -> int:
     return int(raw)
 
 
-def preload(entry: Path) -> list[Path]:
-    """Start reading a cached CUDA engine's weights onto the GPU before torch is imported (a guess of the
-    entry `TorchEngine` will load: backends/weights_preload.py), with the threads the loader would use;
-    the files it reads. Never raises: whatever stops it, the loader reads as before and reports what is
-    wrong."""
-    from trtbuild.backends import weights_preload
-
-    weights = entry / "weights.safetensors"
-    try:
-        cuda = json.loads((entry / "engine.json").read_text()).get("device") == "cuda"
-        threads = load_threads("cuda") if cuda else 0
-    except (OSError, ValueError, TrtbuildError):  # unreadable spec, TRTBUILD_LOAD_THREADS malformed
-        return []
-    return [weights] if threads and weights_preload.start(weights, threads) else []
-
-
 def pdl_mode(graph: dict[str, Any], device: str, allowed: bool = True) -> dict[str, Any]:
     """Whether the captured graphs of one decode package use programmatic dependent launch
     (trtbuild/backends/pdl.py): {"on": bool, "inductor": bool, "trtbuild": bool, "why"}. On for CUDA where

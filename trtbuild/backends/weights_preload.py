@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import threading
 import time
@@ -35,10 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trtbuild.backends.weights_reader import contiguous_groups, header, host_bytes, open_sequential, pread_into
+from trtbuild.backends.weights_reader import (Job, TensorEntry, contiguous_groups, entries, host_bytes, open_sequential,
+                                              pread_into)
 
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-            "F8_E4M3": 1, "F8_E5M2": 1}
 CHUNK = 64 << 20  # fewer, larger chunks than the loader's: each one takes the GIL from the import a few times
 
 
@@ -143,15 +143,6 @@ class _CudaArray:
         return {"shape": (a.nbytes,), "typestr": "|u1", "data": (a.ptr, False), "version": 2}
 
 
-@dataclass
-class _Tensor:
-    name: str
-    dtype: str  # the safetensors name (BF16)
-    shape: list[int]
-    ptr: int  # 0 for an empty tensor
-    nbytes: int
-
-
 def _identity(path: Path) -> tuple[int, int, int, int] | None:
     try:
         st = path.stat()
@@ -170,7 +161,7 @@ class Preload:
     ordinal: int = 0
     chunk: int = CHUNK
     identity: tuple[int, int, int, int] | None = None
-    tensors: list[_Tensor] = field(default_factory=list)
+    tensors: list[tuple[TensorEntry, int]] = field(default_factory=list)  # each with its device address (0: empty)
     error: BaseException | None = None
     seconds: float | None = None
     _thread: threading.Thread | None = None
@@ -186,33 +177,21 @@ class Preload:
 
     def release(self) -> None:
         """Free every allocation not yet adopted (after `wait`)."""
-        for t in self.tensors:
-            if t.ptr:
+        for _, ptr in self.tensors:
+            if ptr:
                 with contextlib.suppress(Exception):
-                    self.driver.free(t.ptr)
+                    self.driver.free(ptr)
         self.tensors = []
 
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            head, data_start = header(self.path)
-            size = self.path.stat().st_size
+            found = entries(self.path)
             self.driver.open(self.ordinal)
-            jobs: list[tuple[int, int, int, int]] = []  # (file offset, bytes, device pointer, offset in it)
-            for name, info in head.items():
-                if name == "__metadata__":
-                    continue
-                begin, end = (int(x) for x in info["data_offsets"])
-                shape = [int(d) for d in info["shape"]]
-                numel = 1
-                for d in shape:
-                    numel *= d
-                if end - begin != numel * ITEMSIZE[info["dtype"]] or data_start + end > size:
-                    raise ValueError(f"tensor {name!r}: its bytes do not match its shape or lie past the end")
-                n = end - begin
-                self.tensors.append(_Tensor(name, info["dtype"], shape, self.driver.alloc(n) if n else 0, n))
-                ptr = self.tensors[-1].ptr
-                jobs += [(data_start + begin + off, min(self.chunk, n - off), ptr, off) for off in range(0, n, self.chunk)]
+            jobs: list[Job] = []  # into device addresses
+            for e in found:
+                self.tensors.append((e, self.driver.alloc(e.nbytes) if e.nbytes else 0))
+                jobs += e.jobs(self.chunk, self.tensors[-1][1])
             # daemon threads, not an executor's: a process that exits early (its engine not found) must
             # not wait at exit for a read nobody will use
             errors: list[BaseException] = []
@@ -229,13 +208,13 @@ class Preload:
             self.release()
         self.seconds = time.perf_counter() - t0
 
-    def _read_group(self, jobs: list[tuple[int, int, int, int]], errors: list[BaseException]) -> None:
+    def _read_group(self, jobs: list[Job], errors: list[BaseException]) -> None:
         try:
             self._copy_group(jobs)
         except BaseException as e:
             errors.append(e)
 
-    def _copy_group(self, jobs: list[tuple[int, int, int, int]]) -> None:
+    def _copy_group(self, jobs: list[Job]) -> None:
         """Read into one pinned buffer while the other's copy runs on its own stream; a buffer is refilled
         only after its stream has finished the copy out of it."""
         drv = self.driver
@@ -265,6 +244,22 @@ class Preload:
 
 _pending: Preload | None = None
 _lock = threading.Lock()
+
+
+def start_for(entry: Path) -> list[Path]:
+    """Start reading a cached CUDA engine's weights (a guess of the entry `TorchEngine` will load), with
+    the threads its loader would use; the files it reads. Never raises: whatever stops it, the loader
+    reads as before and reports what is wrong."""
+    from trtbuild.backends.torch_runtime import load_threads
+    from trtbuild.errors import TrtbuildError
+
+    weights = entry / "weights.safetensors"
+    try:
+        cuda = json.loads((entry / "engine.json").read_text()).get("device") == "cuda"
+        threads = load_threads("cuda") if cuda else 0
+    except (OSError, ValueError, TrtbuildError):  # unreadable spec, TRTBUILD_LOAD_THREADS malformed
+        return []
+    return [weights] if threads and start(weights, threads) else []
 
 
 def start(path: Path, threads: int, driver: Any = None, chunk: int = CHUNK) -> bool:
@@ -333,17 +328,17 @@ def take(path: Path, device: str) -> Preloaded | None:
     from trtbuild.backends.weights_reader import torch_dtype
 
     # Every allocation gets its owner first: whatever happens below, each is freed exactly once.
-    owned = [(t, Allocation(pre.driver, t.ptr, t.nbytes) if t.ptr else None) for t in pre.tensors]
+    owned = [(e, Allocation(pre.driver, ptr, e.nbytes) if ptr else None) for e, ptr in pre.tensors]
     pre.tensors = []
     allocations = [a for _, a in owned if a is not None]
     tensors: dict[str, Any] = {}
     try:
-        for t, allocation in owned:
-            dtype = torch_dtype(t.dtype)
+        for e, allocation in owned:
+            dtype = torch_dtype(e.dtype)
             if allocation is None:
-                tensors[t.name] = torch.empty(t.shape, dtype=dtype, device=device)
+                tensors[e.name] = torch.empty(e.shape, dtype=dtype, device=device)
             else:
-                tensors[t.name] = torch.as_tensor(pre.driver.adopt(allocation), device=device).view(dtype).view(t.shape)
+                tensors[e.name] = torch.as_tensor(pre.driver.adopt(allocation), device=device).view(dtype).view(e.shape)
     except Exception:  # torch reads the array interface with numpy's help, which a process may lack
         tensors.clear()
         for a in allocations:

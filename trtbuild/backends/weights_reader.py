@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,47 @@ DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat1
           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
-Job = tuple[int, int, Any, int]  # (file offset, bytes, destination byte view, offset in that view)
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+            "F8_E4M3": 1, "F8_E5M2": 1}
+
+Job = tuple[int, int, Any, int]  # (file offset, bytes, destination, offset in the destination)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor's place in a safetensors file, as its header gives it and checked against the file."""
+
+    name: str
+    dtype: str  # the safetensors name (BF16)
+    shape: list[int]
+    offset: int  # of its first byte in the file
+    nbytes: int
+
+    def jobs(self, chunk_bytes: int, dest: Any) -> list[Job]:
+        """Its bytes as reads of at most `chunk_bytes` into `dest` (a byte view or a device address)."""
+        return [(self.offset + at, min(chunk_bytes, self.nbytes - at), dest, at) for at in range(0, self.nbytes, chunk_bytes)]
+
+
+def entries(path: Path) -> list[TensorEntry]:
+    """Every tensor of a safetensors file, its header checked against the file's size; no torch needed
+    (the preload reads it before torch is imported). Raises TrtbuildError naming the file."""
+    head, data_start = header(path)
+    size = path.stat().st_size
+    out = []
+    for name, info in head.items():
+        if name == "__metadata__":
+            continue
+        try:
+            itemsize = ITEMSIZE[info["dtype"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = [int(d) for d in info["shape"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TrtbuildError(f"{path}: tensor {name!r}: unreadable header entry ({exc})") from exc
+        if end - begin != math.prod(shape) * itemsize or data_start + end > size:
+            raise TrtbuildError(f"{path}: tensor {name!r}: its bytes [{begin}, {end}) do not match its shape "
+                                f"or lie past the end of the file ({size} bytes)", hint="rebuild the engine")
+        out.append(TensorEntry(name, info["dtype"], shape, data_start + begin, end - begin))
+    return out
 
 
 def read_safetensors(path: Path, device: str, threads: int = 8, chunk_bytes: int = 32 << 20) -> dict[str, Any]:
@@ -35,27 +77,12 @@ def read_safetensors(path: Path, device: str, threads: int = 8, chunk_bytes: int
     header is unreadable or its data is shorter than the header says."""
     import torch
 
-    head, data_start = header(path)
-    size = path.stat().st_size
     tensors: dict[str, Any] = {}
     jobs: list[Job] = []
-    for name, info in head.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = torch_dtype(info["dtype"])
-            begin, end = (int(x) for x in info["data_offsets"])
-            t = torch.empty([int(d) for d in info["shape"]], dtype=dtype, device=device)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TrtbuildError(f"{path}: tensor {name!r}: unreadable header entry ({exc})") from exc
-        if end - begin != t.numel() * t.element_size() or data_start + end > size:
-            raise TrtbuildError(f"{path}: tensor {name!r}: its bytes [{begin}, {end}) do not match its shape "
-                                f"or lie past the end of the file ({size} bytes)", hint="rebuild the engine")
-        tensors[name] = t
-        if t.numel():
-            flat = t.view(-1).view(torch.uint8)
-            jobs += [(data_start + begin + off, min(chunk_bytes, end - begin - off), flat, off)
-                     for off in range(0, end - begin, chunk_bytes)]
+    for e in entries(path):
+        t = tensors[e.name] = torch.empty(e.shape, dtype=torch_dtype(e.dtype), device=device)
+        if e.nbytes:
+            jobs += e.jobs(chunk_bytes, t.view(-1).view(torch.uint8))
     groups = contiguous_groups(jobs, max(1, threads))
     cuda = device.startswith("cuda")
     with ThreadPoolExecutor(max_workers=len(groups) or 1, thread_name_prefix="trtbuild-load") as pool:
