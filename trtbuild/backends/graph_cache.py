@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,12 @@ def compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], 
     workdir.mkdir(parents=True, exist_ok=True)
     # A copy: aoti_compile_and_package adds its own keys to the dict it is given, which would
     # change the digest of every later graph compiled with the same options.
-    torch._inductor.aoti_compile_and_package(graph["program"], package_path=str(package),
-                                             inductor_configs=dict(configs))
+    with warnings.catch_warnings():
+        # torch 2.13 warns about its own pickling of the program's tree specs (copyreg calls a deprecated
+        # isinstance check) once per graph; nothing a user can act on, so it is kept out of the build's output
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        torch._inductor.aoti_compile_and_package(graph["program"], package_path=str(package),
+                                                 inductor_configs=dict(configs))
     graph["so"] = extract_model(package, dest)
     # Publish into the tactic cache the way the store publishes engines: a private folder, then one
     # rename; a concurrent builder that lost the race just keeps its own copy.
