@@ -418,7 +418,8 @@ def child_main(kind: str, recipe_path: str, engines: str, prompt_len: int) -> No
         gen = s.engine.generate(default_prompt(1, prompt_len, vocab_size(recipe, s)), 1)  # .tolist() syncs
         t_first = time.time()
         print(json.dumps({"t_main": t_main, "t_loaded": t_loaded, "t_first_token": t_first, "phases": s.phases,
-                          "prefill_s": gen.prefill_s, "load_note": getattr(s.engine, "load_note", "")}), flush=True)
+                          "prefill_s": gen.prefill_s, "load_note": getattr(s.engine, "load_note", ""),
+                          "load_parts": getattr(s.engine, "load_parts", {})}), flush=True)
 
 
 def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

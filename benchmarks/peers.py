@@ -328,8 +328,11 @@ def table(report: dict[str, Any]) -> str:
                     if t:
                         got = f"{t['start_to_first_token_s']:.2f} s" if "error" not in t else t["error"][:160]
                         preloaded = "; weights preloaded" if "start-up" in t.get("load_note", "") else ""
-                        lines.append(f"    {label}: start -> first token {got}; load "
-                                     f"{t.get('phases', {}).get('load_s', float('nan')):.2f} s; ratio "
+                        phases = t.get("phases", {})
+                        parts = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in t.get("load_parts", {}).items())
+                        lines.append(f"    {label}: start -> first token {got}; start-up "
+                                     f"{phases.get('startup_s', float('nan')):.2f} s, load "
+                                     f"{phases.get('load_s', float('nan')):.2f} s{f' ({parts})' if parts else ''}; ratio "
                                      f"{r[f'ratio_to_floor_{key}']:.2f}{preloaded}")
         b = rec.get("build")
         if b:

@@ -68,6 +68,10 @@ def test_run_in_a_new_process_reuses_the_engine(built: dict[str, Any]) -> None:
         assert report["phases"][field] >= 0
     # Importing torch is start-up, reported apart: a lookup of a few files is far below it.
     assert report["phases"]["startup_s"] > report["phases"]["lookup_s"]
+    # the load in its parts (the graphs' runners, the weights, the constants), which together are the load
+    parts = report["load_parts"]
+    assert set(parts) == {"graphs_s", "weights_s", "constants_s"} and all(v > 0 for v in parts.values())
+    assert sum(parts.values()) <= report["phases"]["load_s"]
     assert report["ttft_ms"] > 0 and report["tpot_ms"]["p50"] > 0 and report["tokens_per_s"] > 0
     assert len(report["output_ids"]) == 1 and len(report["output_ids"][0]) == 8
     assert report["roofline"]["decode_bandwidth_Bps"] > 0

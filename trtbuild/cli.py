@@ -165,7 +165,8 @@ def _print_report(rep: dict[str, Any]) -> None:
     table.add_row("lookup", f"{p['lookup_s'] * 1e3:.1f} ms", f"key {e['key'][:16]}")
     table.add_row("build", "cached" if e["cache_hit"] else f"{p['build_s']:.1f} s",
                   "cache hit: no export, no compile" if e["cache_hit"] else "built and published")
-    table.add_row("load", f"{p['load_s'] * 1e3:.1f} ms", rep.get("load_note", ""))
+    parts = " · ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f} ms" for k, v in rep.get("load_parts", {}).items())
+    table.add_row("load", f"{p['load_s'] * 1e3:.1f} ms", " · ".join(n for n in (parts, rep.get("load_note", "")) if n))
     table.add_row("warm-up", f"{p['warmup_s'] * 1e3:.1f} ms", "excluded from the figures below")
     roof = rep.get("roofline", {})
     note = ""

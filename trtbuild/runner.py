@@ -209,6 +209,7 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
     }
     report["roofline"] = roofline(gens[-1], ttft["p50"], tpot["p50"], session.engine.device)
     report["load_note"] = getattr(session.engine, "load_note", "")
+    report["load_parts"] = dict(getattr(session.engine, "load_parts", {}))  # torch backend: graphs, weights, constants
     launch = getattr(session.engine, "launch_report", None)  # how the decode steps launched (torch backend)
     if callable(launch):
         report["decode_launch"] = launch()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,9 @@ class TorchEngine:
         self._decoders: dict[int, _Decoder] = {}
         self.weight_bytes = 0
         self.load_note = ""  # how the weights arrived, for the run report's load row
+        # where the load's time went (graphs_s, weights_s, constants_s), each part synchronized: once the
+        # weights are read during start-up, what is left of a restart's load is the other two
+        self.load_parts: dict[str, float] = {}
         self._preloaded: Any = None  # weights_preload.Preloaded, when the weights came from it
         # programmatic dependent launch in the captured decode graphs (pdl_mode); TRTBUILD_PDL=0 turns it off
         self.pdl_allowed = os.environ.get("TRTBUILD_PDL", "1") != "0"
@@ -47,10 +51,12 @@ class TorchEngine:
             raise TrtbuildError(f"{self.entry} was built for CUDA and this process sees no GPU")
         self.cfg = LlamaConfig.from_hf(self.spec["hf_config"])
         threads = load_threads(self.device)
+        t0 = time.perf_counter()
         # The graphs' runners first: they need no weights, a preload still reading from a cold disk goes on
         # meanwhile, and a graph that cannot load fails before 15 GB are read.
         models = {name: _Model(self.entry / graph["so"], self.device) for name, graph in self.spec["graphs"].items()}
         path = self.entry / "weights.safetensors"
+        t1 = time.perf_counter()
         preloaded = weights_preload.take(path, self.device) if threads else None
         if preloaded is not None:  # read onto the GPU while torch was imported, from this very file
             weights, self._preloaded = preloaded.tensors, preloaded
@@ -62,6 +68,8 @@ class TorchEngine:
             weights = load_file(str(path), device=self.device)
         if self.spec["tied_output"]:
             weights["output.weight"] = weights["tok_embeddings.weight"]
+        sync(self.device)
+        t2 = time.perf_counter()
         # Bytes a decode step must read: every weight but the embedding table (a decode step
         # gathers a few rows of it), unless the table doubles as the LM head.
         self.weight_bytes = sum(t.numel() * t.element_size() for k, t in weights.items()
@@ -83,6 +91,8 @@ class TorchEngine:
                                     hint="rebuild the engine (`trtbuild cache rm`)")
             model.load_constants(consts)
             self._packages[name] = model
+        sync(self.device)  # the caches' zeros
+        self.load_parts = {"graphs_s": t1 - t0, "weights_s": t2 - t1, "constants_s": time.perf_counter() - t2}
         return self
 
     def __exit__(self, *exc: object) -> None:
