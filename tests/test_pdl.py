@@ -3,10 +3,14 @@ double of the CUDA driver: the rewrite itself runs only on a Hopper GPU (tests/t
 
 from __future__ import annotations
 
+import ctypes
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import cuda_header
 from trtbuild.backends import pdl
 from trtbuild.backends.pdl import Edge
 
@@ -145,8 +149,6 @@ def test_pdl_mode_takes_only_the_kernels_the_engine_says_wait(monkeypatch: pytes
 def test_a_driver_without_an_entry_point_is_refused_as_a_failed_call_not_a_crash() -> None:
     """kernel_name falls back to an unnamed kernel (full edges) where cuKernelGetName is missing, and a
     missing edge call is an OSError, which the decoder answers by capturing serialized."""
-    import ctypes
-
     class Lib:
         def cuGraphNodeGetType(self, node: Any, kind: Any) -> int:
             ctypes.cast(kind, ctypes.POINTER(ctypes.c_int))[0] = pdl.KERNEL_NODE
@@ -160,3 +162,84 @@ def test_a_driver_without_an_entry_point_is_refused_as_a_failed_call_not_a_crash
     assert drv.kernel_name(5) == ""
     with pytest.raises(OSError, match="no cuGraphGetEdges_v2"):
         drv.edges(7)
+
+
+class _GraphLib:
+    """libcuda as ctypes sees it for pdl.Driver: a graph of two kernel nodes (the first named through its
+    CUfunction, the second through its CUkernel) and one edge between them. Records every call."""
+
+    NODES = (0x1000, 0x2000)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args: Any) -> int:
+            self.calls.append((name, args))
+            getattr(self, f"_{name}", lambda *a: None)(*args)
+            return 0
+        return call
+
+    def _cuGraphGetNodes(self, graph: Any, nodes: Any, count: Any) -> None:
+        if nodes is None:
+            count._obj.value = len(self.NODES)
+        else:
+            nodes[:] = self.NODES
+
+    def _cuGraphNodeGetType(self, node: Any, kind: Any) -> None:
+        kind._obj.value = pdl.KERNEL_NODE
+
+    def _cuGraphKernelNodeGetParams_v2(self, node: Any, params: Any) -> None:
+        if node.value == self.NODES[0]:
+            params._obj.func = 0xF0
+        else:
+            params._obj.kern = 0xE0
+
+    def _cuFuncGetName(self, name: Any, func: Any) -> None:
+        name._obj.value = b"_decode_matmul_kernel"
+
+    def _cuKernelGetName(self, name: Any, kern: Any) -> None:
+        name._obj.value = b"_decode_attention_partial"
+
+    def _cuGraphGetEdges_v2(self, graph: Any, src: Any, dst: Any, data: Any, count: Any) -> None:
+        if src is None:
+            count._obj.value = 1
+        else:
+            src[0], dst[0] = self.NODES
+
+
+# Each structure pdl.py passes to the driver, the C struct it mirrors and {its field: the C fields it covers}.
+STRUCTS = {pdl._KernelParams: ("CUDA_KERNEL_NODE_PARAMS_v2",
+                               {"func": ("func",), "grid": ("gridDimX", "gridDimY", "gridDimZ"),
+                                "block": ("blockDimX", "blockDimY", "blockDimZ"), "shared_mem": ("sharedMemBytes",),
+                                "params": ("kernelParams",), "extra": ("extra",), "kern": ("kern",), "ctx": ("ctx",)}),
+           pdl._EdgeData: ("CUgraphEdgeData", {"from_port": ("from_port",), "to_port": ("to_port",), "type": ("type",),
+                                               "reserved": ("reserved",)})}
+
+
+@pytest.mark.parametrize("header", cuda_header.headers(), ids=lambda p: str(p.parent))
+def test_every_driver_call_matches_its_prototype_in_cuda_h(header: Path) -> None:
+    """The rewrite's calls into libcuda against cuda.h as a C compiler reads it (tests/cuda_header.py):
+    the symbols, the argument counts, widths and pointers, the NULLs of the count queries."""
+    lib = _GraphLib()
+    drv = pdl.Driver(lib)
+    names = drv.kernel_names(0x77)
+    edges = drv.edges(0x77)
+    drv.make_programmatic(0x77, edges)
+    assert names == dict(zip(_GraphLib.NODES, ["_decode_matmul_kernel", "_decode_attention_partial"], strict=True))
+    assert [(e.src, e.dst) for e in edges] == [_GraphLib.NODES]
+    assert {n for n, _ in lib.calls} == set(re.findall(r'"(cu[A-Z]\w*)"', Path(pdl.__file__).read_text()))
+    cuda_header.Header(header).check(lib.calls, {t: c for t, (c, _) in STRUCTS.items()})
+
+
+@pytest.mark.parametrize("header", cuda_header.headers(), ids=lambda p: str(p.parent))
+def test_the_structures_and_constants_are_laid_out_as_cuda_h_has_them(header: Path) -> None:
+    """What the compiler gives for sizeof, offsetof and the enum values, against pdl.py's ctypes mirrors."""
+    cuda_header.check_layouts(header, STRUCTS)
+    got = cuda_header.layouts(header, {}, ["CU_GRAPH_NODE_TYPE_KERNEL", "CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC",
+                                           "CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC"])
+    assert got["CU_GRAPH_NODE_TYPE_KERNEL"] == pdl.KERNEL_NODE
+    assert got["CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC"] == got["CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC"] == pdl.PROGRAMMATIC

@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import glob
-import importlib.util
 import inspect
 import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import cuda_header
 from tests.doubles.host_cuda_driver import HostDriver
 from trtbuild.backends import weights_preload
 from trtbuild.backends.torch_aoti import TorchAOTIBackend
@@ -253,64 +250,13 @@ def test_the_loader_is_told_how_long_it_waited_for_a_read_still_under_way(weight
     assert _all_freed(drv)
 
 
-def _cuda_headers() -> list[Path]:
-    """The cuda.h files on this machine: a CUDA toolkit's, and the one Triton bundles (another CUDA version)."""
-    roots = [os.environ.get("CUDA_HOME", ""), *sorted(glob.glob("/usr/local/cuda*"))]
-    found = [Path(r) / "include" / "cuda.h" for r in roots if r]
-    spec = importlib.util.find_spec("triton")  # located, not imported
-    if spec is not None and spec.submodule_search_locations:
-        found += [Path(p) / "backends" / "nvidia" / "include" / "cuda.h" for p in spec.submodule_search_locations]
-    unique = {p.resolve(): p for p in found if p.is_file()}
-    return sorted(unique)
-
-
-def _declarations(header: Path) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """cuda.h as a C compiler sees it: {linked name: parameter declarations} of its CUresult functions (the
-    preprocessor maps cuMemAlloc to cuMemAlloc_v2, as a C caller would link it) and {typedef name: type}."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to preprocess cuda.h")
-    text = subprocess.run([cc, "-E", "-P", "-x", "c", "-I", str(header.parent), "-"], input="#include <cuda.h>\n",
-                          capture_output=True, text=True, check=True).stdout
-    functions = {name: [p.strip() for p in params.split(",")]
-                 for name, params in re.findall(r"CUresult\s+(\w+)\s*\(([^()]*)\)\s*;", text)}
-    typedefs = {name: base.strip() + stars for base, stars, name in
-                re.findall(r"typedef\s+(?:struct\s+\w+\s*)?([\w ]*?)\s*(\**)\s*(\w+)\s*;", text)}
-    for opaque in re.findall(r"typedef\s+struct\s+\w+\s*\*\s*(\w+)\s*;", text):
-        typedefs[opaque] = "void *"  # a handle: a pointer to a struct the header never defines
-    return functions, typedefs
-
-
-def _c_kind(ctype: str, typedefs: dict[str, str]) -> tuple[str, int]:
-    """("ptr", pointee's stars) or ("int"/"uint", bytes) of a C type, typedefs resolved (LP64, as on the GPU hosts)."""
-    ctype = re.sub(r"\bconst\b", "", ctype).strip()
-    stars = ctype.count("*")
-    base = ctype.replace("*", "").strip()
-    while base in typedefs:
-        resolved = typedefs[base]
-        stars += resolved.count("*")
-        base = resolved.replace("*", "").strip()
-    if stars:
-        return ("ptr", stars)
-    words = base.split()
-    return ("uint" if "unsigned" in words or base == "size_t" else "int", 8 if "long" in words or base == "size_t" else 4)
-
-
-def _arg_kind(arg: Any) -> tuple[str, int]:
-    if isinstance(arg, ctypes.c_void_p):
-        return ("ptr", 1)
-    value = type(arg)(-1).value
-    return ("int" if value < 0 else "uint", ctypes.sizeof(arg))
-
-
-@pytest.mark.parametrize("header", _cuda_headers(), ids=lambda p: str(p.parent))
+@pytest.mark.parametrize("header", cuda_header.headers(), ids=lambda p: str(p.parent))
 def test_every_driver_call_matches_its_prototype_in_cuda_h(header: Path) -> None:
     """The stand-in cannot see how ctypes hands an argument to libcuda: a wrong width or a missing level of
     pointer would not fall back on a GPU, it would corrupt memory or end the process. So every call the
     preload makes is checked against cuda.h, as a C compiler reads it: the symbol a C caller links (the
     `_v2` of a versioned call), the number of arguments, each one's width and signedness, and which are
     pointers to what (a handle written through `byref` must be the pointee's type)."""
-    functions, typedefs = _declarations(header)
     lib = _Lib()
     drv = weights_preload.Driver(lib)
     drv.open(0)
@@ -323,19 +269,5 @@ def test_every_driver_call_matches_its_prototype_in_cuda_h(header: Path) -> None
     drv.free_host(host)
     drv.free(ptr)
     called = {name for name, _ in lib.calls}
-    source = Path(weights_preload.__file__).read_text()
-    assert called == set(re.findall(r'"(cu[A-Z]\w*)"', source))  # every call the module names is checked here
-    for name, args in lib.calls:
-        assert name in functions, f"{name}: not what cuda.h links (a C caller of that API calls another symbol)"
-        params = functions[name]
-        assert len(args) == len(params), (name, params)
-        for arg, param in zip(args, params, strict=True):
-            c_type = re.sub(r"\s*\b\w+$", "", param) if re.search(r"[\w*]\s+\**\w+$", param) else param
-            expected = _c_kind(c_type, typedefs)
-            target = getattr(arg, "_obj", None)  # ctypes.byref(x): a pointer to x
-            if target is not None:
-                assert expected[0] == "ptr", (name, param)
-                pointee = _c_kind(c_type.rsplit("*", 1)[0], typedefs)
-                assert _arg_kind(target) == pointee, (name, param, type(target))
-            else:
-                assert _arg_kind(arg) == expected, (name, param, type(arg))
+    assert called == set(re.findall(r'"(cu[A-Z]\w*)"', Path(weights_preload.__file__).read_text()))  # all of them
+    cuda_header.Header(header).check(lib.calls, structs={})
