@@ -183,6 +183,16 @@ def test_unsupported_model_type() -> None:
                for p in problems_of(with_config(model_type="gpt2")))
 
 
+def test_a_config_with_a_field_missing_still_has_its_other_fields_checked() -> None:
+    doc = tiny_recipe_doc()
+    del doc["model"]["config"]["vocab_size"]
+    doc["model"]["config"]["hidden_size"] = -3
+    doc["model"]["config"]["rope_theta"] = "big"
+    problems = problems_of(doc)
+    assert {"model.config.vocab_size: required", "model.config.hidden_size: must be > 0, got -3",
+            "model.config.rope_theta: expected a number, got str"} <= set(problems), problems
+
+
 def test_missing_required_config_field_is_reported_not_raised() -> None:
     doc = tiny_recipe_doc()
     del doc["model"]["config"]["num_attention_heads"]

@@ -297,9 +297,11 @@ def _synthetic_config(c: _Checker, value: Any) -> dict[str, Any] | None:
     where = "model.config"
     cfg = c.mapping(value, where, tuple(SYNTHETIC_FIELDS),
                     required=tuple(k for k, (_, req) in SYNTHETIC_FIELDS.items() if req))
-    if not cfg or any(k not in cfg for k, (_, req) in SYNTHETIC_FIELDS.items() if req):
-        return None  # the missing fields are reported above; the checks below need them all
-    ok = True
+    if not cfg:
+        return None
+    # each field present is checked even when others are missing (reported above): every problem at once;
+    # the checks across fields, after this loop, need them all
+    ok = all(k in cfg for k, (_, req) in SYNTHETIC_FIELDS.items() if req)
     for key, (kind, _) in SYNTHETIC_FIELDS.items():
         if key in cfg:
             v = cfg[key]
