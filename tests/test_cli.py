@@ -87,6 +87,20 @@ def test_prompt_ids_are_parsed_strictly(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--prompt-ids: expected comma-separated integers" in result.output
 
 
+def test_run_flags_the_engine_cannot_take_are_refused_by_name_before_anything_is_built(tmp_path: Path) -> None:
+    """A 0 is refused, not replaced by the recipe's default; every bad flag at once; no store is made."""
+    recipe = write_recipe(tmp_path, tiny_recipe_doc())
+    store = tmp_path / "engines"
+    result = CliRunner().invoke(main, ["run", str(recipe), "--engines", str(store), "--batch-size", "0",
+                                       "--output-len", "-1", "--iterations", "0"])
+    assert result.exit_code == 2, result.output
+    assert ("--batch-size: must be >= 1, got 0; --output-len: must be >= 1, got -1; --iterations: must be >= 1, got 0"
+            in result.output)
+    result = CliRunner().invoke(main, ["run", str(recipe), "--engines", str(store), "--prompt-ids", "1,2;3,4;5,6"])
+    assert result.exit_code == 2 and "--batch-size: 3 exceeds shapes.max_batch_size 2" in result.output
+    assert not store.exists()
+
+
 def test_a_full_disk_while_writing_the_weights_is_a_clear_error_and_leaves_no_entry(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """safetensors reports a full disk as SafetensorError("... (os error 28)"), not OSError: the build

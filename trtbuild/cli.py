@@ -133,18 +133,23 @@ def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | 
             output_len: int | None, prompt_ids: str | None, prompt_text: str | None, iterations: int,
             verify: bool, as_json: bool) -> None:
     """Find (or build) the engine, run it, and report every phase."""
-    from trtbuild.runner import open_session, run_report
+    from trtbuild.runner import check_run_shape, open_session, run_report
 
     r = _load(recipe)
     ids = _parse_ids(prompt_ids)
     if ids is not None and prompt_text is not None:
         raise InputError("--prompt and --prompt-ids: give one of them")
+    # `is None`, not `or`: a 0 given on the command line is refused by name, never replaced by the default
+    shape = {"batch_size": r.run.batch_size if batch_size is None else batch_size,
+             "input_len": r.run.input_len if input_len is None else input_len,
+             "output_len": r.run.output_len if output_len is None else output_len}
+    if prompt_text is None:  # checked before the engine loads (a text prompt's length is known once tokenized)
+        given = {"batch_size": len(ids), "input_len": len(ids[0])} if ids else {}
+        check_run_shape(r, **(shape | given), iterations=iterations)
     with _progress(as_json) as progress:
         session = open_session(r, engines, build=not no_build, progress=progress, verify=verify)
     with session:
-        report = run_report(session, batch_size=batch_size or r.run.batch_size, input_len=input_len or r.run.input_len,
-                            output_len=output_len or r.run.output_len, iterations=iterations, prompt_ids=ids,
-                            prompt_text=prompt_text)
+        report = run_report(session, **shape, iterations=iterations, prompt_ids=ids, prompt_text=prompt_text)
     if as_json:
         click.echo(json.dumps(report))
     else:

@@ -399,7 +399,8 @@ def _run(c: _Checker, value: Any, shapes: Shapes | None) -> RunDefaults | None:
 
 def run_shape_problems(shapes: Shapes, batch_size: int, input_len: int, output_len: int) -> list[tuple[str, str]]:
     """Why a run of this size does not fit the engine's shapes; shared by recipes and CLI flags."""
-    problems = []
+    problems = [(field, f"must be >= 1, got {v}") for field, v in
+                (("batch_size", batch_size), ("input_len", input_len), ("output_len", output_len)) if v < 1]
     if batch_size > shapes.max_batch_size:
         problems.append(("batch_size", f"{batch_size} exceeds shapes.max_batch_size {shapes.max_batch_size}"))
     if input_len > shapes.max_input_len:

@@ -170,6 +170,16 @@ def vocab_size(recipe: Recipe, session: Session) -> int:
     return int(getattr(cfg, "vocab_size", 32000))
 
 
+def check_run_shape(recipe: Recipe, batch_size: int, input_len: int, output_len: int, iterations: int) -> None:
+    """Raise InputError naming each flag whose value this recipe's engine cannot run."""
+    problems = [(f"--{field.replace('_', '-')}", msg)
+                for field, msg in run_shape_problems(recipe.shapes, batch_size, input_len, output_len)]
+    if iterations < 1:
+        problems.append(("--iterations", f"must be >= 1, got {iterations}"))
+    if problems:
+        raise InputError("; ".join(f"{flag}: {msg}" for flag, msg in problems))
+
+
 def run_report(session: Session, *, batch_size: int, input_len: int, output_len: int, iterations: int,
                prompt_ids: list[list[int]] | None = None, prompt_text: str | None = None) -> dict[str, Any]:
     """Warm up, then generate `iterations` times; the report the CLI prints (or emits as JSON)."""
@@ -178,11 +188,7 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
         prompt_ids = [session.encode(prompt_text)] * batch_size
     if prompt_ids is not None:
         batch_size, input_len = len(prompt_ids), len(prompt_ids[0])
-    problems = run_shape_problems(recipe.shapes, batch_size, input_len, output_len)
-    if problems:
-        raise InputError("; ".join(f"--{field.replace('_', '-')}: {msg}" for field, msg in problems))
-    if iterations < 1:
-        raise InputError("--iterations: must be >= 1")
+    check_run_shape(recipe, batch_size, input_len, output_len, iterations)
     prompts = prompt_ids or default_prompt(batch_size, input_len, vocab_size(recipe, session))
     t_start = time.perf_counter()
     session.warmup(batch_size, input_len, output_len)
