@@ -392,8 +392,8 @@ def _run(c: _Checker, value: Any, shapes: Shapes | None) -> RunDefaults | None:
     if bs is None or il is None or ol is None:
         return None
     if shapes is not None:
-        for problem in run_shape_problems(shapes, bs, il, ol):
-            c.add(f"run.{problem[0]}", problem[1])
+        for field, msg in run_shape_problems(shapes, bs, il, ol):
+            c.add(f"run.{field}", msg if field in r else f"{msg} (the default: the recipe sets no run.{field})")
     return RunDefaults(batch_size=bs, input_len=il, output_len=ol)
 
 
