@@ -93,7 +93,7 @@ def test_a_run_report_sets_the_builds_matmul_timings_against_the_step(built: dic
     plans none, so the plan's sum is stood in for; the same recipe with other weights (another seed) builds
     from a copy of the module's store, its compiled graphs from the tactic cache."""
     from trtbuild.backends import decode_kernels
-    from trtbuild.cli import _print_report
+    from trtbuild.report import print_table
 
     monkeypatch.setattr(decode_kernels, "timed_step_us", lambda record, rows: 100.0 * rows if rows else None)
     doc = tiny_recipe_doc(shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
@@ -109,7 +109,7 @@ def test_a_run_report_sets_the_builds_matmul_timings_against_the_step(built: dic
         assert run_report(session, batch_size=1, input_len=4, output_len=3, iterations=1)["decode_matmuls_timed"] == {
             "graph": "decode_b1", "ms": 0.1}
     assert report["decode_matmuls_timed"] == {"graph": "decode_b2", "ms": 0.2}
-    _print_report(report)
+    print_table(report)
     out = capsys.readouterr().out
     assert "decode_b2 matmuls" in out and "0.200 ms" in out and "as the build timed them" in out
 

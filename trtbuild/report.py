@@ -1,0 +1,56 @@
+"""The run report as people read it: one row per phase, each with its time and what bounds it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def print_table(rep: dict[str, Any]) -> None:
+    """`trtbuild run`'s report (`runner.run_report`) as a table of phases, then the engine and the outputs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    e, p, s = rep["engine"], rep["phases"], rep["shape"]
+    table = Table(title=f"{rep['recipe']} · {rep['backend']} on {rep['device']} · batch {s['batch_size']}, "
+                        f"{s['input_len']} in, {s['output_len']} out", title_justify="left")
+    table.add_column("phase")
+    table.add_column("time", justify="right")
+    table.add_column("note")
+    table.add_row("start-up", f"{p.get('startup_s', 0.0) * 1e3:.1f} ms", "import the framework, find the device")
+    table.add_row("lookup", f"{p['lookup_s'] * 1e3:.1f} ms", f"key {e['key'][:16]}")
+    table.add_row("build", "cached" if e["cache_hit"] else f"{p['build_s']:.1f} s",
+                  "cache hit: no export, no compile" if e["cache_hit"] else "built and published")
+    parts = " · ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f} ms" for k, v in rep.get("load_parts", {}).items())
+    table.add_row("load", f"{p['load_s'] * 1e3:.1f} ms", " · ".join(n for n in (parts, rep.get("load_note", "")) if n))
+    table.add_row("warm-up", f"{p['warmup_s'] * 1e3:.1f} ms", "excluded from the figures below")
+    roof = rep.get("roofline", {})
+    note = ""
+    if "prefill_flops_per_s" in roof:
+        note = f"{roof['prefill_flops_per_s'] / 1e12:.3f} TFLOP/s"
+        if "prefill_fraction_of_peak_flops" in roof:
+            note += f" ({roof['prefill_fraction_of_peak_flops']:.1%} of peak)"
+    table.add_row("prefill (TTFT)", f"{rep['ttft_ms']:.2f} ms", note)
+    t = rep["tpot_ms"]
+    note = f"p90 {t['p90']:.3f} · p99 {t['p99']:.3f} ms · {rep['tokens_per_s']:.1f} tok/s"
+    if "decode_bandwidth_Bps" in roof:
+        note += f" · {roof['decode_bandwidth_Bps'] / 1e9:.1f} GB/s"
+        if "decode_fraction_of_peak_bandwidth" in roof:
+            note += f" ({roof['decode_fraction_of_peak_bandwidth']:.1%} of peak)"
+    table.add_row("decode (TPOT p50)", f"{t['p50']:.3f} ms", note)
+    if mt := rep.get("decode_matmuls_timed"):
+        # the build's selection timings, not this run's: they say how much of the step the matmuls alone take
+        table.add_row(f"  {mt['graph']} matmuls", f"{mt['ms']:.3f} ms",
+                      f"alone, as the build timed them: {mt['ms'] / t['p50']:.0%} of the step; the rest is attention, "
+                      "norms and what lies between kernels")
+    for graph, launch in rep.get("decode_launch", {}).items():
+        how = (f"PDL: {launch.get('programmatic_edges', 0)} of {launch.get('kernels', 0)} kernels may start early "
+               f"({launch['why']})" if launch.get("on") else f"serialized ({launch.get('why', '')})")
+        table.add_row(f"  {graph} launch", "", how)
+    table.add_row("end to end", f"{p['end_to_end_s'] * 1e3:.1f} ms", "per iteration, after warm-up")
+    console = Console()
+    console.print(table)
+    console.print(f"engine: {e['path']}")
+    for i, row in enumerate(rep["output_ids"]):
+        console.print(f"output[{i}]: {row}", highlight=False)
+    for i, text in enumerate(rep.get("output_text", [])):
+        console.print(f"text[{i}]: {text!r}", highlight=False)
