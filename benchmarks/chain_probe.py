@@ -17,6 +17,11 @@ multiplies link i-1's output by its own square bf16 matrix (distinct matrices, s
 L2), one kernel's code in all three (`_gemv`: one program per SM, each looping over blocks of rows),
 and cuBLAS one launch per link as what the engine's graphs get today. There the boundary also costs
 each matmul's ramp and tail, which the persistent kernel may or may not hide.
+`--barrier-prefetch-kb` adds `barrier` cases whose programs prefetch the next link's first rows into L2
+between arriving at the barrier and waiting at it: a program that has done its share waits there while
+the slowest finish theirs, which is when the DRAM may idle; unlike an early-scheduled PDL kernel (below,
+measured without gain), its SM has nothing else to run. `--per-sm N` runs N programs per SM with the
+engine's narrow configurations, so the persistent kernel has the engine's memory parallelism.
 `--prefetch-kb` adds `launch-pdl` cases whose programs, scheduled early under PDL, first issue L2
 prefetches (`cp.async.bulk.prefetch.L2`, 4 KB an instruction) of the first KB of their own rows of the
 next matrix, then wait: a weight never depends on the previous kernel, so its reads could start in that
@@ -95,16 +100,24 @@ CHUNK_ELEMS = tl.constexpr(PREFETCH_CHUNK // 2)  # bf16 elements per chunk, as t
 
 
 @triton.jit
-def _prefetch_then_wait(first_row, CHUNKS: tl.constexpr, CHUNK_ELEMS: tl.constexpr):
-    """L2 prefetches of CHUNKS chunks from `first_row` (a bf16 pointer) on, then the PDL wait, which takes
-    the prefetches' (zero) result as its input so it cannot be scheduled before them. Returns an int32
-    zero to add to every pointer, as `wait_for_predecessor` does. (A chunk vector smaller than the
+def _prefetch_l2(first_row, CHUNKS: tl.constexpr, CHUNK_ELEMS: tl.constexpr):
+    """L2 prefetches of CHUNKS chunks from `first_row` (a bf16 pointer) on; returns an int32 zero computed
+    from them, for what must come after them to take as an input. (A chunk vector smaller than the
     program's threads is replicated: some prefetches are issued more than once, which L2 merges.)"""
     addr = first_row + tl.arange(0, CHUNKS) * CHUNK_ELEMS
     size = tl.full([CHUNKS], CHUNK_ELEMS * 2, tl.int32)
     issued = tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
                                        [addr, size], dtype=tl.int32, is_pure=True, pack=1)
-    zero = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, $1;", "=r,r", [tl.max(issued, 0)],
+    return tl.max(issued, 0)
+
+
+@triton.jit
+def _prefetch_then_wait(first_row, CHUNKS: tl.constexpr, CHUNK_ELEMS: tl.constexpr):
+    """L2 prefetches of CHUNKS chunks from `first_row` on, then the PDL wait, which takes the prefetches'
+    (zero) result as its input so it cannot be scheduled before them. Returns an int32 zero to add to
+    every pointer, as `wait_for_predecessor` does."""
+    zero = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, $1;", "=r,r",
+                                     [_prefetch_l2(first_row, CHUNKS, CHUNK_ELEMS)],
                                      dtype=tl.int32, is_pure=True, pack=1)
     # unannotated, the pointers would lose their 16-byte alignment and the loads their vector width
     return tl.multiple_of(zero, 16)
@@ -114,15 +127,16 @@ def _prefetch_then_wait(first_row, CHUNKS: tl.constexpr, CHUNK_ELEMS: tl.constex
 def _gemv(w_ptr, x_ptr, count_ptr, programs, first, links, N: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, PDL: tl.constexpr, BARRIER: tl.constexpr, PREFETCH: tl.constexpr = 0):
     """Links first .. first + links - 1 of the chain x[i + 1] = W[i] @ x[i] (x: [L + 1, N] bf16, W: [L, N, N]
-    bf16, fp32 sums): one program per SM, each taking every `programs`-th block of BLOCK_N rows. With
-    BARRIER, one launch does every link, a grid barrier between them; without, one launch per link. With
-    PDL and PREFETCH (4 KB chunks, a power of two), the program prefetches the first chunks of its first
-    block of rows into L2 before it waits."""
+    bf16, fp32 sums): `programs` programs (one or a few per SM), each taking every `programs`-th block of
+    BLOCK_N rows. With BARRIER, one launch does every link, a grid barrier between them; without, one launch
+    per link. With PREFETCH (4 KB chunks, a power of two), the program prefetches the first chunks of its
+    first block of rows of a link into L2 while it may not yet read x: under PDL before its wait; with
+    BARRIER between its arrival and its wait at the barrier before that link, when its own share of the
+    link before is done and the DRAM may idle while the slowest programs finish theirs."""
     pid = tl.program_id(0)
+    block = tl.minimum(pid, N // BLOCK_N - 1)  # a program past the last block prefetches the last block's rows
     if PDL:
         if PREFETCH:
-            # a program past the last block prefetches the last block's rows: a valid address, read anyway
-            block = tl.minimum(pid, N // BLOCK_N - 1)
             z = _prefetch_then_wait(w_ptr + first * (N * N) + block * (BLOCK_N * N), PREFETCH, CHUNK_ELEMS)
         else:
             z = wait_for_predecessor()
@@ -142,7 +156,18 @@ def _gemv(w_ptr, x_ptr, count_ptr, programs, first, links, N: tl.constexpr, BLOC
                 acc = release_successor(acc)
             tl.store(x_ptr + (i + 1) * N + rows, acc.to(x_ptr.dtype.element_ty), cache_modifier=".cg")
         if BARRIER:
-            _grid_barrier(count_ptr, (i - first + 1) * programs)
+            # _grid_barrier, with the next link's prefetch between this program's arrival and its wait: the
+            # arrival's release would otherwise hold the prefetch's issue back (weights are never written,
+            # so reading them early is safe)
+            tl.debug_barrier()
+            tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+            target = (i - first + 1) * programs
+            if PREFETCH:
+                if i + 1 < first + links:  # the prefetches' zero feeds the wait: they are issued before it
+                    target += _prefetch_l2(w_ptr + (i + 1) * (N * N) + block * (BLOCK_N * N), PREFETCH, CHUNK_ELEMS)
+            while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < target:
+                pass
+            tl.debug_barrier()
 
 
 def expected(start: torch.Tensor, links: int) -> torch.Tensor:
@@ -168,8 +193,9 @@ BLOCK_GRID_CONFIGS = [(4, 1024, 4, 1), (8, 1024, 4, 3), (16, 512, 4, 3)]
 def run_gemv(w: torch.Tensor, x: torch.Tensor, programs: int, config: tuple[int, int, int, int], mode: str,
              count: torch.Tensor | None = None, prefetch_kb: int = 0) -> None:
     """The chain over every matrix of w ([L, N, N]) from x[0] into x[1..L]: `launch` or `launch-pdl`, one
-    launch per link (`launch-pdl` with `prefetch_kb`: that many KB of each program's first rows prefetched
-    before the wait, at most its block's); `barrier`, one launch (count: an int32 counter, zeroed here).
+    launch per link; `barrier`, one launch (count: an int32 counter, zeroed here). With `prefetch_kb`
+    (launch-pdl or barrier): that many KB of each program's first rows of a link, at most its block's,
+    prefetched before its wait for the link before.
     `programs` 0: one program per block of rows (not for `barrier`, which needs every program resident)."""
     links, n = w.shape[0], w.shape[1]
     block_n, block_k, warps, stages = config
@@ -180,18 +206,18 @@ def run_gemv(w: torch.Tensor, x: torch.Tensor, programs: int, config: tuple[int,
         if mode == "barrier":
             raise ValueError("chain_probe: the barrier needs one program per SM, not one per block of rows")
         programs = n // block_n
+    chunks = 0
+    if prefetch_kb:
+        if mode == "launch" or prefetch_kb * 1024 % PREFETCH_CHUNK or (prefetch_kb * 1024 // PREFETCH_CHUNK) & (
+                prefetch_kb * 1024 // PREFETCH_CHUNK - 1) or n * 2 % PREFETCH_CHUNK:
+            raise ValueError(f"chain_probe: a prefetch of {prefetch_kb} KB needs launch-pdl or barrier, a power of two "
+                             f"of 4 KB chunks and rows of whole chunks")
+        chunks = min(prefetch_kb * 1024, block_n * n * 2) // PREFETCH_CHUNK
     if mode == "barrier":
         assert count is not None
         count.zero_()
-        _gemv[(programs,)](w, x, count, programs, 0, links, PDL=False, BARRIER=True, **kw)
+        _gemv[(programs,)](w, x, count, programs, 0, links, PDL=False, BARRIER=True, PREFETCH=chunks, **kw)
         return
-    chunks = 0
-    if prefetch_kb:
-        if mode != "launch-pdl" or prefetch_kb * 1024 % PREFETCH_CHUNK or (prefetch_kb * 1024 // PREFETCH_CHUNK) & (
-                prefetch_kb * 1024 // PREFETCH_CHUNK - 1) or n * 2 % PREFETCH_CHUNK:
-            raise ValueError(f"chain_probe: a prefetch of {prefetch_kb} KB needs launch-pdl, a power of two of 4 KB "
-                             f"chunks and rows of whole chunks")
-        chunks = min(prefetch_kb * 1024, block_n * n * 2) // PREFETCH_CHUNK
     for i in range(links):
         _gemv[(programs,)](w, x, x, programs, i, 1, PDL=mode == "launch-pdl", BARRIER=False, PREFETCH=chunks, **kw)
 
@@ -268,19 +294,21 @@ def measure_gemv(case: str, w: torch.Tensor, programs: int, config: tuple[int, i
             "programmatic_edges": edges, "prefetch_kb": prefetch_kb}
 
 
-def gemv_rows(n: int, short: int, long: int, programs: int, reps: int,
-              prefetch_kb: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+def gemv_rows(n: int, short: int, long: int, programs: int, reps: int, prefetch_kb: tuple[int, ...] = (),
+              barrier_prefetch_kb: tuple[int, ...] = (), narrow: bool = False) -> list[dict[str, Any]]:
     """Per case, the cost per link of the GEMV chain (the slope between `short` and `long` links) and the
-    weight bytes per µs of that slope; the probe's kernel in each of its configurations, a row each, and
-    `launch-pdl` again with each prefetch size. `programs` 0: the engine's grid, one program per block of
-    rows, in its configurations (no barrier case)."""
+    weight bytes per µs of that slope; the probe's kernel in each of its configurations, a row each,
+    `launch-pdl` again with each of `prefetch_kb` and `barrier` with each of `barrier_prefetch_kb`.
+    `programs` 0: the engine's grid, one program per block of rows, in its configurations (no barrier
+    case); `narrow`: the engine's configurations over `programs` programs (several per SM), barrier too."""
     g = torch.Generator("cuda").manual_seed(1)
     w = (torch.randn(long, n, n, device="cuda", generator=g) * n ** -0.5).to(torch.bfloat16)
     rows: list[dict[str, Any]] = []
     configs, modes = (BLOCK_GRID_CONFIGS, ("launch", "launch-pdl")) if programs == 0 else (
-        GEMV_CONFIGS, ("launch", "launch-pdl", "barrier"))
+        BLOCK_GRID_CONFIGS if narrow else GEMV_CONFIGS, ("launch", "launch-pdl", "barrier"))
     cases = [("cublas", None, 0)] + [(c, cfg, 0) for c in modes for cfg in configs]
     cases += [("launch-pdl", cfg, kb) for kb in prefetch_kb for cfg in configs]
+    cases += [("barrier", cfg, kb) for kb in barrier_prefetch_kb for cfg in configs if programs]
     for case, cfg, kb in cases:
         try:
             runs = [measure_gemv(case, w[:links], programs, cfg, reps, kb) for links in (short, long)]
@@ -301,6 +329,10 @@ def main() -> None:
     ap.add_argument("--gemv-links", default="8,24", help="two GEMV chain lengths")
     ap.add_argument("--prefetch-kb", default="", help="launch-pdl again with each of these KB prefetched before the "
                     "wait (comma-separated powers of two of 4 KB, e.g. 16,64,256)")
+    ap.add_argument("--barrier-prefetch-kb", default="", help="barrier again with each of these KB of the next link "
+                    "prefetched between a program's arrival and its wait (as --prefetch-kb; sms grid only)")
+    ap.add_argument("--per-sm", type=int, default=1, help="programs per SM of the sms grid; above 1 the engine's "
+                    "batch-1 configurations (narrow blocks of rows), so the barrier runs the engine's kind of grid")
     ap.add_argument("--gemv-grid", choices=("sms", "blocks"), default="sms",
                     help="the GEMV chain's programs: one per SM, each looping over blocks of rows (the default), or "
                     "one per block of rows, as the engine's decode matmul launches (no barrier case)")
@@ -324,10 +356,13 @@ def main() -> None:
     if args.gemv:
         g_short, g_long = sorted(int(n) for n in args.gemv_links.split(","))
         kbs = tuple(int(kb) for kb in args.prefetch_kb.split(",") if kb)
-        gemv = gemv_rows(args.gemv, g_short, g_long, programs if args.gemv_grid == "sms" else 0, args.reps, kbs)
+        barrier_kbs = tuple(int(kb) for kb in args.barrier_prefetch_kb.split(",") if kb)
+        sms = args.gemv_grid == "sms"
+        gemv = gemv_rows(args.gemv, g_short, g_long, programs * args.per_sm if sms else 0, args.reps, kbs, barrier_kbs,
+                         narrow=args.per_sm > 1)
         mb = args.gemv ** 2 * 2 / 1e6
         print(f"\nGEMV chain, {args.gemv}x{args.gemv} bf16 ({mb:.1f} MB a link), links {g_short} and {g_long}, "
-              f"{'one program per SM' if args.gemv_grid == 'sms' else 'one program per block of rows'}")
+              f"{f'{args.per_sm} program(s) per SM' if sms else 'one program per block of rows'}")
         print(f"{'case':12} {'config':18} {'us/link':>8} {'TB/s':>6}  result")
         for r in gemv:
             cfg = "-" if r["config"] is None else "n{}k{}w{}s{}".format(*r["config"])
@@ -340,7 +375,7 @@ def main() -> None:
                       f"{'correct' if r['correct'] else 'WRONG'} (max rel err {err:.1e})")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "programs": programs,
-              "gemv_grid": args.gemv_grid,
+              "gemv_grid": args.gemv_grid, "per_sm": args.per_sm,
               "block": args.block, "rows": rows, "gemv": gemv, "seconds": time.perf_counter() - t0}
     (Path(args.out) / "chain-probe.json").write_text(json.dumps(result, indent=1) + "\n")
 

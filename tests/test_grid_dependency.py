@@ -159,3 +159,10 @@ def test_the_chain_probes_kernels_compile_for_hopper_with_their_waits_and_barrie
     assert prefetches and waits and min(prefetches) < min(waits)
     assert max(waits) < min(i for i, line in enumerate(early) if memory_ops([line]))
     assert memory_ops(early) == memory_ops(waiting)  # the loads keep their width (the wait's zero stays 16-aligned)
+    # --barrier-prefetch-kb: between a program's arrival (the release add) and its wait (the acquire spin)
+    between = ptx(chain_probe._gemv, gemv | {"PDL": False, "BARRIER": True, "PREFETCH": 4})
+    arrive = [i for i, line in enumerate(between) if "atom.global.gpu.release.add" in line]
+    fetch = [i for i, line in enumerate(between) if line.startswith("cp.async.bulk.prefetch.L2.global")]
+    spin = [i for i, line in enumerate(between) if "ld.global.gpu.acquire" in line]
+    assert arrive and fetch and spin and min(arrive) < min(fetch) and max(fetch) < min(spin)
+    assert memory_ops(between) == memory_ops(barrier.splitlines())

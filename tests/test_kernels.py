@@ -298,9 +298,14 @@ def test_the_chain_probes_gemv_kernel_computes_the_chain_one_launch_per_link(pro
     torch.testing.assert_close(x, chain_probe.reference_gemv(w, x[0]), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="blocks of"):
         chain_probe.run_gemv(w, x, programs, (12, 16, 4, 1), "launch")
-    for mode, kb in (("launch", 16), ("launch-pdl", 12)):  # a prefetch needs PDL and a power of two of 4 KB chunks
+    # a prefetch needs PDL or the barrier, and a power of two of 4 KB chunks
+    for mode, kb in (("launch", 16), ("launch-pdl", 12)) + ((("barrier", 12),) if programs else ()):
         with pytest.raises(ValueError, match="prefetch of"):
             chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), mode, prefetch_kb=kb)
+    if programs == 1:  # one program is all resident even here: the barrier's chain, in one launch
+        x[1:] = 0
+        chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), "barrier", torch.zeros(1, dtype=torch.int32).to(DEVICE))
+        torch.testing.assert_close(x, chain_probe.reference_gemv(w, x[0]), atol=1e-5, rtol=1e-5)
     if programs == 0:
         with pytest.raises(ValueError, match="one program per SM"):
             chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), "barrier", torch.zeros(1, dtype=torch.int32).to(DEVICE))
