@@ -322,6 +322,10 @@ def table(report: dict[str, Any]) -> str:
                 reader = f", {f['reader']}" if "reader" in f else ""
                 lines.append(f"  restart ({cache} page cache): start -> first token {got}; read weights to device "
                              f"{f['s']:.3f} s ({f['Bps'] / 1e9:.2f} GB/s{reader}); ratio {r['ratio_to_floor']:.2f}")
+                if ready := r.get("torch_process_floor"):
+                    got = (f"{ready['start_to_ready_s']:.2f} s, ratio {ready['ratio_to_floor']:.2f}" if "error" not in ready
+                           else ready["error"][:160])
+                    lines.append(f"    a new process that only imports torch and makes one tensor on the device: {got}")
                 for key, label in (("load_threads", "with TRTBUILD_LOAD_THREADS"),
                                    ("load_threads_preload", "the same, TRTBUILD_PRELOAD=1")):
                     t = r.get(f"engine_{key}")

@@ -83,3 +83,22 @@ def test_the_engines_label_names_its_kernels_and_the_steps_matmuls_as_timed() ->
     assert "decode_b1: decode kernel for 1 of 2 weight shapes (6144x4096)" in label
     assert "the step's matmuls 0.720 ms as the build timed them" in label  # 32 x 15 + 240 us
     assert "decode_b32" not in label
+
+
+def test_the_restart_rows_show_the_loads_parts_the_preload_and_the_floor_of_a_torch_process() -> None:
+    """benchmarks/peers.py's restart rows: per threaded run its start-up and the load's parts, whether the
+    weights came preloaded, and beside the read floor what a process that only imports torch takes."""
+    import peers
+
+    threaded = {"start_to_first_token_s": 5.0, "phases": {"startup_s": 4.1, "load_s": 0.4},
+                "load_parts": {"graphs_s": 0.12, "weights_s": 0.05, "constants_s": 0.2},
+                "load_note": "weights read onto the GPU during start-up (0.95 s of reading, 0.00 s of it waited for here)"}
+    warm = {"engine": {"start_to_first_token_s": 8.8}, "read_weights_to_device": {"s": 0.6, "Bps": 26.7e9, "reader": "threads_8"},
+            "ratio_to_floor": 14.7, "torch_process_floor": {"start_to_ready_s": 4.2, "ratio_to_floor": 7.0},
+            "engine_load_threads_preload": threaded, "ratio_to_floor_load_threads_preload": 8.33}
+    report = {"device": "H200", "torch": "2.11", "recipes": {"8b": {"recipe": "8b", "restart": {"warm": warm}}},
+              "ceilings": {"copy_Bps": 4.2e12, "matmul_dtype": "bfloat16", "matmul_n": 8192, "matmul_flops_per_s": 7.8e14}}
+    text = peers.table(report)
+    assert "a new process that only imports torch and makes one tensor on the device: 4.20 s, ratio 7.00" in text
+    assert ("the same, TRTBUILD_PRELOAD=1: start -> first token 5.00 s; start-up 4.10 s, load 0.40 s "
+            "(graphs 0.12, weights 0.05, constants 0.20); ratio 8.33; weights preloaded") in text
