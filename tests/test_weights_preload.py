@@ -271,3 +271,68 @@ def test_every_driver_call_matches_its_prototype_in_cuda_h(header: Path) -> None
     called = {name for name, _ in lib.calls}
     assert called == set(re.findall(r'"(cu[A-Z]\w*)"', Path(weights_preload.__file__).read_text()))  # all of them
     cuda_header.Header(header).check(lib.calls, structs={})
+
+
+class _SlowCopies(HostDriver):
+    """Each copy takes 10 ms: a read of many small chunks outlasts whatever gives it up."""
+
+    def copy_to_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        import time
+
+        time.sleep(0.01)
+        super().copy_to_device(dst, src, nbytes, stream)
+
+
+def _chunks(path: Path, chunk: int) -> int:
+    return sum(-(-e.nbytes // chunk) for e in weights_preload.entries(path))
+
+
+def test_a_build_gives_a_read_under_way_up_rather_than_waiting_for_the_rest_of_it(weights: Path) -> None:
+    drv = _SlowCopies()
+    assert weights_preload.start(weights, 1, driver=drv, chunk=1024)
+    assert _chunks(weights, 1024) >= 150  # 1.5 s of copies if the read went on
+    weights_preload.discard()
+    assert drv.copies < 20 and _all_freed(drv), drv.copies
+
+
+def test_a_preload_of_another_file_is_given_up_not_read_to_the_end(weights: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(weights.read_bytes())
+    drv = _SlowCopies()
+    assert weights_preload.start(weights, 1, driver=drv, chunk=1024)
+    assert weights_preload.take(other, "cpu") is None
+    assert drv.copies < 20 and _all_freed(drv), drv.copies
+
+
+def test_a_process_that_exits_with_a_read_under_way_stops_it_and_frees_its_memory(weights: Path, tmp_path: Path) -> None:
+    """The exit path for real, in a new process: an error before the engine is loaded (here: the script just
+    ends) must not leave threads copying while the interpreter, and on a GPU the driver, shut down."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import atexit, os, sys
+        sys.path[:0] = [{str(Path(__file__).resolve().parents[1])!r}]
+        os.environ["TRTBUILD_PRELOAD"] = "1"
+        from tests.doubles.host_cuda_driver import HostDriver  # (this test module would import weights_preload)
+
+        class _SlowCopies(HostDriver):
+            def copy_to_device(self, *args):
+                __import__("time").sleep(0.01)
+                super().copy_to_device(*args)
+
+        drv = _SlowCopies()
+        # registered before weights_preload's own handler, so it runs after it (atexit runs last-in first-out)
+        atexit.register(lambda: print("copies", drv.copies, "left", len(drv.device) + len(drv.host) + len(drv.streams),
+                                      "misuse", len(drv.misuse), flush=True))
+        from trtbuild.backends import weights_preload
+        assert weights_preload.start(__import__("pathlib").Path({str(weights)!r}), 1, driver=drv, chunk=1024)
+        import time
+        while drv.copies < 2:  # the read is under way when the process ends
+            time.sleep(0.005)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.split()
+    assert words[0] == "copies" and int(words[1]) < 20 and words[2:] == ["left", "0", "misuse", "0"], out.stdout

@@ -26,6 +26,7 @@ not fall back, it would end the process.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import json
@@ -164,6 +165,9 @@ class Preload:
     tensors: list[tuple[TensorEntry, int]] = field(default_factory=list)  # each with its device address (0: empty)
     error: BaseException | None = None
     seconds: float | None = None
+    # set by whoever gives the read up: its threads stop at their next chunk, so a wrong guess never holds
+    # a build (or the process's exit) for the rest of a 15 GB read
+    cancelled: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def begin(self) -> None:
@@ -226,6 +230,8 @@ class Preload:
             staging = [drv.alloc_host(max(n for _, n, _, _ in jobs)) for _ in range(2)]  # pinning takes time: no more
             streams = [drv.stream() for _ in range(2)]
             for i, (offset, n, ptr, at) in enumerate(jobs):
+                if self.cancelled.is_set():
+                    raise _Cancelled(self.path)
                 k = i % 2
                 drv.synchronize(streams[k])
                 pread_into(fd, host_bytes(staging[k], n), offset, self.path)
@@ -240,6 +246,10 @@ class Preload:
                 with contextlib.suppress(Exception):
                     drv.free_host(buf)
             os.close(fd)
+
+
+class _Cancelled(Exception):
+    """The read was given up (`discard`, a preload of another file, the process's exit)."""
 
 
 _pending: Preload | None = None
@@ -280,22 +290,35 @@ def start(path: Path, threads: int, driver: Any = None, chunk: int = CHUNK) -> b
     return True
 
 
-def _claim() -> tuple[Preload | None, float]:
-    """The pending preload, once its read is over, and the seconds spent waiting for that."""
+def _claim(keep: Path | None = None) -> tuple[Preload | None, float]:
+    """The pending preload, once its read is over, and the seconds spent waiting for that. A preload of any
+    file but `keep` is given up first, so the wait is for the chunks already under way, not the file."""
     global _pending
     with _lock:
         pre, _pending = _pending, None
     t = time.perf_counter()
     if pre is not None:
+        if keep is None or pre.path != keep:
+            pre.cancelled.set()
         pre.wait()
     return pre, time.perf_counter() - t
 
 
 def discard() -> None:
-    """Free a preload nobody will take (a build is about to need the device memory)."""
+    """Give up and free a preload nobody will take (a build is about to need the device memory)."""
     pre, _ = _claim()
     if pre is not None:
         pre.release()
+
+
+def _abandon() -> None:
+    """At exit (an error before the engine was loaded, say): stop the read and free its memory before the
+    interpreter and the CUDA driver shut down under threads still copying."""
+    with contextlib.suppress(Exception):
+        discard()
+
+
+atexit.register(_abandon)
 
 
 @dataclass
@@ -316,7 +339,7 @@ class Preloaded:
 def take(path: Path, device: str) -> Preloaded | None:
     """The preloaded tensors of `path` on `device`, if a preload of that very file completed; else None
     (and whatever was preloaded is freed)."""
-    pre, waited = _claim()
+    pre, waited = _claim(keep=path)
     if pre is None:
         return None
     if (pre.error is not None or pre.path != path or pre.identity != _identity(path)
