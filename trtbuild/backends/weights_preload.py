@@ -298,7 +298,7 @@ def _claim(keep: Path | None = None) -> tuple[Preload | None, float]:
         pre, _pending = _pending, None
     t = time.perf_counter()
     if pre is not None:
-        if keep is None or pre.path != keep:
+        if keep is None or pre.path != keep or pre.identity != _identity(keep):  # (a replaced file is another)
             pre.cancelled.set()
         pre.wait()
     return pre, time.perf_counter() - t
