@@ -37,6 +37,21 @@ def test_ratios_are_judged_against_the_recipes_limits_and_missing_figures_are_un
                                                         "measured": "no peer measured", "met": None}
 
 
+def test_each_restart_reader_is_judged_and_the_warm_ones_show_what_a_torch_process_alone_takes() -> None:
+    warm = {"engine": {}, "ratio_to_floor": 14.7, "torch_process_floor": {"start_to_ready_s": 4.2, "ratio_to_floor": 7.0},
+            "engine_load_threads": {}, "ratio_to_floor_load_threads": 9.9,
+            "engine_load_threads_preload": {"error": "child crashed"}, "ratio_to_floor_load_threads_preload": 1.0}
+    rec = {"recipe": "llama-3.1-8b", "variants": {}, "restart": {"warm": warm}}
+    v = _by_target(targets.check(rec))
+    threaded = v["restart (warm page cache), weights read by the threaded reader (the CUDA default) <= 2.0x reading "
+                 "the weights"]
+    assert threaded["met"] is False and threaded["measured"] == "9.90x; a process that only imports torch: 7.00x"
+    # a preloaded restart whose process crashed has no ratio to trust
+    preloaded = v["restart (warm page cache), weights read onto the GPU during start-up (TRTBUILD_PRELOAD=1) <= 2.0x "
+                  "reading the weights"]
+    assert preloaded["met"] is None and preloaded["measured"] == "not measured"
+
+
 def test_ahead_means_faster_than_every_peer_on_that_row_and_a_tie_is_not_a_lead() -> None:
     rec = {"recipe": "llama-3.2-1b",
            "variants": {"engine": {"decode": {"1": _fig(1.30)}, "prefill": {"2048": _fig(49.44), "128": _fig(6.0)}},
