@@ -275,6 +275,14 @@ def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_
     gate = timings("gate", "gated", 55.80, 57.61, gated=56.57)
     assert pick(up, timings("none", "cublas", 55.86, None, plain=57.72), "auto", gate) == ("gated", "gate", 58.22)
     assert pick(up, timings("none", "cublas", 55.86, None, plain=57.72), "auto") == ("cublas", "none", 59.26)
+    # 8B gate/up at batch 1 under epilogue (2026-12-05): cuBLAS + the gating timed faster than cuBLAS alone
+    # (58.51 against 62.02), noise; the plain kernel + a negative gating (59.34 - 3.51) must not beat the
+    # fused kernel (57.70), which would add Inductor's gating kernel to every layer
+    gated = timings("gate", "fused", 62.02, 58.51, fused=57.70)
+    assert pick(gated, timings("none", "plain", 62.01, None, plain=59.34), "auto") == ("fused", "gate", 57.70)
+    # the same for the norm's share under fused: never below nothing
+    noisy_gate = timings("gate", "gated", 55.80, 60.00, gated=56.57)
+    assert pick(up, None, "auto", noisy_gate) == ("gated", "gate", 56.57)
 
 
 def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch: pytest.MonkeyPatch,
