@@ -447,6 +447,12 @@ def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, 
                         lambda: read_with_threads(weights, ctx["device"], threads)))
         readers.append((f"threads_{threads}_preload", {"TRTBUILD_LOAD_THREADS": str(threads), "TRTBUILD_PRELOAD": "1"},
                         None))
+    # --preload-threads: the preload again with other thread counts. On the H200 (2026-12-05, call 54) the
+    # warm 8-thread preload read for 2.32 s during start-up (0.65 s alone) and start-up took 1.1 s longer:
+    # fewer threads may contend less with the import they overlap
+    others = [n for n in args.preload_threads if threads and n != threads]
+    for n in others:
+        readers.append((f"threads_{n}_preload", {"TRTBUILD_LOAD_THREADS": str(n), "TRTBUILD_PRELOAD": "1"}, None))
     for cache in ("cold", "warm"):
         cold = cache == "cold"
         note = "files just read (warm page cache)"
@@ -484,6 +490,9 @@ def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, 
             rec["ratio_to_floor_load_threads"] = ratio(starts[f"threads_{threads}"])
             rec["engine_load_threads_preload"] = starts[f"threads_{threads}_preload"]
             rec["ratio_to_floor_load_threads_preload"] = ratio(starts[f"threads_{threads}_preload"])
+        if others:
+            rec["engine_preload_by_threads"] = {str(n): starts[f"threads_{n}_preload"] | {
+                "ratio_to_floor": ratio(starts[f"threads_{n}_preload"])} for n in others}
         out[cache] = rec
     return out
 
@@ -619,6 +628,8 @@ def main() -> None:
     ap.add_argument("--cpu-compile", action="store_true", help="run the torch.compile peer on CPU (mode='default')")
     ap.add_argument("--load-threads", type=int, default=0,
                     help="restart: also time the engine with TRTBUILD_LOAD_THREADS=N and the floor with that reader")
+    ap.add_argument("--preload-threads", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="restart: the preload (TRTBUILD_PRELOAD=1) again with each of these thread counts")
     ap.add_argument("--child", choices=("restart", "build", "startup"), help=argparse.SUPPRESS)
     ap.add_argument("--prompt-len", type=int, default=128, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -305,6 +305,16 @@ def _variant_lines(rec: dict[str, Any], report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _restart_line(label: str, t: dict[str, Any], ratio: float) -> str:
+    """One restart of the engine in a new process: to the first token, start-up, the load and its parts."""
+    got = f"{t['start_to_first_token_s']:.2f} s" if "error" not in t else t["error"][:160]
+    preloaded = "; weights preloaded" if "start-up" in t.get("load_note", "") else ""
+    phases = t.get("phases", {})
+    parts = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in t.get("load_parts", {}).items())
+    return (f"    {label}: start -> first token {got}; start-up {phases.get('startup_s', float('nan')):.2f} s, load "
+            f"{phases.get('load_s', float('nan')):.2f} s{f' ({parts})' if parts else ''}; ratio {ratio:.2f}{preloaded}")
+
+
 def table(report: dict[str, Any]) -> str:
     c = report["ceilings"]
     lines = [f"device {report['device']}, torch {report['torch']}: copy {c['copy_Bps'] / 1e12:.3f} TB/s (read+write), "
@@ -326,18 +336,12 @@ def table(report: dict[str, Any]) -> str:
                     got = (f"{ready['start_to_ready_s']:.2f} s, ratio {ready['ratio_to_floor']:.2f}" if "error" not in ready
                            else ready["error"][:160])
                     lines.append(f"    a new process that only imports torch and makes one tensor on the device: {got}")
-                for key, label in (("load_threads", "with TRTBUILD_LOAD_THREADS"),
-                                   ("load_threads_preload", "the same, TRTBUILD_PRELOAD=1")):
-                    t = r.get(f"engine_{key}")
-                    if t:
-                        got = f"{t['start_to_first_token_s']:.2f} s" if "error" not in t else t["error"][:160]
-                        preloaded = "; weights preloaded" if "start-up" in t.get("load_note", "") else ""
-                        phases = t.get("phases", {})
-                        parts = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in t.get("load_parts", {}).items())
-                        lines.append(f"    {label}: start -> first token {got}; start-up "
-                                     f"{phases.get('startup_s', float('nan')):.2f} s, load "
-                                     f"{phases.get('load_s', float('nan')):.2f} s{f' ({parts})' if parts else ''}; ratio "
-                                     f"{r[f'ratio_to_floor_{key}']:.2f}{preloaded}")
+                starts = [(label, r[f"engine_{key}"], r[f"ratio_to_floor_{key}"])
+                          for key, label in (("load_threads", "with TRTBUILD_LOAD_THREADS"),
+                                             ("load_threads_preload", "the same, TRTBUILD_PRELOAD=1")) if r.get(f"engine_{key}")]
+                starts += [(f"the same, TRTBUILD_PRELOAD=1 with {n} threads", t, t["ratio_to_floor"])
+                           for n, t in r.get("engine_preload_by_threads", {}).items()]
+                lines += [_restart_line(label, t, ratio) for label, t, ratio in starts]
         b = rec.get("build")
         if b:
             def one(x: dict[str, Any]) -> str:
