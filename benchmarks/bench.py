@@ -438,12 +438,12 @@ def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, 
     threads = args.load_threads if (entry / "weights.safetensors").is_file() else 0
     # (reader, the engine's environment, the floor read the same way, or None): each engine restart is
     # followed by its floor, both from a dropped page cache in the cold round. The threaded reader runs
-    # twice: as the CUDA default reads, and with the weights preloaded onto the GPU while torch imports
-    # (TRTBUILD_PRELOAD=1, opt-in until measured: backends/weights_preload.py), an A/B in the same run.
+    # twice: without (TRTBUILD_PRELOAD=0, whatever the default) and with the weights preloaded onto the GPU
+    # while torch imports (TRTBUILD_PRELOAD=1: backends/weights_preload.py), an A/B in the same run.
     readers: list[tuple[str, dict[str, str], Callable[[], dict[str, float]] | None]] = [
         ("one_thread", {"TRTBUILD_LOAD_THREADS": "0"}, lambda: read_to_device(weights, ctx["device"]))]
     if threads:
-        readers.append((f"threads_{threads}", {"TRTBUILD_LOAD_THREADS": str(threads)},
+        readers.append((f"threads_{threads}", {"TRTBUILD_LOAD_THREADS": str(threads), "TRTBUILD_PRELOAD": "0"},
                         lambda: read_with_threads(weights, ctx["device"], threads)))
         readers.append((f"threads_{threads}_preload", {"TRTBUILD_LOAD_THREADS": str(threads), "TRTBUILD_PRELOAD": "1"},
                         None))
