@@ -629,7 +629,7 @@ def main() -> None:
     ap.add_argument("--load-threads", type=int, default=0,
                     help="restart: also time the engine with TRTBUILD_LOAD_THREADS=N and the floor with that reader")
     ap.add_argument("--preload-threads", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
-                    help="restart: the preload (TRTBUILD_PRELOAD=1) again with each of these thread counts")
+                    help="restart: the preload (the CUDA default) again with each of these thread counts")
     ap.add_argument("--child", choices=("restart", "build", "startup"), help=argparse.SUPPRESS)
     ap.add_argument("--prompt-len", type=int, default=128, help=argparse.SUPPRESS)
     args = ap.parse_args()

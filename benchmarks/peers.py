@@ -337,9 +337,10 @@ def table(report: dict[str, Any]) -> str:
                            else ready["error"][:160])
                     lines.append(f"    a new process that only imports torch and makes one tensor on the device: {got}")
                 starts = [(label, r[f"engine_{key}"], r[f"ratio_to_floor_{key}"])
-                          for key, label in (("load_threads", "with TRTBUILD_LOAD_THREADS"),
-                                             ("load_threads_preload", "the same, TRTBUILD_PRELOAD=1")) if r.get(f"engine_{key}")]
-                starts += [(f"the same, TRTBUILD_PRELOAD=1 with {n} threads", t, t["ratio_to_floor"])
+                          for key, label in (("load_threads", "with TRTBUILD_LOAD_THREADS, TRTBUILD_PRELOAD=0"),
+                                             ("load_threads_preload", "the same, preloaded (the default)"))
+                          if r.get(f"engine_{key}")]
+                starts += [(f"the same, preloaded with {n} threads", t, t["ratio_to_floor"])
                            for n, t in r.get("engine_preload_by_threads", {}).items()]
                 lines += [_restart_line(label, t, ratio) for label, t, ratio in starts]
         b = rec.get("build")

@@ -56,8 +56,8 @@ def check(rec: dict[str, Any]) -> list[Verdict]:
             ready = r.get("torch_process_floor") if r else None
             alone = (f"; a process that only imports torch: {ready['ratio_to_floor']:.2f}x"
                      if ready and "error" not in ready else "")
-            for key, how in (("load_threads", "weights read by the threaded reader (the CUDA default)"),
-                             ("load_threads_preload", "weights read onto the GPU during start-up (TRTBUILD_PRELOAD=1)")):
+            for key, how in (("load_threads", "weights read by the threaded reader after start-up (TRTBUILD_PRELOAD=0)"),
+                             ("load_threads_preload", "weights read onto the GPU during start-up (the CUDA default)")):
                 run = r.get(f"engine_{key}") if r else None
                 if run is not None:
                     x = r[f"ratio_to_floor_{key}"] if "error" not in run else None

@@ -99,7 +99,7 @@ def test_preload_puts_the_files_tensors_on_the_gpu_and_frees_them(tmp_path: Path
     save_file(tensors, str(path))
     want = load_file(str(path), device="cuda")
     torch.cuda.synchronize()
-    monkeypatch.setenv("TRTBUILD_PRELOAD", "1")  # opt-in until this test and the benchmark have run
+    monkeypatch.delenv("TRTBUILD_PRELOAD", raising=False)  # the default: on
     # Only the preload's memory may show in the device's free memory: the comparisons below run once first
     # (CUDA loads a kernel's module on its first launch, ~100 MiB that stayed after the first case's free on
     # the H200 and the H100, 2026-12-05), and torch's caching allocator is emptied before each reading

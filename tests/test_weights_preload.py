@@ -29,7 +29,7 @@ _discard = weights_preload.discard  # the real one, whatever a test patched in i
 
 @pytest.fixture(autouse=True)
 def no_pending(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("TRTBUILD_PRELOAD", "1")  # opt-in until it has run on a GPU
+    monkeypatch.delenv("TRTBUILD_PRELOAD", raising=False)  # the default: on
     yield
     _discard()  # a test that leaves one must not hand it to the next
 
@@ -126,10 +126,11 @@ def test_a_build_discards_the_preload_and_a_second_start_waits_for_the_first(wei
     assert _all_freed(drv) and weights_preload.take(weights, "cpu") is None
     assert not weights_preload.start(weights, 0, driver=HostDriver())
     assert not weights_preload.start(weights.with_name("missing.safetensors"), 2, driver=HostDriver())
-    monkeypatch.setenv("TRTBUILD_PRELOAD", "0")
+    monkeypatch.setenv("TRTBUILD_PRELOAD", "0")  # turned off
     assert not weights_preload.start(weights, 2, driver=HostDriver())
-    monkeypatch.delenv("TRTBUILD_PRELOAD")  # the default, until it has run on a GPU
-    assert not weights_preload.start(weights, 2, driver=HostDriver())
+    monkeypatch.delenv("TRTBUILD_PRELOAD")  # the default: on
+    assert weights_preload.start(weights, 2, driver=HostDriver())
+    weights_preload.discard()
 
 
 def test_the_stand_in_has_exactly_the_real_drivers_methods() -> None:
