@@ -159,3 +159,37 @@ def test_a_peer_cut_off_while_compiling_its_second_batch_keeps_its_prefill_rows(
     assert out["complete"] is False
     assert len(saves) == 1 + len(bench.QUICK.prefill_lens)  # saved after each figure
     assert peer.calls[0][0] == 1 and peer.calls[-1][0] == 8  # batch 1 first, batch 8 last
+
+
+def test_the_restart_ab_turns_the_preload_off_and_on_by_name_and_runs_each_extra_thread_count(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_restart's readers, with the new processes and reads stood in for: the threaded row runs with
+    the preload off by name (it is the default now), the preloaded row with it on, each --preload-threads
+    count once more in each round, and the report keeps them apart."""
+    import argparse
+
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    (entry / "weights.safetensors").write_bytes(b"w" * 100)
+    envs: list[dict[str, str]] = []
+
+    def fake_child(kind: str, recipe_path: str, engines: str, extra: list[str], env: dict[str, str] | None = None) -> dict:
+        if kind == "startup":
+            return {"t_spawn": 0.0, "t_ready": 3.0}
+        envs.append(dict(env or {}))
+        return {"t_spawn": 0.0, "t_first_token": 4.0 + len(envs) / 10, "phases": {}, "load_note": ""}
+
+    floor = {"s": 1.0, "bytes": 100, "Bps": 100.0}
+    monkeypatch.setattr(bench, "child", fake_child)
+    monkeypatch.setattr(bench, "drop_page_cache", lambda files: "dropped")
+    monkeypatch.setattr(bench, "read_to_device", lambda files, device: dict(floor))
+    monkeypatch.setattr(bench, "read_with_threads", lambda files, device, threads: dict(floor, threads=threads))
+    ctx = {"entry": entry, "device": "cuda", "plan": argparse.Namespace(prompt_len=8)}
+    args = argparse.Namespace(load_threads=8, preload_threads=[2, 8], recipe_path="r.yaml", engines="e")
+    out = bench.measure_restart(ctx, args)
+    one_round = [{"TRTBUILD_LOAD_THREADS": "0"}, {"TRTBUILD_LOAD_THREADS": "8", "TRTBUILD_PRELOAD": "0"},
+                 {"TRTBUILD_LOAD_THREADS": "8", "TRTBUILD_PRELOAD": "1"}, {"TRTBUILD_LOAD_THREADS": "2", "TRTBUILD_PRELOAD": "1"}]
+    assert envs == one_round * 2  # cold, then warm; 8 threads is the preloaded row itself, not run twice
+    for cache in ("cold", "warm"):
+        assert list(out[cache]["engine_preload_by_threads"]) == ["2"]
+        assert out[cache]["engine_preload_by_threads"]["2"]["ratio_to_floor"] > out[cache]["ratio_to_floor_load_threads_preload"]
