@@ -3,7 +3,7 @@
 # recipe (build / restart / variants), a retry under LD_PRELOAD if the engine did not load in a new
 # process, and the CLI report of a cache-hit run. At most 8 files under $OUT.
 #
-#   [PROFILE=0 | PROFILE=1 [PROFILE_PDL=1]] [PROBE="--graph decode --batch 8 --options plain,autotune"] [RESERVE=100] [GPU_TESTS=1 [GPU_TESTS_K=expr]] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [SAVE_PEER_CACHE=1] [SEED_PEER_CACHE=DIR] [LOAD_THREADS=8] [PRELOAD_THREADS=2,4] [BUDGET=545] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
+#   [PROFILE=0 | PROFILE=1 [PROFILE_PDL=1]] [PROBE="--graph decode --batch 8 --options plain,autotune"] [RESERVE=100] [GPU_TESTS=1 [GPU_TESTS_K=expr]] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [SAVE_PEER_CACHE=1] [SEED_PEER_CACHE=DIR] [LOAD_THREADS=8] [PRELOAD_THREADS=2,4] [RESTART_REPEATS=3] [BUDGET=545] bash benchmarks/h200_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -53,7 +53,7 @@ fi
 log "bench $RECIPE sections=$SECTIONS variants=$VARIANTS (time left $(left) s)"
 # TERM at the limit (the benchmark then prints the table of what it measured), KILL 15 s later
 timeout -k 15 $(( $(left) - ${RESERVE:-45} - 15 )) python3 benchmarks/bench.py "$RECIPE" --engines /tmp/bench-engines --out "$OUT" \
-  --sections "$SECTIONS" --variants "$VARIANTS" --load-threads "${LOAD_THREADS:-8}" --preload-threads "${PRELOAD_THREADS:-}" > "$OUT/bench.log" 2>&1; log "bench rc $?"
+  --sections "$SECTIONS" --variants "$VARIANTS" --load-threads "${LOAD_THREADS:-8}" --preload-threads "${PRELOAD_THREADS:-}" --restart-repeats "${RESTART_REPEATS:-1}" > "$OUT/bench.log" 2>&1; log "bench rc $?"
 # A benchmark cut off by its time limit leaves its child processes running (one was still loading 15 GB
 # when the CLI run below started, on 2026-12-03): end them before timing anything else.
 pkill -f "bench.py --child" 2>/dev/null; sleep 1

@@ -308,6 +308,8 @@ def _variant_lines(rec: dict[str, Any], report: dict[str, Any]) -> list[str]:
 def _restart_line(label: str, t: dict[str, Any], ratio: float) -> str:
     """One restart of the engine in a new process: to the first token, start-up, the load and its parts."""
     got = f"{t['start_to_first_token_s']:.2f} s" if "error" not in t else t["error"][:160]
+    if samples := t.get("samples_s"):
+        got += f" (median of {len(samples)}: {', '.join(f'{x:.2f}' for x in samples)})"
     preloaded = "; weights preloaded" if "start-up" in t.get("load_note", "") else ""
     phases = t.get("phases", {})
     parts = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in t.get("load_parts", {}).items())

@@ -185,11 +185,22 @@ def test_the_restart_ab_turns_the_preload_off_and_on_by_name_and_runs_each_extra
     monkeypatch.setattr(bench, "read_to_device", lambda files, device: dict(floor))
     monkeypatch.setattr(bench, "read_with_threads", lambda files, device, threads: dict(floor, threads=threads))
     ctx = {"entry": entry, "device": "cuda", "plan": argparse.Namespace(prompt_len=8)}
-    args = argparse.Namespace(load_threads=8, preload_threads=[2, 8], recipe_path="r.yaml", engines="e")
+    args = argparse.Namespace(load_threads=8, preload_threads=[2, 8], restart_repeats=3, recipe_path="r.yaml", engines="e")
     out = bench.measure_restart(ctx, args)
     one_round = [{"TRTBUILD_LOAD_THREADS": "0"}, {"TRTBUILD_LOAD_THREADS": "8", "TRTBUILD_PRELOAD": "0"},
                  {"TRTBUILD_LOAD_THREADS": "8", "TRTBUILD_PRELOAD": "1"}, {"TRTBUILD_LOAD_THREADS": "2", "TRTBUILD_PRELOAD": "1"}]
-    assert envs == one_round * 2  # cold, then warm; 8 threads is the preloaded row itself, not run twice
+    # cold once each, then warm three times each; 8 threads is the preloaded row itself, not run twice
+    assert envs == one_round + [env for env in one_round for _ in range(3)]
     for cache in ("cold", "warm"):
         assert list(out[cache]["engine_preload_by_threads"]) == ["2"]
         assert out[cache]["engine_preload_by_threads"]["2"]["ratio_to_floor"] > out[cache]["ratio_to_floor_load_threads_preload"]
+    # warm: the median of three (the fake's times grow by 0.1 s a call), every sample kept
+    warm = out["warm"]["engine_load_threads"]
+    assert warm["samples_s"] == pytest.approx([4.8, 4.9, 5.0]) and warm["start_to_first_token_s"] == pytest.approx(4.9)
+    assert "samples_s" not in out["cold"]["engine_load_threads"]
+
+
+def test_a_failed_restart_is_never_averaged_away() -> None:
+    ok = [{"start_to_first_token_s": s} for s in (5.0, 4.0)]
+    assert bench._median_run(ok + [{"error": "child crashed"}]) == {"error": "child crashed"}
+    assert bench._median_run(ok) == {"start_to_first_token_s": 4.0, "samples_s": [5.0, 4.0]}
