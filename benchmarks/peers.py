@@ -59,7 +59,7 @@ class EnginePeer:
 def decode_kernels(manifest: dict[str, Any]) -> str:
     """Which decode matmuls the engine runs through trtbuild's kernel, and which attention kernels, from its
     manifest, in a few words."""
-    from trtbuild.backends.decode_kernels import timed_step_us
+    from trtbuild.backends.decode_kernels import fused_outside, timed_step_us
     from trtbuild.backends.export import bucket
 
     record = manifest.get("tactics", {}).get("decode_matmuls") or {}
@@ -68,8 +68,10 @@ def decode_kernels(manifest: dict[str, Any]) -> str:
         if isinstance(shapes, dict) and "note" not in shapes:
             routed = sorted(shape for shape, r in shapes.items() if r.get("used", "cublas") != "cublas")
             timed = timed_step_us(record, bucket(graph))
+            outside = fused_outside(record, bucket(graph))
             parts.append(f"{graph}: decode kernel for {len(routed)} of {len(shapes)} weight shapes"
                          + (f" ({', '.join(routed)})" if routed else "")
+                         + (f", the fusion of {', '.join(outside)} outside it" if outside else "")
                          + (f", the step's matmuls {timed / 1e3:.3f} ms as the build timed them" if timed else ""))
     attention = manifest.get("tactics", {}).get("decode_attention", {}).get("used")
     if attention:

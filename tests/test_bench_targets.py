@@ -92,10 +92,12 @@ def test_the_engines_label_names_its_kernels_and_the_steps_matmuls_as_timed() ->
 
     qkv = {"used": "n8k1024w4s3", "calls": 32, "chosen_us": 15.0}
     head = {"used": "cublas", "calls": 1, "chosen_us": 240.0}
-    manifest = {"tactics": {"decode_matmuls": {"decode_b1": {"6144x4096": qkv, "128256x4096": head},
+    gate = {"used": "n8k1024w4s3", "kernel_does": "none", "calls": 32, "chosen_us": 0.0}  # the gating by Inductor
+    manifest = {"tactics": {"decode_matmuls": {"decode_b1": {"6144x4096": qkv, "128256x4096": head, "28672x4096+gate": gate},
                                                "decode_b32": {"note": "cuBLAS: the kernel takes at most 16 rows"}}}}
     label = peers.decode_kernels(manifest)
-    assert "decode_b1: decode kernel for 1 of 2 weight shapes (6144x4096)" in label
+    assert ("decode_b1: decode kernel for 2 of 3 weight shapes (28672x4096+gate, 6144x4096), the fusion of "
+            "28672x4096+gate outside it") in label
     assert "the step's matmuls 0.720 ms as the build timed them" in label  # 32 x 15 + 240 us
     assert "decode_b32" not in label
 

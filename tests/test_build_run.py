@@ -96,6 +96,7 @@ def test_a_run_report_sets_the_builds_matmul_timings_against_the_step(built: dic
     from trtbuild.report import print_table
 
     monkeypatch.setattr(decode_kernels, "timed_step_us", lambda record, rows: 100.0 * rows if rows else None)
+    monkeypatch.setattr(decode_kernels, "fused_outside", lambda record, rows: ["96x32+gate"] if rows == 2 else [])
     doc = tiny_recipe_doc(shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
     doc["model"]["seed"] = 1
     recipe = load_recipe(write_recipe(tmp_path, doc))
@@ -104,14 +105,17 @@ def test_a_run_report_sets_the_builds_matmul_timings_against_the_step(built: dic
     assert not outcome.cache_hit and outcome.entry.manifest["tactics"]["compiled_graphs_reused"]
     graphs = json.loads((outcome.entry.path / "engine.json").read_text())["graphs"]
     assert [graphs[g].get("matmuls_timed_us") for g in ("prefill", "decode_b1", "decode_b2")] == [None, 100.0, 200.0]
+    assert [graphs[g].get("fused_outside") for g in ("prefill", "decode_b1", "decode_b2")] == [None, [], ["96x32+gate"]]
     with open_session(recipe, store, build=False) as session:
         report = run_report(session, batch_size=2, input_len=4, output_len=3, iterations=1)
         assert run_report(session, batch_size=1, input_len=4, output_len=3, iterations=1)["decode_matmuls_timed"] == {
-            "graph": "decode_b1", "ms": 0.1}
-    assert report["decode_matmuls_timed"] == {"graph": "decode_b2", "ms": 0.2}
+            "graph": "decode_b1", "ms": 0.1, "fused_outside": []}
+    assert report["decode_matmuls_timed"] == {"graph": "decode_b2", "ms": 0.2, "fused_outside": ["96x32+gate"]}
+    monkeypatch.setenv("COLUMNS", "400")  # one line a row: the table wraps its cells to the terminal
     print_table(report)
     out = capsys.readouterr().out
     assert "decode_b2 matmuls" in out and "0.200 ms" in out and "as the build timed them" in out
+    assert "the fusion of 96x32+gate by Inductor's kernels" in out
 
 
 @pytest.mark.parametrize("batch", [1, 2])

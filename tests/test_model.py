@@ -347,6 +347,9 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
         [(layers, 11.5), (layers, 8.0), (layers, 8.0), (layers, 8.0), (1, 8.0)]
     assert decode_kernels.timed_step_us(record, 1) == layers * 35.5 + 8.0
     assert decode_kernels.timed_step_us(record, 8) is None
+    # the QKV's norm is Inductor's (the kernel alone won), every other fusion is the kernel's
+    assert decode_kernels.fused_outside(record, 1) == [f"{qkv}x{d}+norm"]
+    assert decode_kernels.fused_outside(record, 8) == []
     # each call site group timed once with its fusion and once without, for `pick`; this config's LM head
     # and gate/up share a shape (128x32) but not a layer count, so each has its own timing
     # (gate/up: and with its gating alone, the norm outside)

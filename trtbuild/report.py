@@ -39,9 +39,12 @@ def print_table(rep: dict[str, Any]) -> None:
     table.add_row("decode (TPOT p50)", f"{t['p50']:.3f} ms", note)
     if mt := rep.get("decode_matmuls_timed"):
         # the build's selection timings, not this run's: they say how much of the step the matmuls alone take
+        outside = mt.get("fused_outside") or []
         table.add_row(f"  {mt['graph']} matmuls", f"{mt['ms']:.3f} ms",
                       f"alone, as the build timed them: {mt['ms'] / t['p50']:.0%} of the step; the rest is attention, "
-                      "norms and what lies between kernels")
+                      "norms and what lies between kernels"
+                      + (f"; the fusion of {', '.join(outside)} by Inductor's kernels, outside the matmul (the plan "
+                         "timed that faster)" if outside else ""))
     for graph, launch in rep.get("decode_launch", {}).items():
         how = (f"PDL: {launch.get('programmatic_edges', 0)} of {launch.get('kernels', 0)} kernels may start early "
                f"({launch['why']})" if launch.get("on") else f"serialized ({launch.get('why', '')})")

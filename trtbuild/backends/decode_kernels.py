@@ -204,6 +204,16 @@ def timed_step_us(record: dict[str, Any], rows: int) -> float | None:
     return sum(r["chosen_us"] * r["calls"] for r in sites) if sites else None
 
 
+def fused_outside(record: dict[str, Any], rows: int) -> list[str]:
+    """The call sites at batch `rows` whose fusion (a norm, the gating, a residual add) the kernel does not do
+    in the plan (`matmul_plan`'s record): cuBLAS there, or the kernel with less. Each is an Inductor kernel
+    more in every layer, which is what a plan's choice between timings a few µs apart can cost: on the H200
+    one such site put 32 kernels into the 8B step and took it from 1.19x to 1.25x its floor (2026-12-05)."""
+    sites = record.get(f"decode_b{rows}", {})
+    return sorted(name for name, r in sites.items() if isinstance(r, dict) and "used" in r
+                  and parse_key(name)[2] != "none" and r.get("kernel_does", "none") != parse_key(name)[2])
+
+
 def pdl_edges(device: str) -> Callable[[int], object]:
     """The graph edit that times the selection's graphs with programmatic edges (options.decode_timing pdl):
     `pdl.overlap` for trtbuild's kernels only (the selection compiles Inductor's code without the wait).

@@ -139,6 +139,7 @@ class TorchAOTIBackend:
                                         attention["used"], prompt["used"])
             if (timed := decode_kernels.timed_step_us(matmuls, bucket(name))) is not None:
                 graphs[name]["matmuls_timed_us"] = timed  # for the run report: where a step's time goes
+                graphs[name]["fused_outside"] = decode_kernels.fused_outside(matmuls, bucket(name))
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
 
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}

@@ -169,11 +169,13 @@ class TorchEngine:
 
     def timed_matmuls(self, batch: int) -> dict[str, Any] | None:
         """The matmuls of one step of the decode graph serving `batch`, as the build's selection timed them
-        (each shape over its own weights in a CUDA graph, nothing between them): {"graph", "ms"}, or None
-        where the build planned none (CPU, tactics none, an engine built before it was recorded)."""
+        (each shape over its own weights in a CUDA graph, nothing between them): {"graph", "ms", and
+        "fused_outside": the call sites whose fusion Inductor's kernels do}, or None where the build planned
+        none (CPU, tactics none, an engine built before it was recorded)."""
         name = f"decode_b{self.bucket_for(batch)}"
-        us = self.spec["graphs"].get(name, {}).get("matmuls_timed_us")
-        return None if us is None else {"graph": name, "ms": us / 1e3}
+        graph = self.spec["graphs"].get(name, {})
+        us = graph.get("matmuls_timed_us")
+        return None if us is None else {"graph": name, "ms": us / 1e3, "fused_outside": graph.get("fused_outside", [])}
 
     def _decode_bytes(self, batch: int, mean_len: float) -> float:
         c = self.cfg
