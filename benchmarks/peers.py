@@ -333,6 +333,8 @@ def table(report: dict[str, Any]) -> str:
             if r:
                 e, f = r["engine"], r["read_weights_to_device"]
                 got = f"{e['start_to_first_token_s']:.2f} s" if "error" not in e else e["error"][:160]
+                if samples := e.get("samples_s"):
+                    got += f" (median of {len(samples)}: {', '.join(f'{x:.2f}' for x in samples)})"
                 reader = f", {f['reader']}" if "reader" in f else ""
                 lines.append(f"  restart ({cache} page cache): start -> first token {got}; read weights to device "
                              f"{f['s']:.3f} s ({f['Bps'] / 1e9:.2f} GB/s{reader}); ratio {r['ratio_to_floor']:.2f}")

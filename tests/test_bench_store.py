@@ -14,6 +14,7 @@ from trtbuild.store import MANIFEST, Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench  # noqa: E402
+import restart  # noqa: E402
 
 
 def _published(store: Store, key: str) -> Path:
@@ -180,13 +181,13 @@ def test_the_restart_ab_turns_the_preload_off_and_on_by_name_and_runs_each_extra
         return {"t_spawn": 0.0, "t_first_token": 4.0 + len(envs) / 10, "phases": {}, "load_note": ""}
 
     floor = {"s": 1.0, "bytes": 100, "Bps": 100.0}
-    monkeypatch.setattr(bench, "child", fake_child)
-    monkeypatch.setattr(bench, "drop_page_cache", lambda files: "dropped")
-    monkeypatch.setattr(bench, "read_to_device", lambda files, device: dict(floor))
-    monkeypatch.setattr(bench, "read_with_threads", lambda files, device, threads: dict(floor, threads=threads))
+    monkeypatch.setattr(restart, "child", fake_child)
+    monkeypatch.setattr(restart, "drop_page_cache", lambda files: "dropped")
+    monkeypatch.setattr(restart, "read_to_device", lambda files, device: dict(floor))
+    monkeypatch.setattr(restart, "read_with_threads", lambda files, device, threads: dict(floor, threads=threads))
     ctx = {"entry": entry, "device": "cuda", "plan": argparse.Namespace(prompt_len=8)}
     args = argparse.Namespace(load_threads=8, preload_threads=[2, 8], restart_repeats=3, recipe_path="r.yaml", engines="e")
-    out = bench.measure_restart(ctx, args)
+    out = restart.measure_restart(ctx, args)
     one_round = [{"TRTBUILD_LOAD_THREADS": "0"}, {"TRTBUILD_LOAD_THREADS": "8", "TRTBUILD_PRELOAD": "0"},
                  {"TRTBUILD_LOAD_THREADS": "8", "TRTBUILD_PRELOAD": "1"}, {"TRTBUILD_LOAD_THREADS": "2", "TRTBUILD_PRELOAD": "1"}]
     # cold once each, then warm three times each; 8 threads is the preloaded row itself, not run twice
@@ -202,5 +203,5 @@ def test_the_restart_ab_turns_the_preload_off_and_on_by_name_and_runs_each_extra
 
 def test_a_failed_restart_is_never_averaged_away() -> None:
     ok = [{"start_to_first_token_s": s} for s in (5.0, 4.0)]
-    assert bench._median_run(ok + [{"error": "child crashed"}]) == {"error": "child crashed"}
-    assert bench._median_run(ok) == {"start_to_first_token_s": 4.0, "samples_s": [5.0, 4.0]}
+    assert restart._median_run(ok + [{"error": "child crashed"}]) == {"error": "child crashed"}
+    assert restart._median_run(ok) == {"start_to_first_token_s": 4.0, "samples_s": [5.0, 4.0]}
