@@ -285,6 +285,30 @@ def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_
     assert pick(up, None, "auto", noisy_gate) == ("gated", "gate", 56.57)
 
 
+def test_the_h200s_8b_timings_route_every_fused_call_site_to_the_fused_kernel() -> None:
+    """The plan's choices from the 8B selection the H200 measured in call 53 (tests/golden), paired the way
+    matmul_plan pairs them (each fused call site with the plain timing of its shape). That build put the
+    plain kernel + Inductor's gating at gate/up for batch 1, because cuBLAS + the gating timed faster than
+    cuBLAS alone there; the step took one kernel more a layer and 0.18 ms more. With Inductor's share never
+    below nothing, every fused site is the fused kernel's, at both batches."""
+    import json
+
+    from trtbuild.backends.decode_kernels import parse_key, pick
+
+    golden = json.loads((Path(__file__).parent / "golden" / "selection_h200_8b.json").read_text())
+    gate = golden["decode_b1"]["28672x4096+gate"]
+    assert gate["unfused_us"] < gate["cublas_us"]  # the noise that misled the plan
+    for graph in ("decode_b1", "decode_b8"):
+        sites = golden[graph]
+        chosen = {}
+        for name, result in sites.items():
+            n, k, fusion = parse_key(name)
+            if fusion != "none":
+                chosen[name] = pick(result, sites[f"{n}x{k}"], "auto")[:2]
+        assert chosen == {name: (sites[name]["choice"], parse_key(name)[2]) for name in chosen}, graph
+        assert len(chosen) == 3
+
+
 def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
     """matmul_plan end to end with a stand-in for the Triton module (the real one needs a GPU): the call
