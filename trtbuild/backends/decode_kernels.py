@@ -186,7 +186,7 @@ def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str,
     # Inductor's share of a way (its ops around the matmul) is a difference of two timings, each with a few
     # µs of noise; it is never taken below nothing. On the H200 (2026-12-05, call 53) cuBLAS + the gating
     # timed 3.5 µs *faster* than cuBLAS alone, so the plain kernel + "−3.5 µs" of gating beat the fused
-    # kernel on paper and the build added a kernel to every layer: +180 µs a 8B step at batch 1.
+    # kernel on paper and the build added a kernel to every layer: +180 µs an 8B step at batch 1.
     if plain is not None and (alone := fastest(plain)) is not None:
         ways.append((plain["candidates"][alone] + max(unfused - result["cublas_us"], 0.0), alone, "none"))
     if epilogue is not None and isinstance(epilogue.get("unfused_us"), float) and (outer := fastest(epilogue)) is not None:
