@@ -137,6 +137,9 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The restart section for the engine entry `ctx["entry"]`: per page cache (cold, then warm) each reader's
+    restart in a new process and its read floor, the ratios to the fastest floor, and, warm, what a process
+    that only imports torch takes."""
     entry: Path = ctx["entry"]
     files = sorted(p for p in entry.rglob("*") if p.is_file())
     weights = [entry / "weights.safetensors"] if (entry / "weights.safetensors").is_file() else files
