@@ -307,11 +307,18 @@ def _variant_lines(rec: dict[str, Any], report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _first_token(t: dict[str, Any]) -> str:
+    """A restart's time to the first token (with its samples where it is a median of several), or its error."""
+    if "error" in t:
+        return t["error"][:160]
+    samples = t.get("samples_s")
+    return f"{t['start_to_first_token_s']:.2f} s" + (
+        f" (median of {len(samples)}: {', '.join(f'{x:.2f}' for x in samples)})" if samples else "")
+
+
 def _restart_line(label: str, t: dict[str, Any], ratio: float) -> str:
     """One restart of the engine in a new process: to the first token, start-up, the load and its parts."""
-    got = f"{t['start_to_first_token_s']:.2f} s" if "error" not in t else t["error"][:160]
-    if samples := t.get("samples_s"):
-        got += f" (median of {len(samples)}: {', '.join(f'{x:.2f}' for x in samples)})"
+    got = _first_token(t)
     preloaded = "; weights preloaded" if "start-up" in t.get("load_note", "") else ""
     phases = t.get("phases", {})
     parts = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in t.get("load_parts", {}).items())
@@ -332,9 +339,7 @@ def table(report: dict[str, Any]) -> str:
             r = rec.get("restart", {}).get(cache)
             if r:
                 e, f = r["engine"], r["read_weights_to_device"]
-                got = f"{e['start_to_first_token_s']:.2f} s" if "error" not in e else e["error"][:160]
-                if samples := e.get("samples_s"):
-                    got += f" (median of {len(samples)}: {', '.join(f'{x:.2f}' for x in samples)})"
+                got = _first_token(e)
                 reader = f", {f['reader']}" if "reader" in f else ""
                 lines.append(f"  restart ({cache} page cache): start -> first token {got}; read weights to device "
                              f"{f['s']:.3f} s ({f['Bps'] / 1e9:.2f} GB/s{reader}); ratio {r['ratio_to_floor']:.2f}")

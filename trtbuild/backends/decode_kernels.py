@@ -209,9 +209,8 @@ def fused_outside(record: dict[str, Any], rows: int) -> list[str]:
     in the plan (`matmul_plan`'s record): cuBLAS there, or the kernel with less. Each is an Inductor kernel
     more in every layer, which is what a plan's choice between timings a few µs apart can cost: on the H200
     one such site put 32 kernels into the 8B step and took it from 1.19x to 1.25x its floor (2026-12-05)."""
-    sites = record.get(f"decode_b{rows}", {})
-    return sorted(name for name, r in sites.items() if isinstance(r, dict) and "used" in r
-                  and parse_key(name)[2] != "none" and r.get("kernel_does", "none") != parse_key(name)[2])
+    sites = {name: r for name, r in record.get(f"decode_b{rows}", {}).items() if isinstance(r, dict) and "used" in r}
+    return sorted(name for name, r in sites.items() if parse_key(name)[2] not in ("none", r.get("kernel_does", "none")))
 
 
 def pdl_edges(device: str) -> Callable[[int], object]:
