@@ -84,7 +84,9 @@ if [ "${GPU_TESTS:-0}" = 1 ] && [ "$(left)" -gt 60 ]; then
   # GPU_TESTS_K: a pytest -k expression, to run only the tests a change needs when time is short
   # SIGINT, not SIGTERM, at the limit: pytest then still prints its failures (2026-12-04: a TERM lost them);
   # --log-level=INFO: a failure's captured log without torch's DEBUG trace (1,100 lines of it in call 42)
-  timeout -s INT $(( $(left) - 30 )) python3 -m pytest -q -rfE --tb=short --log-level=INFO -m gpu tests/test_gpu.py -p no:cacheprovider \
+  # -v: each test's name and outcome as it ends; a run cut off at the limit printed only "..." and no
+  # summary (call 57, the INT notwithstanding), so which tests passed had to be read from the order
+  timeout -s INT $(( $(left) - 30 )) python3 -m pytest -v -rfE --tb=short --log-level=INFO -m gpu tests/test_gpu.py -p no:cacheprovider \
     ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} \
     > "$OUT/gpu_tests.txt" 2>&1
   log "rc $?"; tail -15 "$OUT/gpu_tests.txt"
