@@ -153,7 +153,7 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
     on Hopper), every candidate was timed in graphs with programmatic edges."""
     import json
 
-    from trtbuild.models import decode_matmul
+    from trtbuild.models import matmul_configs
     from trtbuild.store import Store
 
     options = {"decode_matmul": "kernel", "decode_fusion": fusion if fusion in ("fused", "epilogue") else "none"}
@@ -161,8 +161,8 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
         options["decode_timing"] = "pdl"
     if fusion == "split-k":
         options["decode_split_k"] = "timed"
-        monkeypatch.setattr(decode_matmul, "ONE_ROW", [])
-        monkeypatch.setattr(decode_matmul, "ROWS", [])
+        monkeypatch.setattr(matmul_configs, "ONE_ROW", [])
+        monkeypatch.setattr(matmul_configs, "ROWS", [])
     doc = tiny_recipe_doc(precision="bf16", tactics={"level": "default"}, options=options,
                           shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
     recipe = load_recipe(write_recipe(tmp_path, doc))

@@ -1,0 +1,57 @@
+"""The decode matmul's launch configurations: what the build times per weight shape and batch size.
+
+Kept apart from the kernel (`decode_matmul`) on purpose. The kernel's source digest is in the key of
+every compiled graph that calls it and of every cached timing; the candidate lists are not kernel code,
+so changing them must not throw those away. A cached timing records the names of the candidates it
+timed instead (`decode_kernels._timings`), so a new list times again only the batches whose list
+changed, and a graph whose chosen configuration is unchanged is reused. Plain Python, no Triton: the
+lists can be read and tested anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """One candidate kernel: the launch shape the probe benchmarks per weight shape."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    split: int = 1  # programs sharing one block of columns, each a slice of k (split-K; plain matmul only)
+
+    @property
+    def name(self) -> str:
+        return f"n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}" + (f"p{self.split}" if self.split > 1 else "")
+
+    @classmethod
+    def parse(cls, name: str) -> "MatmulConfig":
+        n, rest = name[1:].split("k")
+        k, rest = rest.split("w")
+        w, rest = rest.split("s")
+        s, _, p = rest.partition("p")
+        return cls(int(n), int(k), int(w), int(s), int(p or 1))
+
+
+# Candidates per row count. One row: a multiply-and-sum over BLOCK_N weight rows; several: a tensor-core
+# dot with the rows padded to 16 (the padding is masked, never read). Chosen from the H200 probe
+# (benchmarks/matmul_probe.py): narrow blocks give the 4096-row matrices enough programs per SM.
+ONE_ROW = [MatmulConfig(n, k, w, s) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (4,) for s in (1, 3)] + [
+    MatmulConfig(n, 1024, 8, s) for n in (16, 32) for s in (1, 3)]
+ROWS = [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 4)] + [
+    MatmulConfig(64, k, 8, s) for k in (256, 512) for s in (3, 4)]
+# Split-K, for the plain matmul only (a norm needs the whole row, gating and the residual the final sum),
+# timed only with options.decode_split_k timed (on the H200: kept for the 1B down projection at batch 1,
+# −22 µs a step; none kept at 8B; RESULTS.md, fourteenth session).
+# Like every candidate, the build keeps one only where it measured faster, and refuses one whose result
+# differs from ATen's.
+ONE_ROW_SPLIT = [MatmulConfig(n, k, 4, 3, p) for n in (8, 16, 32) for k in (512, 1024) for p in (2, 4)]
+ROWS_SPLIT = [MatmulConfig(n, k, 4, 4, p) for n in (16, 32) for k in (256, 512) for p in (2, 4)]
+
+def candidates(rows: int, fusion: str = "none", split: bool = False) -> list[MatmulConfig]:
+    """The configurations timed for `rows` at a call site with `fusion`; with `split`, split-K ones too."""
+    plain = ONE_ROW if rows == 1 else ROWS
+    return plain + (ONE_ROW_SPLIT if rows == 1 else ROWS_SPLIT) if split and fusion == "none" else plain
