@@ -8,8 +8,8 @@ inside one CUDA graph per candidate (no launch overhead, as in the engine):
   - every candidate launch configuration of `trtbuild.models.decode_matmul` (the build's own
     selection, `decode_matmul.select`),
   - with `--configs`, more configurations (names, or `wide`: WIDE at batch 1, WIDE_ROWS above), timed the
-    same way and judged against ATen the same way, without making them build candidates (which would
-    change the kernel's source digest, and with it every cached timing and compiled graph),
+    same way and judged against ATen the same way, without making them build candidates (a build with a
+    longer list times every call site of that batch again: ~90 s at 8B),
 then the whole step's matmuls in layer order (QKV, output, gate/up, down per layer, then the LM head)
 with cuBLAS only, with what the selection chose per shape and, with `--configs`, with the fastest of
 all per shape. `--timing pdl` (or `both`) times every graph with the programmatic edges the decode
@@ -62,7 +62,7 @@ EPILOGUE_FUSION = {"qkv": "none", "o": "residual", "gate_up": "gate", "down": "r
 # (n4k1024 and n8k1024 at 8B): longer k steps, narrower blocks, 8 warps and more stages. Call 49's PDL
 # chain ranked n4k1024 and n8k1024 differently serialized and with PDL (RESULTS.md, seventeenth session);
 # this times such neighbours per weight shape, both ways, before any of them becomes a build candidate
-# (which changes the kernel's source and so every cached timing and graph).
+# (`trtbuild/models/matmul_configs.py`; a longer list times that batch's call sites again).
 WIDE = [MatmulConfig(n, k, w, s) for n in (2, 4, 8) for k in (1024, 2048, 4096) for w in (4, 8) for s in (1, 3)]
 # and for 2-16 rows (the tensor-core path, blocks of at least 16 columns), beyond the build's ROWS: longer k
 # steps, 8 warps, 2-5 stages. The 1B shape's batch 8 is the decode row furthest from its target (1.68x).
