@@ -146,7 +146,8 @@ def test_split_k_adds_its_partial_sums_to_the_plain_matmul(rows: int, k: int, sp
 
 
 def test_split_k_is_a_candidate_for_the_plain_matmul_only() -> None:
-    from trtbuild.models.decode_matmul import MatmulConfig, candidates, decode_matmul
+    from trtbuild.models.decode_matmul import decode_matmul
+    from trtbuild.models.matmul_configs import MatmulConfig, candidates
 
     for rows in (1, 8):  # only with options.decode_split_k timed, and only for the plain matmul
         assert any(c.split > 1 for c in candidates(rows, "none", True))

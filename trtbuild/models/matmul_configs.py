@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class MatmulConfig:
-    """One candidate kernel: the launch shape the probe benchmarks per weight shape."""
+    """One candidate kernel: the launch shape the build (and the probe) times per weight shape."""
 
     block_n: int
     block_k: int
@@ -50,6 +50,7 @@ ROWS = [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) 
 # differs from ATen's.
 ONE_ROW_SPLIT = [MatmulConfig(n, k, 4, 3, p) for n in (8, 16, 32) for k in (512, 1024) for p in (2, 4)]
 ROWS_SPLIT = [MatmulConfig(n, k, 4, 4, p) for n in (16, 32) for k in (256, 512) for p in (2, 4)]
+
 
 def candidates(rows: int, fusion: str = "none", split: bool = False) -> list[MatmulConfig]:
     """The configurations timed for `rows` at a call site with `fusion`; with `split`, split-K ones too."""
