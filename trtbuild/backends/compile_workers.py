@@ -197,7 +197,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     del hf
     matmuls: dict[decode_kernels.MatmulKey, Any] = {}
     if spec["matmuls"]:
-        from trtbuild.models.decode_matmul import MatmulConfig
+        from trtbuild.models.matmul_configs import MatmulConfig
 
         for key, name in spec["matmuls"].items():
             matmuls[decode_kernels.parse_key(key)] = MatmulConfig.parse(name)

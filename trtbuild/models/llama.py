@@ -142,7 +142,7 @@ class Linear(nn.Linear):
     inside the kernel when the backend routes it there. `fusion` says which of these its call site
     passes (one of `decode_matmul.FUSIONS`), so the build can time the kernel as it will run.
 
-    `decode_config` (a `decode_matmul.MatmulConfig`, None by default) is set by the backend only while
+    `decode_config` (a `matmul_configs.MatmulConfig`, None by default) is set by the backend only while
     it exports a decode graph, for the weight shapes where the build's tactic selection measured the
     kernel faster than cuBLAS; `decode_fusion` then says what of its call site's fusion the kernel does
     ("none" but with options.decode_fusion fused or epilogue, never with a bias; what the kernel does not
