@@ -211,6 +211,36 @@ class _GraphLib:
             src[0], dst[0] = self.NODES
 
 
+
+class _OneKernelLib(_GraphLib):
+    """A graph of one kernel node and no edges (a timing graph of one matrix, as the LM head's), from a
+    driver that refuses arrays with a count of 0 as the H100's did (CUDA_ERROR_INVALID_VALUE, 1)."""
+
+    NODES = (0x1000,)
+
+    def __getattr__(self, name: str) -> Any:
+        call = super().__getattr__(name)
+        if name != "cuGraphGetEdges_v2":
+            return call
+
+        def edges(graph: Any, src: Any, dst: Any, data: Any, count: Any) -> int:
+            call(graph, src, dst, data, count)
+            return 1 if src is not None and count._obj.value == 0 else 0
+        return edges
+
+    def _cuGraphGetEdges_v2(self, graph: Any, src: Any, dst: Any, data: Any, count: Any) -> None:
+        count._obj.value = 0
+
+
+def test_a_graph_of_one_kernel_has_no_edges_to_rewrite() -> None:
+    """The LM head's timing graph holds one kernel: the rewrite finds no edge and changes nothing, where it
+    used to ask the driver for 0 edges into arrays and fail every candidate's timing of that call site."""
+    lib = _OneKernelLib()
+    report = pdl.overlap(0x77, inductor_pdl=False, driver=pdl.Driver(lib))
+    assert report == {"kernels": 1, "programmatic_edges": 0, "serialized_kernels": ["_decode_matmul_kernel"]}
+    assert [n for n, _ in lib.calls].count("cuGraphGetEdges_v2") == 1
+    assert not any(n.startswith(("cuGraphAdd", "cuGraphRemove")) for n, _ in lib.calls)
+
 # Each structure pdl.py passes to the driver, the C struct it mirrors and {its field: the C fields it covers}.
 STRUCTS = {pdl._KernelParams: ("CUDA_KERNEL_NODE_PARAMS_v2",
                                {"func": ("func",), "grid": ("gridDimX", "gridDimY", "gridDimZ"),

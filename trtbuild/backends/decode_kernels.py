@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import BuildJob
@@ -242,6 +243,9 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
                 "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in configs]}
     if edit is not None:  # absent: full edges, as every timing before options.decode_timing (their keys stay valid)
         identity["edges"] = "programmatic"
+        # and the code that makes them: a timing measured through a broken edit is not reused once it is fixed
+        from trtbuild.backends import pdl
+        identity["edit"] = hashlib.sha256(Path(pdl.__file__).read_bytes()).hexdigest()[:16]
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
     cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
     if cached.is_file():

@@ -99,6 +99,8 @@ class Driver:
     def nodes(self, graph: int) -> list[int]:
         n = ctypes.c_size_t(0)
         self._call("cuGraphGetNodes", ctypes.c_void_p(graph), None, ctypes.byref(n))
+        if n.value == 0:  # the driver refuses arrays with a count of 0 (see edges)
+            return []
         arr = (ctypes.c_void_p * n.value)()
         self._call("cuGraphGetNodes", ctypes.c_void_p(graph), arr, ctypes.byref(n))
         return [int(x or 0) for x in arr[: n.value]]
@@ -128,6 +130,11 @@ class Driver:
     def edges(self, graph: int) -> list[Edge]:
         n = ctypes.c_size_t(0)
         self._call("cuGraphGetEdges_v2", ctypes.c_void_p(graph), None, None, None, ctypes.byref(n))
+        # A graph of one kernel (the LM head's timing graph: one matrix) has no edges, and the driver answers
+        # arrays with a count of 0 with CUDA_ERROR_INVALID_VALUE (H100, driver 580; RESULTS.md, twenty-third
+        # session): every candidate of that call site then failed its timing under options.decode_timing pdl.
+        if n.value == 0:
+            return []
         src, dst, data = (ctypes.c_void_p * n.value)(), (ctypes.c_void_p * n.value)(), (_EdgeData * n.value)()
         self._call("cuGraphGetEdges_v2", ctypes.c_void_p(graph), src, dst, data, ctypes.byref(n))
         return [Edge(int(src[i] or 0), int(dst[i] or 0), data[i].from_port, data[i].type) for i in range(n.value)]

@@ -39,8 +39,12 @@ class MatmulConfig:
 # Candidates per row count. One row: a multiply-and-sum over BLOCK_N weight rows; several: a tensor-core
 # dot with the rows padded to 16 (the padding is masked, never read). Chosen from the H200 probe
 # (benchmarks/matmul_probe.py): narrow blocks give the 4096-row matrices enough programs per SM.
+# Two and four rows with k steps of 2048: the fastest of 64 one-row configurations at every 1B call site in
+# the H100 probe of 2026-12-05 (0.6-1.8 us a call under the best of the rest; the step's matmuls 1.032 ->
+# 0.967 ms; RESULTS.md, twenty-third session). The build times them beside the others on its own GPU.
 ONE_ROW = [MatmulConfig(n, k, w, s) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (4,) for s in (1, 3)] + [
-    MatmulConfig(n, 1024, 8, s) for n in (16, 32) for s in (1, 3)]
+    MatmulConfig(n, 1024, 8, s) for n in (16, 32) for s in (1, 3)] + [
+    MatmulConfig(n, 2048, 4, s) for n in (2, 4) for s in (1, 3)]
 ROWS = [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 4)] + [
     MatmulConfig(64, k, 8, s) for k in (256, 512) for s in (3, 4)]
 # Split-K, for the plain matmul only (a norm needs the whole row, gating and the residual the final sum),
