@@ -66,7 +66,8 @@ def decode_kernels(manifest: dict[str, Any]) -> str:
     parts = []
     for graph, shapes in sorted(record.items()):
         if isinstance(shapes, dict) and "note" not in shapes:
-            routed = sorted(shape for shape, r in shapes.items() if r.get("used", "cublas") != "cublas")
+            # each with the configuration chosen: the run's record is then enough to compare two builds' plans
+            routed = sorted(f"{shape} {r['used']}" for shape, r in shapes.items() if r.get("used", "cublas") != "cublas")
             timed = timed_step_us(record, bucket(graph))
             outside = fused_outside(record, bucket(graph))
             parts.append(f"{graph}: decode kernel for {len(routed)} of {len(shapes)} weight shapes"

@@ -96,8 +96,8 @@ def test_the_engines_label_names_its_kernels_and_the_steps_matmuls_as_timed() ->
     manifest = {"tactics": {"decode_matmuls": {"decode_b1": {"6144x4096": qkv, "128256x4096": head, "28672x4096+gate": gate},
                                                "decode_b32": {"note": "cuBLAS: the kernel takes at most 16 rows"}}}}
     label = peers.decode_kernels(manifest)
-    assert ("decode_b1: decode kernel for 2 of 3 weight shapes (28672x4096+gate, 6144x4096), the fusion of "
-            "28672x4096+gate outside it") in label
+    assert ("decode_b1: decode kernel for 2 of 3 weight shapes (28672x4096+gate n8k1024w4s3, 6144x4096 n8k1024w4s3), "
+            "the fusion of 28672x4096+gate outside it") in label
     assert "the step's matmuls 0.720 ms as the build timed them" in label  # 32 x 15 + 240 us
     assert "decode_b32" not in label
 

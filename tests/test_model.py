@@ -408,6 +408,17 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     assert timed == [] and all(r["reused"] for r in again_record["decode_b1"].values())
     _, full_record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue")  # type: ignore[arg-type]
     assert timed == [] and not any("edges" in r for r in full_record["decode_b1"].values())
+    # a change to the code that makes the edges (pdl.py) times every call site under PDL again: its
+    # zero-edge bug had failed every candidate of the LM head, and those failures were cached
+    from trtbuild.backends import pdl
+    changed = tmp_path / "pdl.py"
+    changed.write_bytes(Path(pdl.__file__).read_bytes() + b"# changed\n")
+    monkeypatch.setattr(pdl, "__file__", str(changed))
+    matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue", "none", "pdl")  # type: ignore[arg-type]
+    assert len(timed) == 8
+    timed.clear()
+    matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue")  # type: ignore[arg-type]
+    assert timed == []  # the full-edge timings do not depend on it
 
 
 def test_the_graph_edit_of_an_enclosing_block_applies_where_a_timing_names_none() -> None:
