@@ -211,7 +211,6 @@ class _GraphLib:
             src[0], dst[0] = self.NODES
 
 
-
 class _OneKernelLib(_GraphLib):
     """A graph of one kernel node and no edges (a timing graph of one matrix, as the LM head's), from a
     driver that refuses arrays with a count of 0 as the H100's did (CUDA_ERROR_INVALID_VALUE, 1)."""
@@ -240,6 +239,7 @@ def test_a_graph_of_one_kernel_has_no_edges_to_rewrite() -> None:
     assert report == {"kernels": 1, "programmatic_edges": 0, "serialized_kernels": ["_decode_matmul_kernel"]}
     assert [n for n, _ in lib.calls].count("cuGraphGetEdges_v2") == 1
     assert not any(n.startswith(("cuGraphAdd", "cuGraphRemove")) for n, _ in lib.calls)
+
 
 # Each structure pdl.py passes to the driver, the C struct it mirrors and {its field: the C fields it covers}.
 STRUCTS = {pdl._KernelParams: ("CUDA_KERNEL_NODE_PARAMS_v2",
