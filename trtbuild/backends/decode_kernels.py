@@ -14,7 +14,6 @@ import hashlib
 import importlib
 import json
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import BuildJob
@@ -245,7 +244,7 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
         identity["edges"] = "programmatic"
         # and the code that makes them: a timing measured through a broken edit is not reused once it is fixed
         from trtbuild.backends import pdl
-        identity["edit"] = hashlib.sha256(Path(pdl.__file__).read_bytes()).hexdigest()[:16]
+        identity["edit"] = pdl.source_digest()
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
     cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
     if cached.is_file():

@@ -27,8 +27,10 @@ Through the CUDA driver API with ctypes (libcuda ships with the driver; no extra
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
@@ -96,14 +98,21 @@ class Driver:
         if rc != 0:
             raise OSError(f"{name} returned CUresult {rc}")
 
-    def nodes(self, graph: int) -> list[int]:
+    def _listed(self, name: str, graph: int, *types: Any) -> tuple[int, list[Any]]:
+        """A graph query in two calls, as the driver has them: the count (arrays NULL), then the arrays."""
         n = ctypes.c_size_t(0)
-        self._call("cuGraphGetNodes", ctypes.c_void_p(graph), None, ctypes.byref(n))
-        if n.value == 0:  # the driver refuses arrays with a count of 0 (see edges)
-            return []
-        arr = (ctypes.c_void_p * n.value)()
-        self._call("cuGraphGetNodes", ctypes.c_void_p(graph), arr, ctypes.byref(n))
-        return [int(x or 0) for x in arr[: n.value]]
+        self._call(name, ctypes.c_void_p(graph), *[None] * len(types), ctypes.byref(n))
+        arrays = [(t * n.value)() for t in types]
+        # A graph of one kernel (the LM head's timing graph: one matrix) has no edges, and the driver answers
+        # arrays with a count of 0 with CUDA_ERROR_INVALID_VALUE (H100, driver 580; RESULTS.md, twenty-third
+        # session): every candidate of that call site then failed its timing under options.decode_timing pdl.
+        if n.value:
+            self._call(name, ctypes.c_void_p(graph), *arrays, ctypes.byref(n))
+        return n.value, arrays
+
+    def nodes(self, graph: int) -> list[int]:
+        n, (arr,) = self._listed("cuGraphGetNodes", graph, ctypes.c_void_p)
+        return [int(x or 0) for x in arr[:n]]
 
     def kernel_name(self, node: int) -> str | None:
         """The function name of a kernel node, None for any other node (or one whose name is unreadable)."""
@@ -128,16 +137,8 @@ class Driver:
         return {n: name for n in self.nodes(graph) if (name := self.kernel_name(n)) is not None}
 
     def edges(self, graph: int) -> list[Edge]:
-        n = ctypes.c_size_t(0)
-        self._call("cuGraphGetEdges_v2", ctypes.c_void_p(graph), None, None, None, ctypes.byref(n))
-        # A graph of one kernel (the LM head's timing graph: one matrix) has no edges, and the driver answers
-        # arrays with a count of 0 with CUDA_ERROR_INVALID_VALUE (H100, driver 580; RESULTS.md, twenty-third
-        # session): every candidate of that call site then failed its timing under options.decode_timing pdl.
-        if n.value == 0:
-            return []
-        src, dst, data = (ctypes.c_void_p * n.value)(), (ctypes.c_void_p * n.value)(), (_EdgeData * n.value)()
-        self._call("cuGraphGetEdges_v2", ctypes.c_void_p(graph), src, dst, data, ctypes.byref(n))
-        return [Edge(int(src[i] or 0), int(dst[i] or 0), data[i].from_port, data[i].type) for i in range(n.value)]
+        n, (src, dst, data) = self._listed("cuGraphGetEdges_v2", graph, ctypes.c_void_p, ctypes.c_void_p, _EdgeData)
+        return [Edge(int(src[i] or 0), int(dst[i] or 0), data[i].from_port, data[i].type) for i in range(n)]
 
     def make_programmatic(self, graph: int, edges: list[Edge]) -> None:
         if not edges:
@@ -167,6 +168,11 @@ def overlap(graph: int, inductor_pdl: bool, driver: Driver | None = None, trtbui
 def _short(name: str) -> str:
     """A kernel's name without C++ template arguments, for the record (cuBLAS names run to 300 chars)."""
     return name.split("<", 1)[0][:80]
+
+
+def source_digest() -> str:
+    """This file's content: timings measured in graphs it rewrote are only reusable with the same rewrite."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def available(on_cuda: Callable[[], tuple[int, int]]) -> str | None:
