@@ -309,6 +309,16 @@ def test_the_h200s_8b_timings_route_every_fused_call_site_to_the_fused_kernel() 
         assert len(chosen) == 3
 
 
+def test_a_k_step_of_4096_is_a_candidate_only_where_the_rows_are_that_wide() -> None:
+    from trtbuild.models.matmul_configs import ONE_ROW, ONE_ROW_WIDE_K, ROWS, candidates
+
+    assert ONE_ROW_WIDE_K and all(c.block_k == 4096 and c not in ONE_ROW for c in ONE_ROW_WIDE_K)
+    # rows 2048 wide (1B's, but for its down projection): the list, and so its cached timings' key, is unchanged
+    assert candidates(1, "gate", k=2048) == ONE_ROW == candidates(1)
+    assert candidates(1, "gate", k=4096) == ONE_ROW + ONE_ROW_WIDE_K == candidates(1, "residual", k=14336)
+    assert candidates(8, k=4096) == ROWS  # the tensor-core path keeps its list
+
+
 def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
     """matmul_plan end to end with a stand-in for the Triton module (the real one needs a GPU): the call
@@ -344,8 +354,14 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
         return {"fusion": fusion, "cublas_us": 10.0, "choice": "cublas" if slow else "k", "candidates":
                 {"k": 20.0 if slow else (8.0 if fused else 9.5)}, **({"unfused_us": 12.0} if fused else {})}
 
+    widths: list[int] = []  # the row width each candidate list was asked for (lists may differ by width)
+
+    def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0) -> list[Config]:
+        widths.append(k)
+        return [Config("k")] + [Config("k-split")] * split
+
     fake = types.SimpleNamespace(MAX_ROWS=16, MatmulConfig=Config, select=select, source_digest=lambda: "src",
-                                 candidates=lambda rows, fusion="none", split=False: [Config("k")] + [Config("k-split")] * split)
+                                 candidates=candidates)
     monkeypatch.setitem(sys.modules, "trtbuild.models.decode_matmul", fake)
     import trtbuild.models
 
@@ -380,6 +396,7 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     fusions = ["norm", "residual", "norm_gate", "residual", "norm"]
     assert sorted(timed) == sorted([(n, k, x) for (n, k), fusion in zip(shapes, fusions, strict=True) for x in (fusion, "none")]
                                    + [(2 * f, d, "gate")])
+    assert sorted(set(widths)) == sorted({k for _, k in shapes})  # each call site's own row width
     timed.clear()
     again, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "fused")  # type: ignore[arg-type]
     assert again == plan and timed == []  # every timing from the tactic cache

@@ -45,6 +45,11 @@ class MatmulConfig:
 ONE_ROW = [MatmulConfig(n, k, w, s) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (4,) for s in (1, 3)] + [
     MatmulConfig(n, 1024, 8, s) for n in (16, 32) for s in (1, 3)] + [
     MatmulConfig(n, 2048, 4, s) for n in (2, 4) for s in (1, 3)]
+# A k step of 4096, for rows of at least 4096 only (narrower rows would mask half of every step): the
+# fastest of 64 one-row configurations at the 8B QKV, gate/up and LM head in the H200 probe of 2026-12-05
+# (0.5-7.4 us a call under the build's best; the step's matmuls 3.861 -> 3.757 ms; RESULTS.md, twenty-fourth
+# session). Kept out of narrower rows' lists, so their cached timings stay valid.
+ONE_ROW_WIDE_K = [MatmulConfig(2, 4096, 4, s) for s in (1, 3)]
 ROWS = [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 4)] + [
     MatmulConfig(64, k, 8, s) for k in (256, 512) for s in (3, 4)]
 # Split-K, for the plain matmul only (a norm needs the whole row, gating and the residual the final sum),
@@ -56,7 +61,8 @@ ONE_ROW_SPLIT = [MatmulConfig(n, k, 4, 3, p) for n in (8, 16, 32) for k in (512,
 ROWS_SPLIT = [MatmulConfig(n, k, 4, 4, p) for n in (16, 32) for k in (256, 512) for p in (2, 4)]
 
 
-def candidates(rows: int, fusion: str = "none", split: bool = False) -> list[MatmulConfig]:
-    """The configurations timed for `rows` at a call site with `fusion`; with `split`, split-K ones too."""
-    plain = ONE_ROW if rows == 1 else ROWS
+def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0) -> list[MatmulConfig]:
+    """The configurations timed for `rows` at a call site with `fusion` whose rows are `k` wide; with
+    `split`, split-K ones too."""
+    plain = (ONE_ROW + (ONE_ROW_WIDE_K if k >= 4096 else [])) if rows == 1 else ROWS
     return plain + (ONE_ROW_SPLIT if rows == 1 else ROWS_SPLIT) if split and fusion == "none" else plain
