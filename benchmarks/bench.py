@@ -129,8 +129,9 @@ def measure_peer(peer: Any, plan: Plan, batches: list[int], vocab: int, out: dic
             prompts = default_prompt(n, plan.prompt_len, vocab)
             for _ in range(plan.warmup):  # same shapes as the timed runs: compiles/captures happen here
                 peer.generate(prompts, plan.new_tokens)
-            steps = [s for _ in range(plan.decode_reps) for s in peer.generate(prompts, plan.new_tokens)[1]]
-            out["decode"][str(n)] = {**percentiles(steps), "n": len(steps)}
+            generations = [peer.generate(prompts, plan.new_tokens)[1] for _ in range(plan.decode_reps)]
+            steps = [s for g in generations for s in g]
+            out["decode"][str(n)] = {**percentiles(steps), "n": len(steps), "p50_by_position": by_position(generations)}
             out["label"] = peer.label  # some peers only know what ran after the first call
         else:
             prompt = default_prompt(1, n, vocab)
@@ -140,6 +141,19 @@ def measure_peer(peer: Any, plan: Plan, batches: list[int], vocab: int, out: dic
             out["prefill"][str(n)] = {"p50": statistics.median(samples), "n": len(samples)}
         saved()
     out["complete"] = True
+
+
+def by_position(generations: list[list[float]], parts: int = 4) -> list[float]:
+    """The median step in each of `parts` stretches of a generation's positions, over every generation.
+
+    A p90 well above the p50 is either a stretch of positions that runs slower (a longer cache to attend
+    over, a kernel's grid changing with it) or a tail at any position (the host, the clocks); the 8B
+    engine's batch-1 p90 ran 0.3 ms above its p50 on the H200 while batch 8's did not (RESULTS.md,
+    twenty-fourth session), and the percentiles alone cannot tell which."""
+    shortest = min(len(g) for g in generations)
+    bounds = [shortest * i // parts for i in range(parts + 1)]
+    return [statistics.median(s for g in generations for s in g[lo:hi]) for lo, hi in zip(bounds, bounds[1:])
+            if hi > lo]
 
 
 def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: list[str]) -> Any:

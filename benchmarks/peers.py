@@ -305,6 +305,11 @@ def _variant_lines(rec: dict[str, Any], report: dict[str, Any]) -> list[str]:
             cut = "" if v.get("complete") else "; CUT OFF: the figures missing from its row were not measured"
             lines.append(f"  {name}: {v['label']} (n={n} steps per batch){cut}"
                          f"{'; ' + '; '.join(v['notes']) if v['notes'] else ''}")
+            spread = [f"b{b} {' / '.join(f'{x * 1e3:.3f}' for x in d['p50_by_position'])}"
+                      for b, d in v["decode"].items() if d.get("p50_by_position")]
+            if spread:
+                lines.append(f"    {name} decode p50 ms by quarter of the generated positions, first to last: "
+                             f"{'; '.join(spread)}")
     return lines
 
 

@@ -15,6 +15,7 @@ from trtbuild.store import MANIFEST, Store
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench  # noqa: E402
 import restart  # noqa: E402
+import peers  # noqa: E402
 
 
 def _published(store: Store, key: str) -> Path:
@@ -160,6 +161,27 @@ def test_a_peer_cut_off_while_compiling_its_second_batch_keeps_its_prefill_rows(
     assert out["complete"] is False
     assert len(saves) == 1 + len(bench.QUICK.prefill_lens)  # saved after each figure
     assert peer.calls[0][0] == 1 and peer.calls[-1][0] == 8  # batch 1 first, batch 8 last
+
+
+def test_decode_steps_are_also_summarized_by_position_so_a_slow_stretch_is_told_from_a_random_tail() -> None:
+    """Each generation's later positions run slower here: the medians by quarter of the positions show the
+    rise, in order, where the p90 alone would look like noise; the table prints them under the variant."""
+
+    class Peer:
+        label = "fake"
+
+        def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+            return 0.001, [0.002 if i < (new_tokens - 1) // 2 else 0.003 for i in range(new_tokens - 1)]
+
+    out: dict = {}
+    bench.measure_peer(Peer(), bench.QUICK, [1], 256, out, lambda: None)
+    d = out["decode"]["1"]
+    assert d["p50_by_position"] == [0.002, 0.002, 0.003, 0.003] and d["p90"] == 0.003
+    assert bench.by_position([[1.0, 2.0, 3.0], [5.0, 6.0]], parts=2) == [3.0, 4.0]  # the shortest sets the bounds
+    rec = {"recipe": "r", "precision": "bf16", "floors": {"decode_s": {"1": 0.001}, "prefill_s": {}},
+           "variants": {"engine": out | {"notes": []}}}
+    lines = peers._variant_lines(rec, {"plan": {"prompt_len": 8}})
+    assert "    engine decode p50 ms by quarter of the generated positions, first to last: b1 2.000 / 2.000 / 3.000 / 3.000" in lines
 
 
 def test_the_restart_ab_turns_the_preload_off_and_on_by_name_and_runs_each_extra_thread_count(
