@@ -152,8 +152,8 @@ def by_position(generations: list[list[float]], parts: int = 4) -> list[float]:
     twenty-fourth session), and the percentiles alone cannot tell which."""
     shortest = min(len(g) for g in generations)
     bounds = [shortest * i // parts for i in range(parts + 1)]
-    return [statistics.median(s for g in generations for s in g[lo:hi]) for lo, hi in zip(bounds, bounds[1:])
-            if hi > lo]
+    return [statistics.median(s for g in generations for s in g[lo:hi])
+            for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
 
 
 def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: list[str]) -> Any:

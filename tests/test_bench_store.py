@@ -181,7 +181,8 @@ def test_decode_steps_are_also_summarized_by_position_so_a_slow_stretch_is_told_
     rec = {"recipe": "r", "precision": "bf16", "floors": {"decode_s": {"1": 0.001}, "prefill_s": {}},
            "variants": {"engine": out | {"notes": []}}}
     lines = peers._variant_lines(rec, {"plan": {"prompt_len": 8}})
-    assert "    engine decode p50 ms by quarter of the generated positions, first to last: b1 2.000 / 2.000 / 3.000 / 3.000" in lines
+    by_quarter = "    engine decode p50 ms by quarter of the generated positions, first to last: "
+    assert by_quarter + "b1 2.000 / 2.000 / 3.000 / 3.000" in lines
 
 
 def test_the_restart_ab_turns_the_preload_off_and_on_by_name_and_runs_each_extra_thread_count(
