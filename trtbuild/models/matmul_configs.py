@@ -64,5 +64,5 @@ ROWS_SPLIT = [MatmulConfig(n, k, 4, 4, p) for n in (16, 32) for k in (256, 512) 
 def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0) -> list[MatmulConfig]:
     """The configurations timed for `rows` at a call site with `fusion` whose rows are `k` wide; with
     `split`, split-K ones too."""
-    plain = (ONE_ROW + (ONE_ROW_WIDE_K if k >= 4096 else [])) if rows == 1 else ROWS
+    plain = ONE_ROW + [c for c in ONE_ROW_WIDE_K if k >= c.block_k] if rows == 1 else ROWS
     return plain + (ONE_ROW_SPLIT if rows == 1 else ROWS_SPLIT) if split and fusion == "none" else plain
