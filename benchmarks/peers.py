@@ -297,6 +297,10 @@ def _variant_lines(rec: dict[str, Any], report: dict[str, Any]) -> list[str]:
               f"prompt, n = samples"]
     for r in [head] + rows:
         lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) if len(r) > 2 else "  ".join(r))
+    if bound := fl.get("prefill_bound"):  # bench.json files before the memory bound have none
+        lines.append("  floors: decode reads the weights and the filled cache once; prefill is the larger of its "
+                     "FLOPs at the measured matmul rate and its bytes (weights read once, its cache written) at "
+                     f"the copy rate: {', '.join(f'{t} {bound[t]}-bound' for t in lens)}")
     if rec.get("prefill_lengths_skipped"):
         lines.append(f"  {rec['prefill_lengths_skipped']}")
     for name, v in rec.get("variants", {}).items():

@@ -228,3 +228,24 @@ def test_a_failed_restart_is_never_averaged_away() -> None:
     ok = [{"start_to_first_token_s": s} for s in (5.0, 4.0)]
     assert restart._median_run(ok + [{"error": "child crashed"}]) == {"error": "child crashed"}
     assert restart._median_run(ok) == {"start_to_first_token_s": 4.0, "samples_s": [5.0, 4.0]}
+
+
+def test_a_short_prompts_floor_is_the_time_to_read_the_weights_and_a_long_ones_its_flops() -> None:
+    """At Llama-3.1-8B's dimensions and the H200's measured rates (call 70), 128 tokens are bound by reading
+    15 GB of weights (3.5 ms), not by their 1.8 TFLOP (2.3 ms); 2048 tokens by their FLOPs. The table says
+    which, so a prefill-128 ratio is read against the right roof."""
+    import yaml
+
+    from trtbuild.models.llama import LlamaConfig
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "recipes" / "llama-3.1-8b.yaml").read_text())["model"]["config"]
+    cfg = LlamaConfig.from_hf(config)
+    ceilings = {"matmul_flops_per_s": 780.7e12, "copy_Bps": 4.255e12}
+    fl = bench.prefill_floors(cfg, 2, [128, 2048], ceilings)
+    assert fl["prefill_bound"] == {"128": "memory", "2048": "compute"}
+    assert fl["prefill_s"]["128"] == pytest.approx(fl["prefill_bytes"]["128"] / 4.255e12)
+    assert 3.4e-3 < fl["prefill_s"]["128"] < 3.6e-3
+    assert fl["prefill_s"]["2048"] == pytest.approx(fl["prefill_flops"]["2048"] / 780.7e12)
+    rec = {"recipe": "r", "precision": "bf16", "floors": {"decode_s": {"1": 0.001}, **fl}, "variants": {}}
+    lines = peers._variant_lines(rec, {"plan": {"prompt_len": 8}})
+    assert any(line.endswith("128 memory-bound, 2048 compute-bound") for line in lines)

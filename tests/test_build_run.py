@@ -74,7 +74,7 @@ def test_run_in_a_new_process_reuses_the_engine(built: dict[str, Any]) -> None:
     assert sum(parts.values()) <= report["phases"]["load_s"]
     assert report["ttft_ms"] > 0 and report["tpot_ms"]["p50"] > 0 and report["tokens_per_s"] > 0
     assert len(report["output_ids"]) == 1 and len(report["output_ids"][0]) == 8
-    assert report["roofline"]["decode_bandwidth_Bps"] > 0
+    assert report["roofline"]["decode_bandwidth_Bps"] > 0 and report["roofline"]["prefill_bandwidth_Bps"] > 0
     # how the decode steps launched, per bucket used: on the CPU no graph, so no PDL, and it says why
     assert report["decode_launch"] == {"decode_b1": {"on": False, "why": "CPU"}}
 
@@ -116,6 +116,34 @@ def test_a_run_report_sets_the_builds_matmul_timings_against_the_step(built: dic
     out = capsys.readouterr().out
     assert "decode_b2 matmuls" in out and "0.200 ms" in out and "as the build timed them" in out
     assert "the fusion of 96x32+gate by Inductor's kernels" in out
+
+
+def test_the_prefill_row_names_the_roof_that_binds_it(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A short prompt's time to first token is bound by reading the weights, not by its FLOPs: at 8B on the
+    H200 (call 70), 128 tokens took 5.9 ms, 0.3 PFLOP/s (31% of peak) but 2.6 TB/s (53%). The report says
+    so, where FLOP/s alone would call it a third of the way to the roof; 2048 tokens are compute-bound."""
+    from trtbuild.backends import Generation
+    from trtbuild.report import print_table
+    from trtbuild.runner import roofline
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    short = Generation(output_ids=[[1]], prefill_s=5.9e-3, decode_step_s=[], prefill_flops=1.79e12,
+                       prefill_bytes=15.0e9)
+    roof = roofline(short, 5.9e-3, 4.1e-3, "cuda")
+    assert roof["prefill_bound"] == "memory"
+    assert roof["prefill_fraction_of_peak_bandwidth"] == pytest.approx(15.0e9 / 5.9e-3 / 4.8e12)
+    long = Generation(output_ids=[[1]], prefill_s=49e-3, decode_step_s=[], prefill_flops=29.7e12, prefill_bytes=15.3e9)
+    assert roofline(long, 49e-3, 4.1e-3, "cuda")["prefill_bound"] == "compute"
+    assert "prefill_bound" not in roofline(short, 5.9e-3, 4.1e-3, "cpu")  # no datasheet to set it against
+    monkeypatch.setenv("COLUMNS", "400")
+    print_table({"recipe": "r", "backend": "torch", "device": "cuda", "engine": {"key": "0" * 64, "cache_hit": True,
+                 "path": "p"}, "shape": {"batch_size": 1, "input_len": 128, "output_len": 2}, "output_ids": [],
+                 "phases": {"lookup_s": 0.0, "build_s": 0.0, "load_s": 0.1, "warmup_s": 0.1, "end_to_end_s": 0.5},
+                 "ttft_ms": 5.9, "tpot_ms": {"p50": 4.1, "p90": 4.2, "p99": 4.3}, "tokens_per_s": 240.0,
+                 "roofline": roof})
+    out = capsys.readouterr().out
+    assert "2542.4 GB/s (53.0% of peak) · memory-bound" in out
 
 
 @pytest.mark.parametrize("batch", [1, 2])

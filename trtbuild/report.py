@@ -29,6 +29,12 @@ def print_table(rep: dict[str, Any]) -> None:
         note = f"{roof['prefill_flops_per_s'] / 1e12:.3f} TFLOP/s"
         if "prefill_fraction_of_peak_flops" in roof:
             note += f" ({roof['prefill_fraction_of_peak_flops']:.1%} of peak)"
+    if "prefill_bandwidth_Bps" in roof:
+        note += f" · {roof['prefill_bandwidth_Bps'] / 1e9:.1f} GB/s"
+        if "prefill_fraction_of_peak_bandwidth" in roof:
+            note += f" ({roof['prefill_fraction_of_peak_bandwidth']:.1%} of peak)"
+        if "prefill_bound" in roof:
+            note += f" · {roof['prefill_bound']}-bound"
     table.add_row("prefill (TTFT)", f"{rep['ttft_ms']:.2f} ms", note)
     t = rep["tpot_ms"]
     note = f"p90 {t['p90']:.3f} · p99 {t['p99']:.3f} ms · {rep['tokens_per_s']:.1f} tok/s"

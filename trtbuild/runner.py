@@ -236,6 +236,9 @@ def roofline(gen: Generation, ttft_s: float, tpot_s: float, device: str) -> dict
     if gen.prefill_flops and ttft_s > 0:
         out["prefill_flops"] = gen.prefill_flops
         out["prefill_flops_per_s"] = gen.prefill_flops / ttft_s
+    if gen.prefill_bytes and ttft_s > 0:
+        out["prefill_bytes"] = gen.prefill_bytes
+        out["prefill_bandwidth_Bps"] = gen.prefill_bytes / ttft_s
     if device.startswith("cuda"):
         import torch
 
@@ -247,6 +250,12 @@ def roofline(gen: Generation, ttft_s: float, tpot_s: float, device: str) -> dict
                     out["decode_fraction_of_peak_bandwidth"] = out["decode_bandwidth_Bps"] / bw
                 if "prefill_flops_per_s" in out:
                     out["prefill_fraction_of_peak_flops"] = out["prefill_flops_per_s"] / flops
+                if "prefill_bandwidth_Bps" in out:
+                    out["prefill_fraction_of_peak_bandwidth"] = out["prefill_bandwidth_Bps"] / bw
+                    # A short prompt cannot finish before its weights arrive, whatever its FLOPs: the roof that
+                    # binds is the one it comes nearer to (a 128-token prompt at 8B reads 15 GB for 1.8 TFLOP).
+                    out["prefill_bound"] = ("memory" if out["prefill_fraction_of_peak_bandwidth"]
+                                            > out.get("prefill_fraction_of_peak_flops", 0.0) else "compute")
                 break
     return out
 

@@ -51,6 +51,7 @@ class Generation:
     decode_step_s: list[float]  # one entry per generated token after the first
     bytes_per_decode_step: float | None = None  # weights + filled KV cache read per token
     prefill_flops: float | None = None
+    prefill_bytes: float | None = None  # weights read once + the prompt's KV written: a short prompt's bound
 
 
 class Engine(Protocol):

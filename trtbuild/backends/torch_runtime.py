@@ -153,7 +153,8 @@ class TorchEngine:
         out = decoder.out[:n, t - 1 : t - 1 + max_new_tokens].tolist()
         return Generation(output_ids=out, prefill_s=times[0], decode_step_s=times[1:],
                           bytes_per_decode_step=self._decode_bytes(bucket, t + max_new_tokens / 2),
-                          prefill_flops=self._prefill_flops(bucket, t))
+                          prefill_flops=self._prefill_flops(bucket, t),
+                          prefill_bytes=self._decode_bytes(bucket, t))  # the cache it writes is the one a step reads
 
     def _decoder(self, bucket: int) -> "_Decoder":
         if bucket not in self._decoders:
