@@ -217,10 +217,17 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
 # without programmatic dependent launch (TRTBUILD_PDL=0): an A/B of the launch alone, no build
 NO_PDL = "no-pdl"
 
+# engine@prefill-graphs: the recipe's own engine (a cache hit) with its prefill replayed from captured graphs
+# (TRTBUILD_PREFILL_GRAPHS=4, prefill_graphs.py): an A/B of the prefill's launch alone, no build
+PREFILL_GRAPHS = "prefill-graphs"
+
 # engine@again: the recipe's own engine (the same entry) measured once more, last: the run's drift. On the
 # H200 one prefill graph measured 48.9 and 51.2 ms one after the other in one run (RESULTS.md, thirteenth
 # session), so a row won by 2% needs this bracket before it is called a lead.
 AGAIN = "again"
+
+# the variants that measure the recipe's own entry, kept after their measurement
+SAME_ENTRY = (NO_PDL, PREFILL_GRAPHS, AGAIN)
 
 # engine@serial: the recipe's own engine with every graph compiled in the build process
 # (TRTBUILD_COMPILE_WORKERS=0), against the default, whose workers compile side by side
@@ -273,6 +280,11 @@ def engine_variant(recipe: Any, spec: str, engines: str, notes: list[str]) -> An
         engine: Any = peer.session.engine  # the torch backend's engine (the Engine protocol has no PDL)
         engine.pdl_allowed = False
         peer.label += ", decode graphs captured without PDL (TRTBUILD_PDL=0)"
+        return peer
+    if spec == PREFILL_GRAPHS:
+        peer = peers.EnginePeer(recipe, engines)
+        peer.session.engine.prefill_graph_limit = 4  # read when the first prefill runs
+        peer.label += ", prefill replayed from captured graphs (TRTBUILD_PREFILL_GRAPHS=4)"
         return peer
     if spec == AGAIN:
         peer = peers.EnginePeer(recipe, engines)
@@ -333,13 +345,14 @@ def run_variants(ctx: dict[str, Any], args: argparse.Namespace, skipped: dict[st
             measure_peer(peer, ctx["plan"], batches, ctx["vocab"], result, saved)
             if hasattr(peer, "session") and hasattr(peer.session.engine, "launch_report"):
                 result["launch"] = peer.session.engine.launch_report()
+                result["prefill_launch"] = peer.session.engine.prefill_report()
         except Exception as exc:  # noqa: BLE001 - one failing peer must not cost the others' numbers
             result["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
             print(f"[bench]   failed: {result['error']}", flush=True)
         finally:
             if peer is not None:
                 peer.close()
-                if name.startswith("engine@") and name not in (f"engine@{NO_PDL}", f"engine@{AGAIN}") \
+                if name.startswith("engine@") and name not in (f"engine@{s}" for s in SAME_ENTRY) \
                         and not args.keep_variant_engines:
                     notes.append(discard_engine(peer))
             peers.free_device_memory()
@@ -481,6 +494,7 @@ def main() -> None:
                          "engine@epilogue / engine@no-epilogue (options.decode_fusion epilogue, the default, / none), "
                          "engine@serial (every graph compiled in the build process, in a fresh store), "
                          "engine@no-pdl (the engine's decode graphs captured without PDL; after engine), "
+                         "engine@prefill-graphs (its prefill replayed from captured graphs), "
                          "engine@again (the engine measured once more; last, to show the run's drift)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")
@@ -505,7 +519,7 @@ def main() -> None:
     args.variants = [v for v in args.variants.split(",") if v]
     from trtbuild.recipe import TACTIC_LEVELS
 
-    known = [*VARIANTS, *(f"engine@{spec}" for spec in (*TACTIC_LEVELS, *ENGINE_VARIANTS, SERIAL, NO_PDL, AGAIN))]
+    known = [*VARIANTS, *(f"engine@{spec}" for spec in (*TACTIC_LEVELS, *ENGINE_VARIANTS, SERIAL, *SAME_ENTRY))]
     if unknown := [v for v in args.variants if v not in known]:
         ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     args.sections = [s for s in args.sections.split(",") if s]

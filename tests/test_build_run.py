@@ -77,6 +77,7 @@ def test_run_in_a_new_process_reuses_the_engine(built: dict[str, Any]) -> None:
     assert report["roofline"]["decode_bandwidth_Bps"] > 0 and report["roofline"]["prefill_bandwidth_Bps"] > 0
     # how the decode steps launched, per bucket used: on the CPU no graph, so no PDL, and it says why
     assert report["decode_launch"] == {"decode_b1": {"on": False, "why": "CPU"}}
+    assert report["prefill_launch"] == {"on": False, "why": "off (TRTBUILD_PREFILL_GRAPHS=N turns it on)"}
 
 
 def _folder(recipe_path: Path, store: Path) -> Path:
@@ -180,6 +181,14 @@ def test_weights_read_with_threads_give_the_same_tokens(built: dict[str, Any], m
         got = session.generate(prompts, 10)
     assert calls == [3]
     assert got == eager_greedy(_folder(built["recipe"], built["store"]), prompts, 10, 48)
+
+
+def test_a_malformed_prefill_graph_count_is_a_clear_error_naming_the_variable(built: dict[str, Any]) -> None:
+    proc = run_cli("run", str(built["recipe"]), "--engines", str(built["store"]), "--iterations", "1",
+                   env={"TRTBUILD_PREFILL_GRAPHS": "lots"})
+    assert proc.returncode != 0
+    assert "TRTBUILD_PREFILL_GRAPHS: expected a number of graphs from 0 to 64, got 'lots'" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_batch_padded_to_a_bucket_and_sliced_prompts_stay_correct(built: dict[str, Any]) -> None:

@@ -36,6 +36,9 @@ def print_table(rep: dict[str, Any]) -> None:
         if "prefill_bound" in roof:
             note += f" · {roof['prefill_bound']}-bound"
     table.add_row("prefill (TTFT)", f"{rep['ttft_ms']:.2f} ms", note)
+    if pl := rep.get("prefill_launch"):
+        table.add_row("  prefill launch", "", "one captured graph, replayed" if pl.get("replayed") else
+                      f"kernel by kernel from the host ({pl.get('why', 'no graph for this shape')})")
     t = rep["tpot_ms"]
     note = f"p90 {t['p90']:.3f} · p99 {t['p99']:.3f} ms · {rep['tokens_per_s']:.1f} tok/s"
     if "decode_bandwidth_Bps" in roof:

@@ -219,6 +219,9 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
     launch = getattr(session.engine, "launch_report", None)  # how the decode steps launched (torch backend)
     if callable(launch):
         report["decode_launch"] = launch()
+    prefill = getattr(session.engine, "prefill_report", None)  # whether the prefill replayed a graph (torch)
+    if callable(prefill):
+        report["prefill_launch"] = prefill()
     timed = getattr(session.engine, "timed_matmuls", None)  # the build's timings of the matmuls (torch backend)
     if callable(timed) and (matmuls := timed(batch_size)) is not None:
         report["decode_matmuls_timed"] = matmuls

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import Generation
+from trtbuild.backends.prefill_graphs import PrefillGraphs
 from trtbuild.errors import InputError, TrtbuildError
 from trtbuild.timing import StepClock, sync
 
@@ -38,6 +39,8 @@ class TorchEngine:
         self._preloaded: Any = None  # weights_preload.Preloaded, when the weights came from it
         # programmatic dependent launch in the captured decode graphs (pdl_mode); TRTBUILD_PDL=0 turns it off
         self.pdl_allowed = os.environ.get("TRTBUILD_PDL", "1") != "0"
+        self.prefill_graph_limit = prefill_graph_limit()  # 0: the prefill is called, not replayed (prefill_graphs.py)
+        self._prefill: PrefillGraphs | None = None
 
     def __enter__(self) -> "TorchEngine":
         import torch
@@ -97,6 +100,7 @@ class TorchEngine:
 
     def __exit__(self, *exc: object) -> None:
         self._decoders.clear()
+        self._prefill = None
         self._packages.clear()
         # AOTInductor's runner keeps a handle to every user-managed constant after it is destroyed (torch
         # 2.13 here: all of them stay alive; pytorch/pytorch PR 194480 fixes it in the runner's headers), so
@@ -140,10 +144,13 @@ class TorchEngine:
         positions = torch.arange(t, device=self.device)
         decoder = self._decoder(bucket)
         decoder.prepare(t, t + max_new_tokens - 1)  # graph capture, before the prefill and untimed
+        if self._prefill is None:
+            self._prefill = PrefillGraphs(self._packages["prefill"], self.device, self.prefill_graph_limit)
+        self._prefill.prepare(tokens, positions)  # the same for the prefill's graph, where asked for
         clock = StepClock(self.device)
         with torch.no_grad():
             clock.mark()
-            first = self._packages["prefill"](tokens, positions)[:, 0]  # the graphs return greedy tokens
+            first = self._prefill(tokens, positions)[:, 0]  # the graphs return greedy tokens
             decoder.start(first, t)
             clock.mark()
             for _ in range(max_new_tokens - 1):
@@ -167,6 +174,10 @@ class TorchEngine:
         """How each captured decode graph launches its kernels: PDL (with the edge counts of the last
         capture) or serialized, and why."""
         return {f"decode_b{b}": d.pdl_report for b, d in sorted(self._decoders.items())}
+
+    def prefill_report(self) -> dict[str, Any]:
+        """Whether the last prefill replayed a captured graph (prefill_graphs.py), and why not."""
+        return self._prefill.report() if self._prefill is not None else {"on": False, "why": "no prefill run yet"}
 
     def timed_matmuls(self, batch: int) -> dict[str, Any] | None:
         """The matmuls of one step of the decode graph serving `batch`, as the build's selection timed them
@@ -237,6 +248,15 @@ class _Model:
 
 
 DEFAULT_LOAD_THREADS = 8  # what the H200 measurements used (RESULTS.md, seventh session)
+
+
+def prefill_graph_limit() -> int:
+    """TRTBUILD_PREFILL_GRAPHS=N: keep up to N captured prefill graphs (one per batch bucket and prompt
+    length); unset or 0, none: not yet measured on a GPU (prefill_graphs.py)."""
+    raw = os.environ.get("TRTBUILD_PREFILL_GRAPHS", "").strip() or "0"
+    if not raw.isdigit() or int(raw) > 64:
+        raise InputError(f"TRTBUILD_PREFILL_GRAPHS: expected a number of graphs from 0 to 64, got {raw!r}")
+    return int(raw)
 
 
 def load_threads(device: str) -> int:
