@@ -283,7 +283,8 @@ def engine_variant(recipe: Any, spec: str, engines: str, notes: list[str]) -> An
         return peer
     if spec == PREFILL_GRAPHS:
         peer = peers.EnginePeer(recipe, engines)
-        peer.session.engine.prefill_graph_limit = 4  # read when the first prefill runs
+        torch_engine: Any = peer.session.engine  # the torch backend's (the Engine protocol has no prefill graphs)
+        torch_engine.prefill_graph_limit = 4  # read when the first prefill runs
         peer.label += ", prefill replayed from captured graphs (TRTBUILD_PREFILL_GRAPHS=4)"
         return peer
     if spec == AGAIN:
