@@ -39,7 +39,9 @@ class PrefillGraphs:
         # run_single_threaded packages only (torch_runtime._Model.graph_safe): others fail capture
         self.capturable = limit > 0 and device.startswith("cuda") and getattr(package, "graph_safe", True)
         self.graphs: OrderedDict[tuple[int, int], _Captured] = OrderedDict()
-        self._pool: Any = None  # one memory pool for every prefill graph: they never run at the same time
+        # One memory pool for every prefill graph: they never run at the same time, and what a replay leaves
+        # behind (its `out`, perhaps where another graph keeps its scratch) is read before the next prefill.
+        self._pool: Any = None
         self.last_replayed = False
 
     def report(self) -> dict[str, Any]:
