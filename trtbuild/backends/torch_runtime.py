@@ -252,7 +252,7 @@ DEFAULT_LOAD_THREADS = 8  # what the H200 measurements used (RESULTS.md, seventh
 
 def prefill_graph_limit() -> int:
     """TRTBUILD_PREFILL_GRAPHS=N: keep up to N captured prefill graphs (one per batch bucket and prompt
-    length); unset or 0, none: not yet measured on a GPU (prefill_graphs.py)."""
+    length); unset or 0, none, until it is measured at 1B and 8B (prefill_graphs.py)."""
     raw = os.environ.get("TRTBUILD_PREFILL_GRAPHS", "").strip() or "0"
     if not raw.isdigit() or int(raw) > 64:
         raise InputError(f"TRTBUILD_PREFILL_GRAPHS: expected a number of graphs from 0 to 64, got {raw!r}")
