@@ -149,7 +149,9 @@ def measure_peer(peer: Any, plan: Plan, batches: list[int], vocab: int, out: dic
                 peer.generate(prompts, plan.new_tokens)
             generations = [peer.generate(prompts, plan.new_tokens)[1] for _ in range(plan.decode_reps)]
             steps = [s for g in generations for s in g]
-            out["decode"][str(n)] = {**percentiles(steps), "n": len(steps), "p50_by_position": by_position(generations)}
+            out["decode"][str(n)] = {**percentiles(steps), "n": len(steps), "p50_by_position": by_position(generations),
+                                     # every position's own median, to find where a slow stretch starts (not printed)
+                                     "p50_each_position": by_position(generations, min(len(g) for g in generations))}
             out["label"] = peer.label  # some peers only know what ran after the first call
         else:
             prompt = default_prompt(1, n, vocab)

@@ -182,6 +182,8 @@ def test_decode_steps_are_also_summarized_by_position_so_a_slow_stretch_is_told_
     bench.measure_peer(Peer(), bench.QUICK, [1], 256, out, lambda: None)
     d = out["decode"]["1"]
     assert d["p50_by_position"] == [0.002, 0.002, 0.003, 0.003] and d["p90"] == 0.003
+    half = (bench.QUICK.new_tokens - 1) // 2
+    assert d["p50_each_position"] == [0.002] * half + [0.003] * (bench.QUICK.new_tokens - 1 - half)
     assert bench.by_position([[1.0, 2.0, 3.0], [5.0, 6.0]], parts=2) == [3.0, 4.0]  # the shortest sets the bounds
     rec = {"recipe": "r", "precision": "bf16", "floors": {"decode_s": {"1": 0.001}, "prefill_s": {}},
            "variants": {"engine": out | {"notes": []}}}
