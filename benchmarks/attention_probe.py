@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import probe_report  # noqa: E402  (a sibling script's module: this folder is on sys.path)
 import torch  # noqa: E402
 
-from trtbuild.backends.torch_runtime import decode_windows  # noqa: E402
+from trtbuild.backends.decode_graphs import decode_windows  # noqa: E402
 from trtbuild.models.decode_attention import (  # noqa: E402
     decode_attention, decode_attention_rope, num_splits)
 from trtbuild.timing import graph_seconds  # noqa: E402

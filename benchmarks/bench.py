@@ -118,12 +118,13 @@ def prefill_flops(cfg: Any, t: int) -> float:
 def prefill_floors(cfg: Any, elem: int, lens: Sequence[int], ceilings: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each length's floor, the larger of its two bounds (a roofline: the matmuls cannot run faster than the
     weights arrive, nor than the tensor cores compute), and which bound it is."""
-    compute = {str(t): prefill_flops(cfg, t) / ceilings["matmul_flops_per_s"] for t in lens}
-    memory = {str(t): prefill_bytes(cfg, elem, t) / ceilings["copy_Bps"] for t in lens}
+    flops = {str(t): prefill_flops(cfg, t) for t in lens}
+    moved = {str(t): prefill_bytes(cfg, elem, t) for t in lens}
+    compute = {t: f / ceilings["matmul_flops_per_s"] for t, f in flops.items()}
+    memory = {t: b / ceilings["copy_Bps"] for t, b in moved.items()}
     return {"prefill_s": {t: max(compute[t], memory[t]) for t in compute},
             "prefill_bound": {t: "compute" if compute[t] >= memory[t] else "memory" for t in compute},
-            "prefill_flops": {str(t): prefill_flops(cfg, t) for t in lens},
-            "prefill_bytes": {str(t): prefill_bytes(cfg, elem, t) for t in lens}}
+            "prefill_flops": flops, "prefill_bytes": moved}
 
 
 # -- variants -------------------------------------------------------------------------------------------

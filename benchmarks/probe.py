@@ -32,7 +32,8 @@ import torch  # noqa: E402
 import peers  # noqa: E402
 from profile_decode import kernels_of, profile_steps, show  # noqa: E402
 from trtbuild.backends import export, graph_cache, torch_aoti  # noqa: E402
-from trtbuild.backends.torch_runtime import _Decoder, _Model  # noqa: E402
+from trtbuild.backends.decode_graphs import DecodeGraphs  # noqa: E402
+from trtbuild.backends.torch_runtime import _Model  # noqa: E402
 from trtbuild.models.source import resolve  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 from trtbuild.store import Store  # noqa: E402
@@ -122,7 +123,7 @@ def main() -> None:
 
     def decode_run(name: str, program: Any) -> dict[str, Any]:
         graph, compile_s = compile_graph(program, name, work, device, consts)
-        decoder = _Decoder(graph, args.batch, shapes.max_seq_len, device)
+        decoder = DecodeGraphs(graph, args.batch, shapes.max_seq_len, device)
         r = profile_steps(decoder, args.batch, args.prompt_len, args.steps, device)
         print(f"[probe] decode b{args.batch} {name}: compile {compile_s:.1f} s\n{show(r, args.top)}", flush=True)
         return r | {"compile_s": compile_s}

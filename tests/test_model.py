@@ -192,7 +192,7 @@ def test_parameter_count_matches_hugging_face() -> None:
 
 
 def test_decode_windows_cover_every_position_and_halve_down_to_16() -> None:
-    from trtbuild.backends.torch_runtime import decode_windows
+    from trtbuild.backends.decode_graphs import decode_windows
 
     assert decode_windows(4096) == [128, 256, 512, 1024, 2048, 4096]
     assert decode_windows(48) == [24, 48]
@@ -201,7 +201,7 @@ def test_decode_windows_cover_every_position_and_halve_down_to_16() -> None:
 
 
 def test_a_generation_prepares_only_the_windows_its_positions_decode_in() -> None:
-    from trtbuild.backends.torch_runtime import windows_between
+    from trtbuild.backends.decode_graphs import windows_between
 
     windows = [128, 256, 512, 1024, 2048, 4096]
     assert windows_between(windows, 128, 255) == [256]  # the benchmark's 128-token prompt, 128 new tokens

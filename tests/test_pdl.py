@@ -110,15 +110,15 @@ def test_a_decoder_rewrites_its_graphs_and_recaptures_plainly_when_the_driver_re
 
     import torch
 
-    from trtbuild.backends import torch_runtime
+    from trtbuild.backends.decode_graphs import DecodeGraphs
 
     drv = FakeDriver(NAMES, list(NAMES), chain(2, 3, 4), fail=fail)
     monkeypatch.setattr(pdl, "Driver", lambda: drv)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
     Graph.made = []
-    decoder = torch_runtime._Decoder(lambda *a: torch.zeros(1, 1, dtype=torch.long), 1, 8, "cpu",
-                                     {"on": True, "inductor": True, "trtbuild": True, "why": "test"})
+    decoder = DecodeGraphs(lambda *a: torch.zeros(1, 1, dtype=torch.long), 1, 8, "cpu",
+                           {"on": True, "inductor": True, "trtbuild": True, "why": "test"})
     decoder._capture_one(8)
     if fail:  # half edited, maybe: captured again, serialized, and PDL off for the decoder's later graphs
         assert [g.keep_graph for g in Graph.made] == [True, False]

@@ -4,7 +4,7 @@ Why: a prefill of 128 tokens is bound by reading the weights once (bench.py's fl
 the 1B engine took 2.8 ms for it against a 0.84 ms floor (RESULTS.md, twenty-fifth session, call 71),
 and on the H200 1.66 ms against ~0.6. A 1B layer's weights arrive in ~20 us, while the host launches
 its dozen kernels one by one through AOTInductor's runner: the GPU waits on the host. The decode steps
-never had that wait (each is one graph replay, torch_runtime._Decoder); this gives the prefill the
+never had that wait (each is one graph replay, decode_graphs.DecodeGraphs); this gives the prefill the
 same, one graph per (batch bucket, prompt length), since a graph holds its shapes.
 
 Off by default (`TRTBUILD_PREFILL_GRAPHS=N` keeps up to N graphs, least recently used dropped first):
@@ -17,10 +17,12 @@ the first time pays one extra prefill and the capture there.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from trtbuild.errors import InputError
 from trtbuild.timing import sync
 
 
@@ -58,9 +60,9 @@ class PrefillGraphs:
     def prepare(self, tokens: Any, positions: Any) -> None:
         """Capture the graph for this shape if there is none; before the timed prefill. The warm-up call and
         the capture write the cache's first len(positions) slots, which the prefill then overwrites."""
-        key = tuple(tokens.shape)
         if not self.capturable:
             return
+        key = tuple(tokens.shape)
         if key in self.graphs:
             self.graphs.move_to_end(key)
             return
@@ -91,3 +93,12 @@ class PrefillGraphs:
         captured.tokens.copy_(tokens)
         captured.graph.replay()
         return captured.out
+
+
+def prefill_graph_limit() -> int:
+    """TRTBUILD_PREFILL_GRAPHS=N: keep up to N captured prefill graphs (one per batch bucket and prompt
+    length); unset or 0, none, until it is measured at 1B and 8B (prefill_graphs.py)."""
+    raw = os.environ.get("TRTBUILD_PREFILL_GRAPHS", "").strip() or "0"
+    if not raw.isdigit() or int(raw) > 64:
+        raise InputError(f"TRTBUILD_PREFILL_GRAPHS: expected a number of graphs from 0 to 64, got {raw!r}")
+    return int(raw)

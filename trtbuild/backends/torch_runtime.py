@@ -1,11 +1,8 @@
-"""Running an AOTInductor entry: weights and KV cache handed to the packages, decode in a CUDA graph.
+"""Running an AOTInductor entry: weights and KV cache handed to the packages, decode in CUDA graphs.
 
-On CUDA each decode bucket is captured as CUDA graphs whose replay does the whole step on the
-device (forward and argmax in the compiled graph, write the token, advance the position), so a
-token costs one replay and no host work beyond picking the graph: one per cache window
-(`decode_windows`), since attention reads only as many cache slots as the window holds. The
-packages are loaded with `run_single_threaded=True`; without it capture fails and poisons the
-process.
+Each decode bucket runs through `decode_graphs.DecodeGraphs` (one captured graph a cache window), the
+prefill through `prefill_graphs.PrefillGraphs` (captured only where asked for). The packages are loaded
+with `run_single_threaded=True`; without it capture fails and poisons the process.
 """
 
 from __future__ import annotations
@@ -17,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import Generation
-from trtbuild.backends.prefill_graphs import PrefillGraphs
+from trtbuild.backends.decode_graphs import DecodeGraphs
+from trtbuild.backends.prefill_graphs import PrefillGraphs, prefill_graph_limit
 from trtbuild.errors import InputError, TrtbuildError
 from trtbuild.timing import StepClock, sync
 
@@ -30,7 +28,7 @@ class TorchEngine:
         self.max_batch_size: int = self.spec["max_batch_size"]
         self.buckets: list[int] = sorted(self.spec["buckets"])
         self._packages: dict[str, Any] = {}
-        self._decoders: dict[int, _Decoder] = {}
+        self._decoders: dict[int, DecodeGraphs] = {}
         self.weight_bytes = 0
         self.load_note = ""  # how the weights arrived, for the run report's load row
         # where the load's time went (graphs_s, weights_s, constants_s), each part synchronized: once the
@@ -163,10 +161,10 @@ class TorchEngine:
                           prefill_flops=self._prefill_flops(bucket, t),
                           prefill_bytes=self._decode_bytes(bucket, t))  # the cache it writes is the one a step reads
 
-    def _decoder(self, bucket: int) -> "_Decoder":
+    def _decoder(self, bucket: int) -> "DecodeGraphs":
         if bucket not in self._decoders:
             name = f"decode_b{bucket}"
-            self._decoders[bucket] = _Decoder(self._packages[name], bucket, self.spec["max_seq_len"], self.device,
+            self._decoders[bucket] = DecodeGraphs(self._packages[name], bucket, self.spec["max_seq_len"], self.device,
                                               pdl_mode(self.spec["graphs"][name], self.device, self.pdl_allowed))
         return self._decoders[bucket]
 
@@ -250,15 +248,6 @@ class _Model:
 DEFAULT_LOAD_THREADS = 8  # what the H200 measurements used (RESULTS.md, seventh session)
 
 
-def prefill_graph_limit() -> int:
-    """TRTBUILD_PREFILL_GRAPHS=N: keep up to N captured prefill graphs (one per batch bucket and prompt
-    length); unset or 0, none, until it is measured at 1B and 8B (prefill_graphs.py)."""
-    raw = os.environ.get("TRTBUILD_PREFILL_GRAPHS", "").strip() or "0"
-    if not raw.isdigit() or int(raw) > 64:
-        raise InputError(f"TRTBUILD_PREFILL_GRAPHS: expected a number of graphs from 0 to 64, got {raw!r}")
-    return int(raw)
-
-
 def load_threads(device: str) -> int:
     """How many threads read the weights (weights_reader.py); 0 = safetensors' own loader.
 
@@ -296,123 +285,3 @@ def pdl_mode(graph: dict[str, Any], device: str, allowed: bool = True) -> dict[s
                                     "Hopper, or by a trtbuild without PDL)"}
     waiting = [who for who, on in (("trtbuild's kernels", own), ("Inductor's", inductor)) if on]
     return {"on": True, "inductor": inductor, "trtbuild": own, "why": " and ".join(waiting) + " may start early"}
-
-
-def decode_windows(max_seq_len: int) -> list[int]:
-    """Cache spans the decode graphs are run (and captured) at: max_seq_len and up to five halvings,
-    none under 16 slots. A step runs the smallest that covers its position, so attention reads at
-    most twice the filled cache (and never less than a 32nd of it) instead of all of it."""
-    return sorted({max_seq_len >> k for k in range(6) if max_seq_len >> k >= 16} | {max_seq_len})
-
-
-def windows_between(windows: list[int], first: int, last: int) -> list[int]:
-    """The windows that decode positions first..last-1 run in (window w serves the positions from
-    the previous window up to w - 1)."""
-    if last <= first:
-        return []
-    need: list[int] = []
-    lower = 0
-    for w in windows:
-        if lower < last and w > first:
-            need.append(w)
-        lower = w
-    return need
-
-
-class _Decoder:
-    """One decode bucket: static buffers, and on CUDA one captured graph of the whole step per
-    cache window (the graphs share one memory pool: they never run at the same time)."""
-
-    def __init__(self, package: Any, batch: int, max_seq_len: int, device: str,
-                 pdl_on: dict[str, Any] | None = None) -> None:
-        import torch
-
-        self.package, self.device = package, device
-        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)
-        self.out = torch.zeros(batch, max_seq_len, dtype=torch.long, device=device)
-        self.windows = decode_windows(max_seq_len)
-        self.spans = {w: torch.arange(w, device=device) for w in self.windows}
-        self.next_pos = 0  # the position the next step writes, mirrored on the host to pick a window
-        self.capturable = device.startswith("cuda") and getattr(package, "graph_safe", True)
-        self.graphs: dict[int, Any] = {}
-        self._pool: Any = None
-        self.pdl = pdl_on or {"on": False, "why": "not asked for"}
-        self.pdl_report: dict[str, Any] = dict(self.pdl)
-
-    def window_for(self, pos: int) -> int:
-        for w in self.windows:
-            if w > pos:
-                return w
-        raise InputError(f"decode position {pos} is past the engine's max_seq_len {self.windows[-1]}")
-
-    def prepare(self, first: int, last: int) -> None:
-        """Capture the graphs of the windows that positions first..last-1 will decode in, if not yet
-        captured: a generation captures only what it needs (a restart's first token, no decode step,
-        captures nothing; on the H200 all six windows of a bucket took ~0.4 s to capture). Only
-        before a prefill: the warm-up steps write cache slot 0 and `out`, which the prompt overwrites."""
-        if not self.capturable:
-            return
-        need = [w for w in windows_between(self.windows, first, last) if w not in self.graphs]
-        if need:
-            self._capture(need)
-
-    def _step(self, window: int) -> None:
-        nxt = self.package(self.tok, self.pos, self.spans[window])  # (B, 1) greedy token ids
-        self.out.index_copy_(1, self.pos, nxt)
-        self.tok.copy_(nxt)
-        self.pos.add_(1)
-
-    def _capture(self, windows: list[int]) -> None:
-        import torch
-
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        # The first calls allocate and load kernels: keep that out of the graphs (twice, the first time).
-        warmups = windows if self.graphs else [windows[0], *windows]
-        with torch.cuda.stream(stream), torch.no_grad():
-            for w in warmups:
-                self.pos.zero_()
-                self._step(w)
-        torch.cuda.current_stream().wait_stream(stream)
-        for w in windows:
-            self.graphs[w] = self._capture_one(w)
-        sync(self.device)
-
-    def _capture_one(self, window: int) -> Any:
-        import torch
-
-        # keep_graph: a PDL graph is edited (its edges) before it is instantiated
-        graph = torch.cuda.CUDAGraph(keep_graph=True) if self.pdl["on"] else torch.cuda.CUDAGraph()
-        self.pos.zero_()
-        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-            self._step(window)
-        self._pool = graph.pool()
-        if self.pdl["on"]:
-            from trtbuild.backends import pdl
-
-            try:
-                self.pdl_report = self.pdl | pdl.overlap(graph.raw_cuda_graph(), self.pdl["inductor"],
-                                                         trtbuild_wait=self.pdl["trtbuild"])
-            except OSError as e:  # a driver that refuses the edit: this graph may be half edited, so capture anew
-                self.pdl = self.pdl_report = {"on": False, "why": f"the driver refused the PDL edges: {e}"}
-                return self._capture_one(window)
-            graph.instantiate()
-        return graph
-
-    def start(self, first: Any, prompt_len: int) -> None:
-        """Seed the loop with prefill's token for position prompt_len - 1."""
-        self.tok.copy_(first[:, None])
-        self.pos.fill_(prompt_len - 1)
-        self.out.index_copy_(1, self.pos, self.tok)
-        self.pos.fill_(prompt_len)
-        self.next_pos = prompt_len
-
-    def step(self) -> None:
-        window = self.window_for(self.next_pos)
-        graph = self.graphs.get(window)
-        if graph is not None:
-            graph.replay()
-        else:  # the CPU, or a window not prepared (correct, only slower)
-            self._step(window)
-        self.next_pos += 1

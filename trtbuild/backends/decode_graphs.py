@@ -1,0 +1,133 @@
+"""A decode bucket's step as CUDA graphs: the whole step replayed on the device, one graph a cache window.
+
+Each replay does the step on the device (forward and argmax in the compiled graph, write the token,
+advance the position), so a token costs one replay and no host work beyond picking the graph: one per
+cache window (`decode_windows`), since attention reads only as many cache slots as the window holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trtbuild.errors import InputError
+from trtbuild.timing import sync
+
+
+def decode_windows(max_seq_len: int) -> list[int]:
+    """Cache spans the decode graphs are run (and captured) at: max_seq_len and up to five halvings,
+    none under 16 slots. A step runs the smallest that covers its position, so attention reads at
+    most twice the filled cache (and never less than a 32nd of it) instead of all of it."""
+    return sorted({max_seq_len >> k for k in range(6) if max_seq_len >> k >= 16} | {max_seq_len})
+
+
+def windows_between(windows: list[int], first: int, last: int) -> list[int]:
+    """The windows that decode positions first..last-1 run in (window w serves the positions from
+    the previous window up to w - 1)."""
+    if last <= first:
+        return []
+    need: list[int] = []
+    lower = 0
+    for w in windows:
+        if lower < last and w > first:
+            need.append(w)
+        lower = w
+    return need
+
+
+class DecodeGraphs:
+    """One decode bucket: static buffers, and on CUDA one captured graph of the whole step per
+    cache window (the graphs share one memory pool: they never run at the same time)."""
+
+    def __init__(self, package: Any, batch: int, max_seq_len: int, device: str,
+                 pdl_on: dict[str, Any] | None = None) -> None:
+        import torch
+
+        self.package, self.device = package, device
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.out = torch.zeros(batch, max_seq_len, dtype=torch.long, device=device)
+        self.windows = decode_windows(max_seq_len)
+        self.spans = {w: torch.arange(w, device=device) for w in self.windows}
+        self.next_pos = 0  # the position the next step writes, mirrored on the host to pick a window
+        self.capturable = device.startswith("cuda") and getattr(package, "graph_safe", True)
+        self.graphs: dict[int, Any] = {}
+        self._pool: Any = None
+        self.pdl = pdl_on or {"on": False, "why": "not asked for"}
+        self.pdl_report: dict[str, Any] = dict(self.pdl)
+
+    def window_for(self, pos: int) -> int:
+        for w in self.windows:
+            if w > pos:
+                return w
+        raise InputError(f"decode position {pos} is past the engine's max_seq_len {self.windows[-1]}")
+
+    def prepare(self, first: int, last: int) -> None:
+        """Capture the graphs of the windows that positions first..last-1 will decode in, if not yet
+        captured: a generation captures only what it needs (a restart's first token, no decode step,
+        captures nothing; on the H200 all six windows of a bucket took ~0.4 s to capture). Only
+        before a prefill: the warm-up steps write cache slot 0 and `out`, which the prompt overwrites."""
+        if not self.capturable:
+            return
+        need = [w for w in windows_between(self.windows, first, last) if w not in self.graphs]
+        if need:
+            self._capture(need)
+
+    def _step(self, window: int) -> None:
+        nxt = self.package(self.tok, self.pos, self.spans[window])  # (B, 1) greedy token ids
+        self.out.index_copy_(1, self.pos, nxt)
+        self.tok.copy_(nxt)
+        self.pos.add_(1)
+
+    def _capture(self, windows: list[int]) -> None:
+        import torch
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        # The first calls allocate and load kernels: keep that out of the graphs (twice, the first time).
+        warmups = windows if self.graphs else [windows[0], *windows]
+        with torch.cuda.stream(stream), torch.no_grad():
+            for w in warmups:
+                self.pos.zero_()
+                self._step(w)
+        torch.cuda.current_stream().wait_stream(stream)
+        for w in windows:
+            self.graphs[w] = self._capture_one(w)
+        sync(self.device)
+
+    def _capture_one(self, window: int) -> Any:
+        import torch
+
+        # keep_graph: a PDL graph is edited (its edges) before it is instantiated
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if self.pdl["on"] else torch.cuda.CUDAGraph()
+        self.pos.zero_()
+        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+            self._step(window)
+        self._pool = graph.pool()
+        if self.pdl["on"]:
+            from trtbuild.backends import pdl
+
+            try:
+                self.pdl_report = self.pdl | pdl.overlap(graph.raw_cuda_graph(), self.pdl["inductor"],
+                                                         trtbuild_wait=self.pdl["trtbuild"])
+            except OSError as e:  # a driver that refuses the edit: this graph may be half edited, so capture anew
+                self.pdl = self.pdl_report = {"on": False, "why": f"the driver refused the PDL edges: {e}"}
+                return self._capture_one(window)
+            graph.instantiate()
+        return graph
+
+    def start(self, first: Any, prompt_len: int) -> None:
+        """Seed the loop with prefill's token for position prompt_len - 1."""
+        self.tok.copy_(first[:, None])
+        self.pos.fill_(prompt_len - 1)
+        self.out.index_copy_(1, self.pos, self.tok)
+        self.pos.fill_(prompt_len)
+        self.next_pos = prompt_len
+
+    def step(self) -> None:
+        window = self.window_for(self.next_pos)
+        graph = self.graphs.get(window)
+        if graph is not None:
+            graph.replay()
+        else:  # the CPU, or a window not prepared (correct, only slower)
+            self._step(window)
+        self.next_pos += 1
