@@ -142,9 +142,11 @@ def test_the_prefill_row_names_the_roof_that_binds_it(monkeypatch: pytest.Monkey
                  "path": "p"}, "shape": {"batch_size": 1, "input_len": 128, "output_len": 2}, "output_ids": [],
                  "phases": {"lookup_s": 0.0, "build_s": 0.0, "load_s": 0.1, "warmup_s": 0.1, "end_to_end_s": 0.5},
                  "ttft_ms": 5.9, "tpot_ms": {"p50": 4.1, "p90": 4.2, "p99": 4.3}, "tokens_per_s": 240.0,
-                 "roofline": roof})
+                 "roofline": roof, "prefill_launch": {"on": True, "replayed": True, "padded": {"prompt": 100, "graph": 128},
+                                                      "shapes": [[1, 128]], "limit": 4, "captures_reserved_mib": 12.0}})
     out = capsys.readouterr().out
     assert "2542.4 GB/s (53.0% of peak) · memory-bound" in out
+    assert "replayed (100 tokens padded to 128 rows; graphs kept: 1, their captures reserved 12.0 MiB)" in out
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -200,6 +202,22 @@ def test_batch_padded_to_a_bucket_and_sliced_prompts_stay_correct(built: dict[st
         assert engine.bucket_for(1) == 1 and engine.bucket_for(2) == 2
         got = session.generate(prompts, 12)
     assert got == eager_greedy(_folder(built["recipe"], built["store"]), prompts, 12, 48)
+
+
+def test_the_compiled_prefill_gives_a_padded_prompt_its_own_first_token(built: dict[str, Any]) -> None:
+    """What a captured prefill graph hands the package (prefill_graphs.py): the prompt padded to 16 rows,
+    the padding at position max_seq_len - 1. The compiled graph answers the unpadded prompt's token."""
+    import torch
+
+    recipe = load_recipe(built["recipe"])
+    with open_session(recipe, built["store"], build=False) as session:
+        package = session.engine._packages["prefill"]
+        for t in (5, 11):
+            prompt = torch.tensor([[(7 * i + 3) % 128 for i in range(t)], [(5 * i + 1) % 128 for i in range(t)]])
+            want = package(prompt, torch.arange(t)).clone()
+            padded = torch.cat([prompt, torch.full((2, 16 - t), 9)], dim=1)
+            positions = torch.cat([torch.arange(t), torch.full((16 - t,), 47)])
+            assert torch.equal(package(padded, positions), want)
 
 
 def test_python_api_opens_a_prebuilt_engine_without_building(built: dict[str, Any]) -> None:

@@ -41,26 +41,30 @@ def test_cuda_engine_matches_eager_and_replays_decode_in_a_cuda_graph(tmp_path: 
     assert report["device"].startswith("cuda") and report["tpot_ms"]["p50"] > 0
 
 
-def test_prefill_graphs_replay_the_prefill_and_give_the_tokens_of_the_direct_call(
+def test_prefill_graphs_replay_padded_prompts_and_give_the_tokens_of_the_direct_call(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRTBUILD_PREFILL_GRAPHS=2 (fp32): each (bucket, prompt length) is captured before its first prefill,
-    replayed after, and gives the eager model's tokens, new prompts of a captured shape included (their
-    tokens are copied into the graph's input); a third shape drops the least recently used graph."""
+    """TRTBUILD_PREFILL_GRAPHS=2 (fp32): prompts are padded to the graphs' lengths (8 and 5 tokens share the
+    16-row graph, 20 tokens take the 32-row one), each (bucket, length) is captured before its first prefill
+    and replayed after, and every prompt, padded ones included, gets the eager model's tokens; a third
+    shape drops the least recently used graph."""
     monkeypatch.setenv("TRTBUILD_PREFILL_GRAPHS", "2")
-    doc = tiny_recipe_doc(shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
+    doc = tiny_recipe_doc(shapes={"max_batch_size": 2, "max_input_len": 40, "max_seq_len": 64, "batch_buckets": [1, 2]})
     recipe = load_recipe(write_recipe(tmp_path, doc))
     outcome = build(recipe, tmp_path / "store")
     a, b, c = [[3, 1, 4, 1, 5, 9, 2, 6]], [[2, 7, 1, 8, 2, 8, 1, 8]], [[1, 2, 3, 4, 5]]
+    d = [[(7 * i + 3) % 128 for i in range(20)]]
+    prompts = (a, b, c, d, a)
     with open_session(recipe, tmp_path / "store", build=False) as session:
         engine = session.engine
-        got = [session.generate(p, 6) for p in (a, b, c, a)]
-        assert engine.prefill_report()["replayed"] is True
-        assert engine.prefill_report()["shapes"] == [[1, 5], [1, 8]]  # (1, 8) used last
+        got = [session.generate(p, 6) for p in prompts]
+        assert engine.prefill_report()["padded"] == {"prompt": 8, "graph": 16}
+        assert engine.prefill_report()["shapes"] == [[1, 32], [1, 16]]  # (1, 16) used last
+        assert engine.prefill_report()["captures_reserved_mib"] >= 0
         report = run_report(session, batch_size=2, input_len=8, output_len=4, iterations=2)
     assert report["prefill_launch"]["replayed"] is True
-    assert report["prefill_launch"]["shapes"] == [[1, 8], [2, 8]]  # (1, 5) dropped
-    for prompt, tokens in zip((a, b, c, a), got, strict=True):
-        assert tokens == eager_greedy(outcome.model.materialize(), prompt, 6, 48, device="cuda")
+    assert report["prefill_launch"]["shapes"] == [[1, 16], [2, 16]]  # (1, 32) dropped
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == eager_greedy(outcome.model.materialize(), prompt, 6, 64, device="cuda")
 
 
 def test_cuda_tactics_max_records_each_gemm_selection_quietly_and_matches_eager(

@@ -129,16 +129,22 @@ def test_greedy_decode_matches_full_recompute(pair: tuple[Any, Path], from_start
         last = ours(nxt, torch.tensor([pos]), span=torch.arange(pos + 1) if windowed else None)
 
 
+@pytest.mark.parametrize("pad", [0, 7])
 @torch.no_grad()
-def test_decode_matches_hf_kv_cache_generation(pair: tuple[Any, Path]) -> None:
+def test_decode_matches_hf_kv_cache_generation(pair: tuple[Any, Path], pad: int) -> None:
+    """`pad`: the prompt handed over the way a captured prefill graph pads it (prefill_graphs.py): rows of
+    any token after it at position max_seq_len - 1. Its first token and the decode after it stay HF's: the
+    model takes the prompt's last row (llama.prompt_end), and the padding's cache writes land where no step reads."""
     hf, folder = pair
     ours = ours_from_folder(folder)
     tokens = prompts()
+    padding = torch.randint(0, 128, (BATCH, pad), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(PROMPT_LEN), torch.full((pad,), MAX_SEQ_LEN - 1)])
     out = hf.generate(input_ids=tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=DECODE_STEPS,
                       min_new_tokens=DECODE_STEPS, do_sample=False, output_logits=True, return_dict_in_generate=True,
                       pad_token_id=0)
     seq = out.sequences
-    last = ours(tokens, torch.arange(PROMPT_LEN), from_start=True)
+    last = ours(torch.cat([tokens, padding], dim=1), positions, from_start=True)
     for step, want in enumerate(out.logits):
         torch.testing.assert_close(last, want, atol=ATOL, rtol=RTOL, msg=lambda m, step=step: f"decode step {step}: {m}")
         pos = PROMPT_LEN + step

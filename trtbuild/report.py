@@ -37,8 +37,13 @@ def print_table(rep: dict[str, Any]) -> None:
             note += f" · {roof['prefill_bound']}-bound"
     table.add_row("prefill (TTFT)", f"{rep['ttft_ms']:.2f} ms", note)
     if pl := rep.get("prefill_launch"):
-        table.add_row("  prefill launch", "", "one captured graph, replayed" if pl.get("replayed") else
-                      f"kernel by kernel from the host ({pl.get('why', 'no graph for this shape')})")
+        if pl.get("replayed"):
+            pad = pl.get("padded") or {}
+            how = (f"one captured graph, replayed ({pad.get('prompt')} tokens padded to {pad.get('graph')} rows; "
+                   f"graphs kept: {len(pl.get('shapes', []))}, their captures reserved {pl.get('captures_reserved_mib')} MiB)")
+        else:
+            how = f"kernel by kernel from the host ({pl.get('why', 'no graph for this length')})"
+        table.add_row("  prefill launch", "", how)
     t = rep["tpot_ms"]
     note = f"p90 {t['p90']:.3f} · p99 {t['p99']:.3f} ms · {rep['tokens_per_s']:.1f} tok/s"
     if "decode_bandwidth_Bps" in roof:

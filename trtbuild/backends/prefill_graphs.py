@@ -5,14 +5,23 @@ the 1B engine took 2.8 ms for it against a 0.84 ms floor (RESULTS.md, twenty-fif
 and on the H200 1.66 ms against ~0.6. A 1B layer's weights arrive in ~20 us, while the host launches
 its dozen kernels one by one through AOTInductor's runner: the GPU waits on the host. The decode steps
 never had that wait (each is one graph replay, decode_graphs.DecodeGraphs); this gives the prefill the
-same, one graph per (batch bucket, prompt length), since a graph holds its shapes.
+same. A graph holds its shapes, so prompts are padded up to a few lengths (`graph_length`: 16, 32, 64,
+then multiples of 64) and one graph serves each (batch bucket, length): a server's prompts of every
+length then share a few graphs instead of each new length paying a capture. Padding costs little: under
+~200 tokens (1B and 8B on the H200) a prefill is bound by reading the weights, which padding does not
+change, and above that at most 63 rows are added. The padding's rows sit at position max_seq_len - 1,
+where the model ignores them (llama.prompt_end says why that is exact); the prompt's own rows compute
+as they would alone, though a different row count can round a bf16 matmul differently (a near-tie in
+the first token may then go the other way, as between batch sizes).
 
 Off by default (`TRTBUILD_PREFILL_GRAPHS=N` keeps up to N graphs, least recently used dropped first):
-so far it has run on an H100 only with the test models (its GPU test passed, and a tiny model's prefill
-took 56-64% less time, RESULTS.md call 73), not at 1B or 8B; each graph keeps its memory, and a failed
-capture poisons the process (shared/reference's H200 notes). Each graph is captured before the
-prefill it serves, outside the timed interval, as the decode graphs are (`prepare`); a shape met for
-the first time pays one extra prefill and the capture there.
+its exact-length form (one graph per prompt length, before padding) has run on an H100 only, with the
+test models (its GPU test passed, and a tiny model's prefill took 56-64% less time, RESULTS.md call 73);
+the padded form has not run on a GPU yet, nor either at 1B or 8B; each graph keeps memory (the report gives
+what the captures added to torch's reserved memory), and a failed capture poisons the process
+(shared/reference's H200 notes). Each graph is captured before the prefill it serves, outside the timed
+interval, as the decode graphs are (`prepare`); a length met for the first time pays one extra prefill
+and the capture there.
 """
 
 from __future__ import annotations
@@ -25,27 +34,39 @@ from typing import Any
 from trtbuild.errors import InputError
 from trtbuild.timing import sync
 
+PAD_STEP = 64  # above 64 tokens, prompts are padded to a multiple of this
+
+
+def graph_length(t: int, longest: int) -> int:
+    """The length a prompt of t tokens is padded to: 16, 32, 64, then the next multiple of 64, and never
+    past `longest` (the prefill's max_input_len, and at most max_seq_len - 1: see llama.prompt_end)."""
+    return max(t, min(longest, next((n for n in (16, 32, 64) if t <= n), -(-t // PAD_STEP) * PAD_STEP)))
+
 
 @dataclass
 class _Captured:
     graph: Any  # torch.cuda.CUDAGraph
-    tokens: Any  # the static input the replay reads: each prompt is copied in first
-    positions: Any  # 0..t-1, kept alive here: the graph reads it at its address
+    tokens: Any  # the static input the replay reads: each prompt is copied into its first columns
+    positions: Any  # 0..t-1, then the padding's position; the graph reads it at its address
+    filled: int  # the prompt length `positions` holds now
     out: Any  # the static output the replay writes (greedy token ids)
 
 
 class PrefillGraphs:
-    """The prefill package, called directly or through a captured graph of the call's shape."""
+    """The prefill package, called directly or through a captured graph of the call's padded shape."""
 
-    def __init__(self, package: Any, device: str, limit: int) -> None:
+    def __init__(self, package: Any, device: str, limit: int, max_input_len: int, max_seq_len: int) -> None:
         self.package, self.device, self.limit = package, device, limit
+        self.longest = min(max_input_len, max_seq_len - 1)  # padding rows' indices stay below their position
+        self.pad_position = max_seq_len - 1
         # run_single_threaded packages only (torch_runtime._Model.graph_safe): others fail capture
         self.capturable = limit > 0 and device.startswith("cuda") and getattr(package, "graph_safe", True)
         self.graphs: OrderedDict[tuple[int, int], _Captured] = OrderedDict()
         # One memory pool for every prefill graph: they never run at the same time, and what a replay leaves
         # behind (its `out`, perhaps where another graph keeps its scratch) is read before the next prefill.
         self._pool: Any = None
-        self.last_replayed = False
+        self.reserved_bytes = 0  # what the captures (and their warm-up calls) added to torch's reserved memory
+        self.last: tuple[int, int] | None = None  # (prompt length, graph length) of the last replay
 
     def report(self) -> dict[str, Any]:
         """For the run report: whether the prefill replays a graph, and why not where it does not."""
@@ -54,43 +75,64 @@ class PrefillGraphs:
                    "no CUDA device" if not self.device.startswith("cuda") else
                    "the package was not loaded single-threaded")
             return {"on": False, "why": why}
-        return {"on": True, "replayed": self.last_replayed, "shapes": [list(k) for k in self.graphs],
-                "limit": self.limit}
+        return {"on": True, "replayed": self.last is not None,
+                "padded": None if self.last is None else {"prompt": self.last[0], "graph": self.last[1]},
+                "shapes": [list(k) for k in self.graphs], "limit": self.limit,
+                "captures_reserved_mib": round(self.reserved_bytes / 2**20, 1)}
+
+    def _key(self, tokens: Any) -> tuple[int, int]:
+        return tokens.shape[0], graph_length(tokens.shape[1], self.longest)
 
     def prepare(self, tokens: Any, positions: Any) -> None:
-        """Capture the graph for this shape if there is none; before the timed prefill. The warm-up call and
-        the capture write the cache's first len(positions) slots, which the prefill then overwrites."""
+        """Capture the graph for this prompt's padded shape if there is none; before the timed prefill. The
+        warm-up call and the capture write the cache's first slots, which the prefill then overwrites."""
         if not self.capturable:
             return
-        key = tuple(tokens.shape)
+        key = self._key(tokens)
         if key in self.graphs:
             self.graphs.move_to_end(key)
             return
         import torch
 
-        static, pos = tokens.clone(), positions.clone()
+        before = torch.cuda.memory_reserved(self.device)
+        static = tokens.new_zeros(key)
+        pos = torch.full((key[1],), self.pad_position, dtype=positions.dtype, device=positions.device)
+        captured = _Captured(None, static, pos, -1, None)
+        self._fill(captured, tokens, positions)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():  # allocations and kernel loads stay out of the graph
             self.package(static, pos)
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-            out = self.package(static, pos)
-        self._pool = graph.pool()
+        captured.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured.graph, pool=self._pool), torch.no_grad():
+            captured.out = self.package(static, pos)
+        self._pool = captured.graph.pool()
         sync(self.device)
-        self.graphs[key] = _Captured(graph, static, pos, out)
+        self.reserved_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+        self.graphs[key] = captured
         while len(self.graphs) > self.limit:
             self.graphs.popitem(last=False)
 
+    def _fill(self, captured: _Captured, tokens: Any, positions: Any) -> None:
+        """Copy the prompt into the graph's input; its positions only where the prompt length changed
+        (padding rows keep whatever tokens were there: they are ignored, and any id is in range)."""
+        t = tokens.shape[1]
+        captured.tokens[:, :t].copy_(tokens)
+        if captured.filled != t:
+            captured.positions[:t].copy_(positions)
+            captured.positions[t:].fill_(self.pad_position)
+            captured.filled = t
+
     def __call__(self, tokens: Any, positions: Any) -> Any:
-        """The prefill's greedy tokens: a replay where `prepare` captured this shape, else a direct call.
-        Positions are always 0..t-1 (generate's), so the graph's own copy of them serves."""
-        captured = self.graphs.get(tuple(tokens.shape))
-        self.last_replayed = captured is not None
+        """The prefill's greedy tokens: a replay where `prepare` captured this padded shape, else a direct
+        call with the prompt as it is. Positions are always 0..t-1 (generate's)."""
+        key = self._key(tokens)
+        captured = self.graphs.get(key)
+        self.last = None if captured is None else (tokens.shape[1], key[1])
         if captured is None:
             return self.package(tokens, positions)
-        captured.tokens.copy_(tokens)
+        self._fill(captured, tokens, positions)
         captured.graph.replay()
         return captured.out
 

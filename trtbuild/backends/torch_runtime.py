@@ -143,7 +143,8 @@ class TorchEngine:
         decoder = self._decoder(bucket)
         decoder.prepare(t, t + max_new_tokens - 1)  # graph capture, before the prefill and untimed
         if self._prefill is None:
-            self._prefill = PrefillGraphs(self._packages["prefill"], self.device, self.prefill_graph_limit)
+            self._prefill = PrefillGraphs(self._packages["prefill"], self.device, self.prefill_graph_limit,
+                                          s["max_input_len"], s["max_seq_len"])
         self._prefill.prepare(tokens, positions)  # the same for the prefill's graph, where asked for
         clock = StepClock(self.device)
         with torch.no_grad():

@@ -371,7 +371,22 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, self.rope, table, input_pos, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), from_start,
                       span)
-        return self.output(x if all_logits else x[:, -1], norm=self.norm)
+        if all_logits:
+            return self.output(x, norm=self.norm)
+        if from_start:  # a decode step's graph stays as it was: its compiled form is keyed by its program
+            x = x.index_select(1, prompt_end(input_pos) - 1)
+        return self.output(x[:, -1], norm=self.norm)
+
+
+def prompt_end(input_pos: Tensor) -> Tensor:
+    """(1,): how many of the T rows handed to a prefill are the prompt's, so that a captured prefill graph
+    of T tokens can serve a shorter prompt padded to T (backends/prefill_graphs.py). The prompt's rows sit
+    at positions 0..t-1 and the padding after them at max_seq_len - 1. Then the padding writes only cache
+    slot max_seq_len - 1, which no decode step reads before writing it itself (a step at position p reads
+    slots 0..p); the causal prompt attention keeps every prompt row blind to the padding after it; and the
+    prompt's rows are exactly those whose position is their index (a padded graph has at most
+    max_seq_len - 1 rows, so no padding row's index reaches its position). Unpadded, this is T."""
+    return (input_pos == torch.arange(input_pos.shape[0], device=input_pos.device)).sum().reshape(1)
 
 
 class Step(nn.Module):
