@@ -142,7 +142,7 @@ def test_the_prefill_row_names_the_roof_that_binds_it(monkeypatch: pytest.Monkey
                  "path": "p"}, "shape": {"batch_size": 1, "input_len": 128, "output_len": 2}, "output_ids": [],
                  "phases": {"lookup_s": 0.0, "build_s": 0.0, "load_s": 0.1, "warmup_s": 0.1, "end_to_end_s": 0.5},
                  "ttft_ms": 5.9, "tpot_ms": {"p50": 4.1, "p90": 4.2, "p99": 4.3}, "tokens_per_s": 240.0,
-                 "roofline": roof, "prefill_launch": {"on": True, "replayed": True, "padded": {"prompt": 100, "graph": 128},
+                 "roofline": roof, "prefill_launch": {"on": True, "replayed": True, "lengths": {"prompt": 100, "graph": 128},
                                                       "shapes": [[1, 128]], "limit": 4, "captures_reserved_mib": 12.0}})
     out = capsys.readouterr().out
     assert "2542.4 GB/s (53.0% of peak) · memory-bound" in out

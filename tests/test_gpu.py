@@ -57,7 +57,7 @@ def test_prefill_graphs_replay_padded_prompts_and_give_the_tokens_of_the_direct_
     with open_session(recipe, tmp_path / "store", build=False) as session:
         engine = session.engine
         got = [session.generate(p, 6) for p in prompts]
-        assert engine.prefill_report()["padded"] == {"prompt": 8, "graph": 16}
+        assert engine.prefill_report()["lengths"] == {"prompt": 8, "graph": 16}
         assert engine.prefill_report()["shapes"] == [[1, 32], [1, 16]]  # (1, 16) used last
         assert engine.prefill_report()["captures_reserved_mib"] >= 0
         report = run_report(session, batch_size=2, input_len=8, output_len=4, iterations=2)

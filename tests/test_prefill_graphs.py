@@ -96,13 +96,13 @@ def test_a_replay_reads_each_new_prompt_and_keeps_the_most_recent_shapes(fake_cu
     package = _Package()
     graphs = PrefillGraphs(package, "cuda:0", limit=2, max_input_len=100, max_seq_len=200)
     assert _run(graphs, [[1, 2, 3]]) == [6] and package.direct_calls == 1  # the warm-up call before the capture
-    assert graphs.report()["padded"] == {"prompt": 3, "graph": 16}
+    assert graphs.report()["lengths"] == {"prompt": 3, "graph": 16}
     assert _run(graphs, [[1, 2, 7]]) == [10] and package.direct_calls == 1  # same shape: the prompt copied in
     assert _run(graphs, [[1, 2, 3, 4, 5]]) == [10] and package.direct_calls == 1  # padded into the same graph
     assert _run(graphs, [[9, 9, 9]]) == [12]  # positions rewritten for the shorter prompt again
     assert _run(graphs, [[4, 5], [6, 8]]) == [7, 10]
     assert _run(graphs, [list(range(40))]) == [39 + 40]  # a new length: (1, 64); (1, 16) is the oldest
-    assert graphs.report() == {"on": True, "replayed": True, "padded": {"prompt": 40, "graph": 64},
+    assert graphs.report() == {"on": True, "replayed": True, "lengths": {"prompt": 40, "graph": 64},
                                "shapes": [[2, 16], [1, 64]], "limit": 2, "captures_reserved_mib": 3.0}
     assert package.direct_calls == 3  # one warm-up per capture, every prefill itself a replay
 

@@ -38,9 +38,11 @@ def print_table(rep: dict[str, Any]) -> None:
     table.add_row("prefill (TTFT)", f"{rep['ttft_ms']:.2f} ms", note)
     if pl := rep.get("prefill_launch"):
         if pl.get("replayed"):
-            pad = pl.get("padded") or {}
-            how = (f"one captured graph, replayed ({pad.get('prompt')} tokens padded to {pad.get('graph')} rows; "
-                   f"graphs kept: {len(pl.get('shapes', []))}, their captures reserved {pl.get('captures_reserved_mib')} MiB)")
+            n = pl.get("lengths") or {}
+            padding = (f"{n.get('prompt')} tokens, the graph's own length" if n.get("prompt") == n.get("graph") else
+                       f"{n.get('prompt')} tokens padded to {n.get('graph')} rows")
+            how = (f"one captured graph, replayed ({padding}; graphs kept: {len(pl.get('shapes', []))}, "
+                   f"their captures reserved {pl.get('captures_reserved_mib')} MiB)")
         else:
             how = f"kernel by kernel from the host ({pl.get('why', 'no graph for this length')})"
         table.add_row("  prefill launch", "", how)

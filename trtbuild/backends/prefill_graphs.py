@@ -76,7 +76,7 @@ class PrefillGraphs:
                    "the package was not loaded single-threaded")
             return {"on": False, "why": why}
         return {"on": True, "replayed": self.last is not None,
-                "padded": None if self.last is None else {"prompt": self.last[0], "graph": self.last[1]},
+                "lengths": None if self.last is None else {"prompt": self.last[0], "graph": self.last[1]},
                 "shapes": [list(k) for k in self.graphs], "limit": self.limit,
                 "captures_reserved_mib": round(self.reserved_bytes / 2**20, 1)}
 
