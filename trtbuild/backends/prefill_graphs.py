@@ -40,7 +40,8 @@ PAD_STEP = 64  # above 64 tokens, prompts are padded to a multiple of this
 def graph_length(t: int, longest: int) -> int:
     """The length a prompt of t tokens is padded to: 16, 32, 64, then the next multiple of 64, and never
     past `longest` (the prefill's max_input_len, and at most max_seq_len - 1: see llama.prompt_end)."""
-    return max(t, min(longest, next((n for n in (16, 32, 64) if t <= n), -(-t // PAD_STEP) * PAD_STEP)))
+    padded = next((n for n in (16, 32, 64) if t <= n), -(-t // PAD_STEP) * PAD_STEP)
+    return max(t, min(longest, padded))
 
 
 @dataclass
@@ -95,8 +96,7 @@ class PrefillGraphs:
         import torch
 
         before = torch.cuda.memory_reserved(self.device)
-        static = tokens.new_zeros(key)
-        pos = torch.full((key[1],), self.pad_position, dtype=positions.dtype, device=positions.device)
+        static, pos = tokens.new_zeros(key), positions.new_empty(key[1])  # pos: all of it written by _fill
         captured = _Captured(None, static, pos, -1, None)
         self._fill(captured, tokens, positions)
         stream = torch.cuda.Stream()
