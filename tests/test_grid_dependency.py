@@ -5,6 +5,7 @@ on the compiled IR. Needs Triton (torch's CUDA wheels bring it; the CPU wheel do
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,16 +49,16 @@ def matmul_args(pdl: bool) -> dict[str, Any]:
                 GATE=False, RESIDUAL=False, PDL=pdl, SPLIT=1, K_SLICE=0)
 
 
-def attention_args(pdl: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def attention_args(pdl: bool, early: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     bf = torch.bfloat16
     kc, pos = torch.zeros(1, 2, 48, 16, dtype=bf), torch.zeros(1, dtype=torch.long)
     o, ml = torch.zeros(2, 4, 16, 16), torch.zeros(2, 4, 16, 2)
     partial = dict(q_ptr=torch.zeros(1, 1, 128, dtype=bf), rope_ptr=torch.zeros(48, 8, 2), k_ptr=kc, v_ptr=kc.clone(),
                    pos_ptr=pos, o_ptr=o, ml_ptr=ml, KV=2, stride_qb=128, stride_qh=16, stride_kb=1536, stride_kh=768,
                    stride_ks=16, stride_vb=1536, stride_vh=768, stride_vs=16, REP=2, BLOCK_R=16, D=16, BLOCK_S=32,
-                   SPLITS=4, SCALE=0.25, ROPE=True, PDL=pdl)
+                   SPLITS=4, SCALE=0.25, ROPE=True, PDL=pdl, EARLY=early)
     merge = dict(o_ptr=o, ml_ptr=ml, y_ptr=torch.zeros(1, 1, 4, 16, dtype=bf), pos_ptr=pos, KV=2, stride_yb=64,
-                 stride_yh=16, REP=2, BLOCK_R=16, D=16, SPLITS=4, BLOCK_S=32, PDL=pdl)
+                 stride_yh=16, REP=2, BLOCK_R=16, D=16, SPLITS=4, BLOCK_S=32, PDL=pdl, EARLY=early)
     return partial, merge
 
 
@@ -95,6 +96,47 @@ def ptx(kernel: Any, kwargs: dict[str, Any]) -> list[str]:
              if not n.isupper() and (isinstance(v, torch.Tensor) or v % 16 == 0) and v is not None}
     compiled = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32))
     return [line.strip() for line in compiled.asm["ptx"].splitlines()]
+
+
+WAIT = -1
+
+
+def accesses(lines: list[str], kernel: str) -> list[tuple[int, str, set[int]]]:
+    """(line, op, the kernel's parameters its operands derive from) for each global load and store of the
+    PTX: a data-flow pass over the registers, repeated until nothing changes (loops carry values back).
+    The PDL wait's zero (grid_dependency.wait_for_predecessor) counts as parameter WAIT."""
+    reg = re.compile(r"%[a-z]+[0-9]+")
+    param = re.compile(rf"\[{kernel}_param_([0-9]+)\]")
+    parsed: list[tuple[int, str, list[str], list[str], set[int]]] = []
+    for i, line in enumerate(lines):
+        body = re.sub(r"^@!?%p[0-9]+\s+", "", line).rstrip(";")
+        if not body or body[0] in "./${}":
+            continue
+        op, _, rest = body.partition(" ") if " " in body else body.partition("\t")
+        rest = rest.strip()
+        if op.startswith("griddepcontrol.wait"):  # "griddepcontrol.wait; mov.u32 %rN, 0;"
+            parsed.append((i, op, reg.findall(rest), [], {WAIT}))
+            continue
+        if op.startswith(("st.", "cp.async", "bar", "bra", "red.", "griddepcontrol", "ret")):
+            dst, src = "", rest
+        elif rest.startswith("{"):
+            dst, _, src = rest.partition("}")
+        else:
+            dst, _, src = rest.partition(",")
+        parsed.append((i, op, reg.findall(dst), reg.findall(src), {int(n) for n in param.findall(src)}))
+    deps: dict[str, set[int]] = collections.defaultdict(set)
+    changed = True
+    while changed:
+        changed = False
+        for _, _, dsts, srcs, params in parsed:
+            new = set(params).union(*(deps[r] for r in srcs))
+            for d in dsts:
+                if not new <= deps[d]:
+                    deps[d] |= new
+                    changed = True
+    # every register of the line: the address, and a store's value and predicate (each ties it down as well)
+    return [(i, op, set().union(*(deps[r] for r in reg.findall(lines[i]))))
+            for i, op, _, _, _ in parsed if op.startswith(("ld.global", "st.global"))]
 
 
 def memory_ops(lines: list[str]) -> collections.Counter[str]:
@@ -166,3 +208,35 @@ def test_the_chain_probes_kernels_compile_for_hopper_with_their_waits_and_barrie
     spin = [i for i, line in enumerate(between) if "ld.global.gpu.acquire" in line]
     assert arrive and fetch and spin and min(arrive) < min(fetch) and max(fetch) < min(spin)
     assert memory_ops(between) == memory_ops(barrier.splitlines())
+
+
+@pytest.mark.parametrize("kernel_name", ["_decode_attention_partial", "_decode_attention_merge"])
+def test_reading_early_moves_only_what_no_kernel_of_the_step_writes_before_the_wait(hopper_target: None,
+                                                                                     kernel_name: str) -> None:
+    """options.decode_attention kernel-early: before its wait a launch reads only the position, the rope
+    table and the cache (slots written by earlier steps), and writes nothing; every read of what the
+    predecessor writes (the QKV output, the partials) and every store comes after it."""
+    from trtbuild.models import decode_attention as da
+
+    kernel = getattr(da, kernel_name)
+    args = dict(zip(("_decode_attention_partial", "_decode_attention_merge"), attention_args(True, early=True),
+                    strict=True))[kernel_name]
+    # the PTX parameters: the arguments that are not compile-time constants, in order (then Triton's own)
+    names = [n for n in kernel.arg_names if not n.isupper()]
+    lines = ptx(kernel, args)
+    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
+    found = [(i, op, {"wait" if n == WAIT else names[n] for n in params
+                      if n == WAIT or n < len(names) and names[n].endswith("_ptr")})
+             for i, op, params in accesses(lines, kernel_name)]
+    early = [(op, params) for i, op, params in found if i < wait]
+    assert early and all(op.startswith("ld.") and "wait" not in params for op, params in early)
+    assert set().union(*(params for _, params in early)) == (
+        {"pos_ptr", "rope_ptr", "k_ptr", "v_ptr"} if kernel_name.endswith("partial") else {"pos_ptr"})
+    late = {"q_ptr", "o_ptr", "ml_ptr", "y_ptr"}
+    assert {"o_ptr", "ml_ptr"} <= set().union(*(params for _, _, params in found))  # the pass sees them
+    # after the wait in the code and tied to it by data, so no compiler may move them above it
+    assert all(i > wait and "wait" in params for i, op, params in found if params & late or op.startswith("st."))
+    # the same kernel without kernel-early: every access after the wait and tied to it
+    plain = ptx(kernel, args | {"EARLY": False})
+    plain_wait = next(i for i, line in enumerate(plain) if line.startswith("griddepcontrol.wait"))
+    assert all(i > plain_wait and WAIT in params for i, _, params in accesses(plain, kernel_name))
