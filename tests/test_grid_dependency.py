@@ -150,6 +150,12 @@ def test_the_wait_leaves_what_inductor_sees_each_kernel_write_unchanged(hopper_t
     for (kernel, plain), (_, waiting) in zip(kernels(False), kernels(True), strict=True):
         assert written(kernel, waiting) == written(kernel, plain), kernel.__name__
     assert written(*kernels(True)[0]) == ["y_ptr"]
+    # options.decode_attention kernel-early: its wait after the first reads, the same writes seen
+    from trtbuild.models import decode_attention as da
+
+    for kernel, early, plain in zip((da._decode_attention_partial, da._decode_attention_merge),
+                                    attention_args(True, early=True), attention_args(False), strict=True):
+        assert written(kernel, early) == written(kernel, plain), kernel.__name__
 
 
 def test_the_wait_comes_before_every_memory_access_and_keeps_the_vector_loads(hopper_target: None) -> None:
