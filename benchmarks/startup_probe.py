@@ -146,7 +146,11 @@ def probe(repeats: int, native: bool, device: str) -> dict[str, Any]:
     if native:
         with tempfile.TemporaryDirectory() as work:
             t = time.perf_counter()
-            exe = build_native(Path(work), pkg, lib, cuda)
+            try:
+                exe = build_native(Path(work), pkg, lib, cuda)
+            except (subprocess.CalledProcessError, SystemExit) as e:  # the rows above still count
+                out["native_error"] = str(getattr(e, "stderr", "") or e)[-2000:]
+                return out
             out["native_build_s"] = time.perf_counter() - t
             runs = [wall([str(exe), device]) for _ in range(repeats)]
             rows[f"C++ linked to libtorch, one {device} tensor"] = statistics.median(s for s, _ in runs)
@@ -164,6 +168,8 @@ def table(out: dict[str, Any]) -> str:
     imp = out["importtime"]
     lines.append(f"importtime: {imp['modules']} modules, {imp['self_s_total']:.2f} s in themselves; slowest: "
                  + ", ".join(f"{r['module']} {r['self_s']:.2f}" for r in imp["slowest"][:5]))
+    if "native_error" in out:
+        lines.append(f"C++ program: not built: {(out['native_error'].strip().splitlines() or ['?'])[-1]}")
     if "native_first_tensor_s" in out:
         lines.append(f"C++ program: built in {out['native_build_s']:.0f} s; main() to its first tensor "
                      f"{out['native_first_tensor_s']:.3f} s (the rest of its row is loading the libraries)")
