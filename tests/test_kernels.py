@@ -359,8 +359,8 @@ def test_the_attention_probes_chain_runs_matmul_then_attention_each_way_under_th
         before = [c.clone() for layer in caches for c in layer]
         calls()
         ran.append([c.clone() for layer in caches for c in layer])
-        for layer, (k, v) in zip(caches, zip(before[::2], before[1::2], strict=True), strict=True):
-            layer[0].copy_(k), layer[1].copy_(v)  # each chain starts from the same caches
+        for cache, saved in zip((c for layer in caches for c in layer), before, strict=True):
+            cache.copy_(saved)  # each chain starts from the same caches
         return 1.0
 
     monkeypatch.setattr(attention_probe, "graph_seconds", fake_graph_seconds)
