@@ -216,8 +216,8 @@ class Attention(nn.Module):
         if self.decode_kernel in ("kernel", "kernel-early"):
             from trtbuild.models import decode_attention  # needs Triton: CUDA builds only
 
-            op = decode_attention.decode_attention_rope_early_op if self.decode_kernel == "kernel-early" else \
-                decode_attention.decode_attention_rope_op
+            op = (decode_attention.decode_attention_rope_early_op if self.decode_kernel == "kernel-early"
+                  else decode_attention.decode_attention_rope_op)
             y = op(qkv, rope, k_cache, v_cache, pos, c.num_heads)
             return self.wo(y.reshape(b, t, q_size), residual=residual)
         q_rows, k, v = rope_and_store(qkv, table, pos, k_cache, v_cache, c)
