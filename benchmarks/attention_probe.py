@@ -37,14 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import probe_report  # noqa: E402  (a sibling script's module: this folder is on sys.path)
 import torch  # noqa: E402
 
-from trtbuild.backends.decode_graphs import decode_windows  # noqa: E402
-from trtbuild.backends.decode_kernels import pdl_edges  # noqa: E402
-from trtbuild.models.decode_attention import (  # noqa: E402
+from trtbuild.backends.torch.decode_graphs import decode_windows  # noqa: E402
+from trtbuild.backends.torch.decode_kernels import pdl_edges  # noqa: E402
+from trtbuild.kernels.decode_attention import (  # noqa: E402
     decode_attention, decode_attention_rope, num_splits)
 from trtbuild.timing import graph_seconds  # noqa: E402
-from trtbuild.models.decode_matmul import decode_matmul  # noqa: E402
+from trtbuild.kernels.decode_matmul import decode_matmul  # noqa: E402
 from trtbuild.models.llama import LlamaConfig, _cached_attention, rope_and_store, rope_table  # noqa: E402
-from trtbuild.models.matmul_configs import MatmulConfig  # noqa: E402
+from trtbuild.kernels.matmul_configs import MatmulConfig  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 
 

@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor  # noqa: E402
+from trtbuild.kernels.grid_dependency import release_successor, wait_for_predecessor  # noqa: E402
 
 
 @triton.jit
@@ -233,7 +233,7 @@ def reference_gemv(w: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
 def _replay_seconds(calls: Callable[[], object], programmatic: bool, reps: int) -> tuple[float, int]:
     """Seconds per replay of a graph of `calls` (every kernel-to-kernel edge made programmatic first when
     asked: every kernel of this probe waits), and the number of edges made so."""
-    from trtbuild.backends.pdl import Driver, kernel_edges
+    from trtbuild.backends.torch.pdl import Driver, kernel_edges
     from trtbuild.timing import graph_seconds
 
     made: list[int] = []

@@ -28,7 +28,7 @@ log "start-up parts: $(python3 -c "
 import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter()
 n = torch.cuda.get_device_name(0); t2 = time.perf_counter()
 torch.zeros(1, device='cuda'); torch.cuda.synchronize(); t3 = time.perf_counter()
-from trtbuild.backends.torch_aoti import TorchAOTIBackend; t4 = time.perf_counter(); TorchAOTIBackend().toolchain(); t5 = time.perf_counter()
+from trtbuild.backends.torch.backend import TorchAOTIBackend; t4 = time.perf_counter(); TorchAOTIBackend().toolchain(); t5 = time.perf_counter()
 print(f'import torch {t1-t0:.2f} s, device name (CUDA init) {t2-t1:.2f} s, first tensor (context) {t3-t2:.2f} s, import backend {t4-t3:.2f} s, toolchain {t5-t4:.2f} s')" 2>&1 | tail -1)"
 FIX=none
 

@@ -35,8 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from trtbuild.models.decode_attention import decode_attention_rope  # noqa: E402
-from trtbuild.models.decode_matmul import MatmulConfig, decode_matmul, select  # noqa: E402
+from trtbuild.kernels.decode_attention import decode_attention_rope  # noqa: E402
+from trtbuild.kernels.decode_matmul import MatmulConfig, decode_matmul, select  # noqa: E402
 from trtbuild.models.llama import LlamaConfig, rope_table  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 from trtbuild.timing import graph_seconds  # noqa: E402

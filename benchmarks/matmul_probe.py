@@ -5,7 +5,7 @@ recipe's weight matrices for every layer (distinct tensors, so no call finds its
 L2 cache left by the previous one, as in a real step), and for each weight shape and batch size times,
 inside one CUDA graph per candidate (no launch overhead, as in the engine):
   - cuBLAS through `F.linear` (what the compiled graphs call at tactics `default`),
-  - every candidate launch configuration of `trtbuild.models.decode_matmul` (the build's own
+  - every candidate launch configuration of `trtbuild.kernels.decode_matmul` (the build's own
     selection, `decode_matmul.select`),
   - with `--configs`, more configurations (names, or `wide`: WIDE at batch 1, WIDE_ROWS above), timed the
     same way and judged against ATen the same way, without making them build candidates (a build with a
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from trtbuild.backends.decode_kernels import fastest, pdl_edges  # noqa: E402
-from trtbuild.models.decode_matmul import (GATED, MatmulConfig, _failure, decode_matmul,  # noqa: E402
+from trtbuild.backends.torch.decode_kernels import fastest, pdl_edges  # noqa: E402
+from trtbuild.kernels.decode_matmul import (GATED, MatmulConfig, _failure, decode_matmul,  # noqa: E402
                                            output_columns, reference, select)
 from trtbuild.timing import graph_edits, graph_seconds  # noqa: E402
 from trtbuild.models.llama import LlamaConfig  # noqa: E402
@@ -62,7 +62,7 @@ EPILOGUE_FUSION = {"qkv": "none", "o": "residual", "gate_up": "gate", "down": "r
 # (n4k1024 and n8k1024 at 8B): longer k steps, narrower blocks, 8 warps and more stages. Call 49's PDL
 # chain ranked n4k1024 and n8k1024 differently serialized and with PDL (RESULTS.md, seventeenth session);
 # this times such neighbours per weight shape, both ways, before any of them becomes a build candidate
-# (`trtbuild/models/matmul_configs.py`; a longer list times that batch's call sites again).
+# (`trtbuild/kernels/matmul_configs.py`; a longer list times that batch's call sites again).
 WIDE = [MatmulConfig(n, k, w, s) for n in (2, 4, 8) for k in (1024, 2048, 4096) for w in (4, 8) for s in (1, 3)]
 # and for 2-16 rows (the tensor-core path, blocks of at least 16 columns), beyond the build's ROWS: longer k
 # steps, 8 warps, 2-5 stages. The 1B shape's batch 8 is the decode row furthest from its target (1.68x).

@@ -59,8 +59,8 @@ class EnginePeer:
 def decode_kernels(manifest: dict[str, Any]) -> str:
     """Which decode matmuls the engine runs through trtbuild's kernel, and which attention kernels, from its
     manifest, in a few words."""
-    from trtbuild.backends.decode_kernels import fused_outside, timed_step_us
-    from trtbuild.backends.export import bucket
+    from trtbuild.backends.torch.decode_kernels import fused_outside, timed_step_us
+    from trtbuild.backends.torch.export import bucket
 
     record = manifest.get("tactics", {}).get("decode_matmuls") or {}
     parts = []

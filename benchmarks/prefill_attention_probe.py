@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from trtbuild.backends.prefill_attention import measure  # noqa: E402
+from trtbuild.backends.torch.prefill_attention import measure  # noqa: E402
 from trtbuild.models.llama import LlamaConfig  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 

@@ -31,9 +31,9 @@ import torch  # noqa: E402
 
 import peers  # noqa: E402
 from profile_decode import kernels_of, profile_steps, show  # noqa: E402
-from trtbuild.backends import export, graph_cache, torch_aoti  # noqa: E402
-from trtbuild.backends.decode_graphs import DecodeGraphs  # noqa: E402
-from trtbuild.backends.torch_runtime import _Model  # noqa: E402
+from trtbuild.backends.torch import export, graph_cache, inductor  # noqa: E402
+from trtbuild.backends.torch.decode_graphs import DecodeGraphs  # noqa: E402
+from trtbuild.backends.torch.runtime import _Model  # noqa: E402
 from trtbuild.models.source import resolve  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 from trtbuild.store import Store  # noqa: E402
@@ -60,7 +60,7 @@ def compile_graph(program: Any, options: str, work: Path, device: str, consts: d
     t = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     package = work / f"{options}.pt2"
-    base = torch_aoti.inductor_configs("default", device)  # the backend's base options
+    base = inductor.inductor_configs("default", device)  # the backend's base options
     torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=base | OPTIONS[options])
     so = work / options / graph_cache.extract_model(package, work / options).split("/", 1)[1]
     graph = _Model(so, device)
@@ -111,7 +111,7 @@ def main() -> None:
     recipe = load_recipe(args.recipe)
     shapes = recipe.shapes
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, torch_aoti.DTYPE_NAMES[recipe.precision])
+    dtype = getattr(torch, inductor.DTYPE_NAMES[recipe.precision])
     work = Path(tempfile.mkdtemp(prefix="probe-"))
     folder = resolve(recipe.model, Store(str(work / "store")).root).materialize()
     model = peers.load_transformer(folder, dtype, device, shapes.max_batch_size, shapes.max_seq_len)

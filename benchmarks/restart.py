@@ -65,7 +65,7 @@ def read_to_device(files: list[Path], device: str, chunk: int = 64 << 20) -> dic
 def read_with_threads(files: list[Path], device: str, threads: int) -> dict[str, float]:
     """The same floor through trtbuild's threaded reader (TRTBUILD_LOAD_THREADS): the faster of the
     two readers is the floor, so an engine that loads with this one is not judged against a slower one."""
-    from trtbuild.backends.weights_reader import read_safetensors
+    from trtbuild.backends.torch.weights_reader import read_safetensors
     from trtbuild.timing import sync
 
     sync(device)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-import trtbuild  # noqa: F401  - before torch, as a user's process would (trtbuild/backends/cxx.py)
+import trtbuild  # noqa: F401  - before torch, as a user's process would (trtbuild/backends/torch/cxx.py)
 
 REPO = Path(__file__).resolve().parent.parent
 

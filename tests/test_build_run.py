@@ -93,7 +93,7 @@ def test_a_run_report_sets_the_builds_matmul_timings_against_the_step(built: dic
     timed them goes into engine.json, and the run report sets it against the measured step. A CPU build
     plans none, so the plan's sum is stood in for; the same recipe with other weights (another seed) builds
     from a copy of the module's store, its compiled graphs from the tactic cache."""
-    from trtbuild.backends import decode_kernels
+    from trtbuild.backends.torch import decode_kernels
     from trtbuild.report import print_table
 
     monkeypatch.setattr(decode_kernels, "timed_step_us", lambda record, rows: 100.0 * rows if rows else None)
@@ -166,7 +166,7 @@ def test_engine_tokens_match_the_eager_model(built: dict[str, Any], batch: int) 
 
 def test_weights_read_with_threads_give_the_same_tokens(built: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """TRTBUILD_LOAD_THREADS=N loads the engine's weights with the threaded reader: same tokens."""
-    from trtbuild.backends import weights_reader
+    from trtbuild.backends.torch import weights_reader
 
     calls: list[int] = []
     original = weights_reader.read_safetensors
@@ -405,7 +405,7 @@ def test_gemm_selections_are_recorded_and_inductors_tables_shown_only_when_debug
     TRTBUILD_DEBUG=1."""
     import torch
 
-    from trtbuild.backends.torch_aoti import record_autotuning
+    from trtbuild.backends.torch.backend import record_autotuning
 
     if debug:
         monkeypatch.setenv("TRTBUILD_DEBUG", "1")
@@ -425,7 +425,7 @@ def test_compiled_graph_key_ignores_source_locations_but_not_shapes() -> None:
     lines, reuses identical graphs; a change of shape still changes the key."""
     import torch
 
-    from trtbuild.backends.graph_cache import program_text
+    from trtbuild.backends.torch.graph_cache import program_text
 
     def export(rows: int) -> Any:
         return torch.export.export(torch.nn.Linear(64, 32).eval(), (torch.randn(rows, 64),))
@@ -466,7 +466,7 @@ def test_a_worker_whose_export_differs_is_not_trusted_and_the_build_compiles_tha
     """The build hands each worker the cache key it computed; a worker whose own export hashes to
     another key compiles nothing, and the build compiles the graph itself (here the build's keys are
     made to differ from any export's)."""
-    from trtbuild.backends import graph_cache
+    from trtbuild.backends.torch import graph_cache
 
     real = graph_cache.graph_digest
     monkeypatch.setattr(graph_cache, "graph_digest", lambda program, configs: real(program, configs)[::-1])
@@ -491,7 +491,7 @@ def test_a_build_that_folds_the_norm_gains_stores_the_folded_weights_and_runs_th
     tokens are the checkpoint's own. Norms away from one, or a fold lost before saving would not show."""
     from safetensors.torch import load_file, save_file
 
-    from trtbuild.backends import torch_aoti
+    from trtbuild.backends.torch import backend as torch_aoti
 
     from .conftest import make_hf_folder
 

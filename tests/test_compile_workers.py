@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trtbuild.backends import compile_workers
+from trtbuild.backends.torch import compile_workers
 from trtbuild.errors import TrtbuildError
 
 

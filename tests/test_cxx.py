@@ -1,5 +1,5 @@
 """One libstdc++ for compiled graphs: the condition that crashed every graph on the H200 image, made
-here with a tiny library that exports two of libstdc++'s locale facet ids (trtbuild/backends/cxx.py)."""
+here with a tiny library that exports two of libstdc++'s locale facet ids (trtbuild/backends/torch/cxx.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _python(code: str, env: dict[str, str] | None = None) -> Any:
 
 
 CHECK = """
-from trtbuild.backends import cxx
+from trtbuild.backends.torch import cxx
 from trtbuild.errors import TrtbuildError
 print("SHADOWS", sorted(cxx.shadowing_libraries().items()))
 try:

@@ -97,7 +97,7 @@ def test_threaded_reader_puts_the_same_tensors_on_the_gpu(tmp_path: Path, thread
     safetensors' loader, with chunks small enough that each buffer is reused many times."""
     from safetensors.torch import load_file, save_file
 
-    from trtbuild.backends.weights_reader import read_safetensors
+    from trtbuild.backends.torch.weights_reader import read_safetensors
 
     g = torch.Generator().manual_seed(1)
     tensors = {"a": torch.randn(1000, 517, generator=g).to(torch.bfloat16), "b": torch.randn(3, 5, generator=g),
@@ -116,7 +116,7 @@ def test_preload_puts_the_files_tensors_on_the_gpu_and_frees_them(tmp_path: Path
     torch adopted without a copy, freed again by `free` (the device's free memory comes back)."""
     from safetensors.torch import load_file, save_file
 
-    from trtbuild.backends import weights_preload
+    from trtbuild.backends.torch import weights_preload
 
     g = torch.Generator().manual_seed(2)
     tensors = {"a": torch.randn(8192, 4096, generator=g).to(torch.bfloat16), "b": torch.randn(3, 5, generator=g),
@@ -179,7 +179,7 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
     on Hopper), every candidate was timed in graphs with programmatic edges."""
     import json
 
-    from trtbuild.models import matmul_configs
+    from trtbuild.kernels import matmul_configs
     from trtbuild.store import Store
 
     options = {"decode_matmul": "kernel", "decode_fusion": fusion if fusion in ("fused", "epilogue") else "none"}
@@ -281,7 +281,7 @@ def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_
 
 @pytest.mark.parametrize("attention", ["kernel", "kernel-early"])
 def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(tmp_path: Path, attention: str) -> None:
-    """Programmatic dependent launch (trtbuild/backends/pdl.py) on Hopper: the decode graphs of an
+    """Programmatic dependent launch (trtbuild/backends/torch/pdl.py) on Hopper: the decode graphs of an
     engine whose matmuls and attention go through trtbuild's kernels are captured with programmatic
     edges into those kernels and Inductor's, and every token equals the same engine's with its graphs
     captured serialized (TRTBUILD_PDL=0), at both batch sizes, across two cache windows. With
@@ -290,7 +290,7 @@ def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(
     import json
     import os
 
-    from trtbuild.backends import pdl
+    from trtbuild.backends.torch import pdl
 
     from .conftest import TINY_CONFIG
 

@@ -1,4 +1,4 @@
-"""trtbuild's kernels compiled for Hopper with the PDL wait (trtbuild/models/grid_dependency.py), without a
+"""trtbuild's kernels compiled for Hopper with the PDL wait (trtbuild/kernels/grid_dependency.py), without a
 GPU: Triton compiles to PTX for sm_90 here, and Inductor's analysis of which tensors a kernel writes runs
 on the compiled IR. Needs Triton (torch's CUDA wheels bring it; the CPU wheel does not: skipped there)."""
 
@@ -20,7 +20,7 @@ def hopper_target() -> Iterator[None]:
     """Triton's active driver, answering sm_90 as the current target (nothing is launched)."""
     from triton.backends.compiler import GPUTarget
 
-    from trtbuild.models import decode_matmul
+    from trtbuild.kernels import decode_matmul
 
     if not isinstance(decode_matmul._decode_matmul_kernel, triton.JITFunction):
         # tests/test_kernels.py imported the kernels first, under TRITON_INTERPRET=1: nothing to compile
@@ -63,8 +63,8 @@ def attention_args(pdl: bool, early: bool = False) -> tuple[dict[str, Any], dict
 
 
 def kernels(pdl: bool) -> list[tuple[Any, dict[str, Any]]]:
-    from trtbuild.models import decode_attention as da
-    from trtbuild.models import decode_matmul as dm
+    from trtbuild.kernels import decode_attention as da
+    from trtbuild.kernels import decode_matmul as dm
 
     partial, merge = attention_args(pdl)
     # split-K: the matmul writes fp32 partial sums ([2, M, N]), the reduce kernel adds them up into y
@@ -151,7 +151,7 @@ def test_the_wait_leaves_what_inductor_sees_each_kernel_write_unchanged(hopper_t
         assert written(kernel, waiting) == written(kernel, plain), kernel.__name__
     assert written(*kernels(True)[0]) == ["y_ptr"]
     # options.decode_attention kernel-early: its wait after the first reads, the same writes seen
-    from trtbuild.models import decode_attention as da
+    from trtbuild.kernels import decode_attention as da
 
     for kernel, early, plain in zip((da._decode_attention_partial, da._decode_attention_merge),
                                     attention_args(True, early=True), attention_args(False), strict=True):
@@ -222,7 +222,7 @@ def test_reading_early_moves_only_what_no_kernel_of_the_step_writes_before_the_w
     """options.decode_attention kernel-early: before its wait a launch reads only the position, the rope
     table and the cache (slots written by earlier steps), and writes nothing; every read of what the
     predecessor writes (the QKV output, the partials) and every store comes after it."""
-    from trtbuild.models import decode_attention as da
+    from trtbuild.kernels import decode_attention as da
 
     kernel = getattr(da, kernel_name)
     args = dict(zip(("_decode_attention_partial", "_decode_attention_merge"), attention_args(True, early=True),

@@ -35,7 +35,7 @@ def test_decode_attention_matches_the_masked_attention_of_the_model(
         batch: int, heads: int, kv_heads: int, head_dim: int, pos: int) -> None:
     """Every position from the first slot to past several slices, with and without grouped queries,
     and fewer sequences than the cache holds (the kernel must read only the first `batch`)."""
-    from trtbuild.models.decode_attention import decode_attention
+    from trtbuild.kernels.decode_attention import decode_attention
     from trtbuild.models.llama import _cached_attention
 
     g = torch.Generator().manual_seed(pos)
@@ -54,7 +54,7 @@ def test_decode_attention_with_rope_rotates_writes_the_cache_and_attends_as_the_
     """From the QKV projection's output: the query and new key rotated by the table's row for pos, the new
     key and value stored at slot pos of the first `batch` sequences (every other slot untouched), and the
     attention over slots 0..pos the model's ATen code computes after its own rope and cache writes."""
-    from trtbuild.models.decode_attention import decode_attention_rope
+    from trtbuild.kernels.decode_attention import decode_attention_rope
     from trtbuild.models.llama import LlamaConfig, _cached_attention, apply_rope, rope_table
 
     d, slots = 16, 300
@@ -89,7 +89,7 @@ def test_reading_early_gives_the_default_kernels_result_and_cache_bit_for_bit(
     PDL wait on a GPU): the same output and cache writes as the default kernel, exactly, for a first tile
     that is empty (slot 0 only; pos at a tile's start), partly filled, whole, and followed by more tiles
     (position 1100 at batch 1: 64 slots a slice)."""
-    from trtbuild.models.decode_attention import decode_attention_rope
+    from trtbuild.kernels.decode_attention import decode_attention_rope
 
     heads = 2 * kv_heads
     g = torch.Generator().manual_seed(pos)
@@ -109,7 +109,7 @@ def test_decode_steps_through_the_attention_kernel_give_the_logits_of_the_aten_m
     """A prompt through the model's ATen path, then decode steps with every Attention routed to the kernel
     (as a decode graph routes them): the same logits as the unrouted model, step after step, so the cache
     the kernel writes is the one the next step reads."""
-    from trtbuild.backends.decode_kernels import routed
+    from trtbuild.backends.torch.decode_kernels import routed
     from trtbuild.models.llama import LlamaConfig, Transformer
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -138,7 +138,7 @@ def test_decode_matmul_with_each_fusion_matches_the_aten_ops_it_replaces(fusion:
     one block, and masked), against `reference`: the norm, gating and residual add in the model's own ATen
     order. rms and rms_gate normalize without reading a gain (folded into w): their reference is the norm
     with a gain of ones, which an rms sum left out (or a gain read from w's stand-in pointer) would miss."""
-    from trtbuild.models.decode_matmul import GATED, MatmulConfig, decode_matmul, reference
+    from trtbuild.kernels.decode_matmul import GATED, MatmulConfig, decode_matmul, reference
 
     g = torch.Generator().manual_seed(rows * k)
     n = 40  # not a multiple of block_n: the last program's columns are masked
@@ -159,7 +159,7 @@ def test_split_k_adds_its_partial_sums_to_the_plain_matmul(rows: int, k: int, sp
     """Split-K: `split` programs per block of columns, each a slice of k, then the reduce kernel. k 96 in
     slices of 32 over 4 programs leaves the last slice empty (it must write zeros, not leave garbage in
     the workspace); k 80 ends in a masked block; k 24 is one short block for the first program alone."""
-    from trtbuild.models.decode_matmul import MatmulConfig, decode_matmul, reference
+    from trtbuild.kernels.decode_matmul import MatmulConfig, decode_matmul, reference
 
     g = torch.Generator().manual_seed(rows * k + split)
     w = torch.randn(40, k, generator=g).to(DEVICE)
@@ -171,8 +171,8 @@ def test_split_k_adds_its_partial_sums_to_the_plain_matmul(rows: int, k: int, sp
 
 
 def test_split_k_is_a_candidate_for_the_plain_matmul_only() -> None:
-    from trtbuild.models.decode_matmul import decode_matmul
-    from trtbuild.models.matmul_configs import MatmulConfig, candidates
+    from trtbuild.kernels.decode_matmul import decode_matmul
+    from trtbuild.kernels.matmul_configs import MatmulConfig, candidates
 
     for rows in (1, 8):  # only with options.decode_split_k timed, and only for the plain matmul
         assert any(c.split > 1 for c in candidates(rows, "none", True))
@@ -186,8 +186,8 @@ def test_split_k_is_a_candidate_for_the_plain_matmul_only() -> None:
 def test_a_routed_model_computes_what_the_unrouted_one_does_with_and_without_fusion() -> None:
     """Every Linear of a small model through the kernel (as a decode graph routes them), fused where its
     call site allows, only the epilogue fused, and matmul-only: the same logits as the model's ATen path."""
-    from trtbuild.backends.decode_kernels import fusion_of, routed
-    from trtbuild.models.decode_matmul import MatmulConfig
+    from trtbuild.backends.torch.decode_kernels import fusion_of, routed
+    from trtbuild.kernels.decode_matmul import MatmulConfig
     from trtbuild.models.llama import Linear, LlamaConfig, Transformer
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -225,8 +225,8 @@ def test_a_model_with_its_norm_gains_folded_computes_what_the_unfolded_one_does(
     ATen and with every Linear through the kernel doing the norm (rms / rms_gate, no gain read), gives the
     unfolded model's logits. A tied LM head (the embedding table) keeps its norm's gain, and its call site
     stays a gained norm: folding into it would change the token embeddings too."""
-    from trtbuild.backends.decode_kernels import fusion_of, routed
-    from trtbuild.models.decode_matmul import MatmulConfig
+    from trtbuild.backends.torch.decode_kernels import fusion_of, routed
+    from trtbuild.kernels.decode_matmul import MatmulConfig
     from trtbuild.models.llama import Linear, LlamaConfig, Transformer
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -264,7 +264,7 @@ def test_decode_attention_reads_only_the_slices_it_wrote(monkeypatch: pytest.Mon
     """The partial kernel writes nothing for the slices past the filled length and for its padding rows,
     and the merge must not read them: with the scratch buffers starting as NaN, the result is still the
     model's (a read of an unwritten partial would make it NaN)."""
-    from trtbuild.models import decode_attention
+    from trtbuild.kernels import decode_attention
 
     real_empty = torch.empty
 
@@ -381,7 +381,7 @@ def test_the_matmul_probe_times_extra_configurations_beside_the_builds_and_plans
     faster than the one before, so the last extra configuration must be the fastest way for every shape
     and the `best` step must use it."""
     from trtbuild import timing
-    from trtbuild.models import decode_matmul as dm
+    from trtbuild.kernels import decode_matmul as dm
 
     probe = benchmark_module("matmul_probe")
     clock, edits = iter(range(10_000, 0, -1)), []
@@ -423,7 +423,7 @@ def test_the_matmul_probe_times_extra_configurations_beside_the_builds_and_plans
 def test_the_matmul_probe_refuses_an_extra_configuration_whose_result_differs_from_atens(
         monkeypatch: pytest.MonkeyPatch, fusion: str) -> None:
     """An extra configuration is timed with the call site's fusion only once its output matches ATen's."""
-    from trtbuild.models import decode_matmul as dm
+    from trtbuild.kernels import decode_matmul as dm
 
     probe = benchmark_module("matmul_probe")
     monkeypatch.setattr(probe, "graph_seconds", lambda calls, reps=15, edit=None: (calls(), 5e-6)[1])

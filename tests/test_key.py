@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import trtbuild.builder as build_mod
-from trtbuild.backends.torch_aoti import TorchAOTIBackend
+from trtbuild.backends.torch.backend import TorchAOTIBackend
 from trtbuild.models.source import resolve
 from trtbuild.recipe import load_recipe
 from trtbuild.store import canonical_json, key_of
@@ -82,13 +82,16 @@ def test_every_module_a_backend_builds_with_is_in_the_engine_key(backend: str) -
     module = importlib.import_module(reg.module)
     instance = getattr(module, reg.cls)()
     tree = ast.parse(Path(module.__file__ or "").read_text())
-    imported = {f"trtbuild.backends.{a.name}" for node in tree.body if isinstance(node, ast.ImportFrom)
-                and node.module == "trtbuild.backends" for a in node.names}
+    package = module.__name__.rsplit(".", 1)[0]  # the backend's own package: trtbuild.backends.torch, ...
+    imported = {f"{package}.{a.name}" for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module == package for a in node.names}
+    imported |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom)
+                 and (node.module or "").startswith(package + ".")}
     submodules = {m for m in imported if importlib.util.find_spec(m) is not None}
     files = {f.name for f in build_mod.engine_code_files(instance)}
     assert submodules and {m.rsplit(".", 1)[1] + ".py" for m in submodules} <= files
     assert {"llama.py", Path(module.__file__ or "").name} <= files
-    assert not {"torch_runtime.py", "weights_reader.py", "trt_runtime.py"} & files
+    assert not {"runtime.py", "weights_reader.py", "weights_preload.py"} & files
 
 
 @pytest.mark.parametrize(("name", "value", "counts"), [

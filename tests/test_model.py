@@ -198,7 +198,7 @@ def test_parameter_count_matches_hugging_face() -> None:
 
 
 def test_decode_windows_cover_every_position_and_halve_down_to_16() -> None:
-    from trtbuild.backends.decode_graphs import decode_windows
+    from trtbuild.backends.torch.decode_graphs import decode_windows
 
     assert decode_windows(4096) == [128, 256, 512, 1024, 2048, 4096]
     assert decode_windows(48) == [24, 48]
@@ -207,7 +207,7 @@ def test_decode_windows_cover_every_position_and_halve_down_to_16() -> None:
 
 
 def test_a_generation_prepares_only_the_windows_its_positions_decode_in() -> None:
-    from trtbuild.backends.decode_graphs import windows_between
+    from trtbuild.backends.torch.decode_graphs import windows_between
 
     windows = [128, 256, 512, 1024, 2048, 4096]
     assert windows_between(windows, 128, 255) == [256]  # the benchmark's 128-token prompt, 128 new tokens
@@ -236,7 +236,7 @@ def test_greedy_token_is_argmax_ties_included(vocab: int) -> None:
 def test_decode_fusion_is_never_for_a_linear_with_a_bias() -> None:
     """What each Linear asks of the decode matmul kernel, and the plan's keys as recorded for the
     compile workers (which parse them back)."""
-    from trtbuild.backends.decode_kernels import fusion_of, key_name, parse_key
+    from trtbuild.backends.torch.decode_kernels import fusion_of, key_name, parse_key
     from trtbuild.models.llama import Linear
 
     qkv, qkv_bias = Linear(32, 64, bias=False, fusion="norm"), Linear(32, 64, bias=True, fusion="norm")
@@ -249,7 +249,7 @@ def test_decode_fusion_is_never_for_a_linear_with_a_bias() -> None:
 def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_kernel_alone() -> None:
     """The plan's choice per call site, from the selection's timings (µs; numbers of the H200's eighth session),
     with the time of one call the way chosen (what the run report adds up)."""
-    from trtbuild.backends.decode_kernels import pick as pick_timed
+    from trtbuild.backends.torch.decode_kernels import pick as pick_timed
 
     def pick(*args: Any) -> tuple[str | None, str, float | None]:
         chosen, does, us = pick_timed(*args)
@@ -299,7 +299,7 @@ def test_the_h200s_8b_timings_route_every_fused_call_site_to_the_fused_kernel() 
     below nothing, every fused site is the fused kernel's, at both batches."""
     import json
 
-    from trtbuild.backends.decode_kernels import parse_key, pick
+    from trtbuild.backends.torch.decode_kernels import parse_key, pick
 
     golden = json.loads((Path(__file__).parent / "golden" / "selection_h200_8b.json").read_text())
     gate = golden["decode_b1"]["28672x4096+gate"]
@@ -316,7 +316,7 @@ def test_the_h200s_8b_timings_route_every_fused_call_site_to_the_fused_kernel() 
 
 
 def test_a_k_step_of_4096_is_a_candidate_only_where_the_rows_are_that_wide() -> None:
-    from trtbuild.models.matmul_configs import ONE_ROW, ONE_ROW_WIDE_K, ROWS, candidates
+    from trtbuild.kernels.matmul_configs import ONE_ROW, ONE_ROW_WIDE_K, ROWS, candidates
 
     assert ONE_ROW_WIDE_K and all(c.block_k == 4096 and c not in ONE_ROW for c in ONE_ROW_WIDE_K)
     # rows 2048 wide (1B's, but for its down projection): the list, and so its cached timings' key, is unchanged
@@ -334,8 +334,8 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     import types
     from dataclasses import dataclass as dc
 
-    from trtbuild.backends import decode_kernels
-    from trtbuild.backends.decode_kernels import matmul_plan
+    from trtbuild.backends.torch import decode_kernels
+    from trtbuild.backends.torch.decode_kernels import matmul_plan
     from trtbuild.models.llama import LlamaConfig
     from trtbuild.timing import active_edit
 
@@ -368,7 +368,7 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
 
     fake = types.SimpleNamespace(MAX_ROWS=16, MatmulConfig=Config, select=select, source_digest=lambda: "src",
                                  candidates=candidates)
-    monkeypatch.setitem(sys.modules, "trtbuild.models.decode_matmul", fake)
+    monkeypatch.setitem(sys.modules, "trtbuild.kernels.decode_matmul", fake)
     import trtbuild.models
 
     monkeypatch.setattr(trtbuild.models, "decode_matmul", fake, raising=False)
@@ -433,7 +433,7 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     assert timed == [] and not any("edges" in r for r in full_record["decode_b1"].values())
     # a change to the code that makes the edges (pdl.py) times every call site under PDL again: its
     # zero-edge bug had failed every candidate of the LM head, and those failures were cached
-    from trtbuild.backends import pdl
+    from trtbuild.backends.torch import pdl
     changed = tmp_path / "pdl.py"
     changed.write_bytes(Path(pdl.__file__).read_bytes() + b"# changed\n")
     monkeypatch.setattr(pdl, "__file__", str(changed))
@@ -465,7 +465,7 @@ def test_the_graph_edit_of_an_enclosing_block_applies_where_a_timing_names_none(
 
 
 def test_pdl_timing_is_refused_with_the_reason_where_pdl_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trtbuild.backends import decode_kernels, pdl
+    from trtbuild.backends.torch import decode_kernels, pdl
     from trtbuild.errors import TrtbuildError
 
     monkeypatch.setattr(pdl, "available", lambda on_cuda: "compute capability 8.x (PDL needs 9.0, Hopper, or later)")
@@ -480,8 +480,8 @@ def test_the_kernels_inline_assembly_has_no_escaped_line_breaks() -> None:
     one inline_asm_elementwise string are joined with `;` instead."""
     import ast
 
-    models = Path(__file__).resolve().parents[1] / "trtbuild" / "models"
-    calls = [node for f in sorted(models.glob("*.py")) for node in ast.walk(ast.parse(f.read_text()))
+    kernels = Path(__file__).resolve().parents[1] / "trtbuild" / "kernels"
+    calls = [node for f in sorted(kernels.glob("*.py")) for node in ast.walk(ast.parse(f.read_text()))
              if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "inline_asm_elementwise"]
     assert calls  # the wait and the release (grid_dependency.py)
     assembly = [c.args[0].value for c in calls if isinstance(c.args[0], ast.Constant)]

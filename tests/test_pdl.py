@@ -1,4 +1,4 @@
-"""Which edges of a captured decode graph become programmatic (trtbuild/backends/pdl.py), against a
+"""Which edges of a captured decode graph become programmatic (trtbuild/backends/torch/pdl.py), against a
 double of the CUDA driver: the rewrite itself runs only on a Hopper GPU (tests/test_gpu.py)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tests import cuda_header
-from trtbuild.backends import pdl
-from trtbuild.backends.pdl import Edge
+from trtbuild.backends.torch import pdl
+from trtbuild.backends.torch.pdl import Edge
 
 # A decode step as captured: ATen's copy, cuBLAS, Inductor, trtbuild's kernels, a memset, an Inductor template.
 NAMES = {1: "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<long>>",
@@ -110,7 +110,7 @@ def test_a_decoder_rewrites_its_graphs_and_recaptures_plainly_when_the_driver_re
 
     import torch
 
-    from trtbuild.backends.decode_graphs import DecodeGraphs
+    from trtbuild.backends.torch.decode_graphs import DecodeGraphs
 
     drv = FakeDriver(NAMES, list(NAMES), chain(2, 3, 4), fail=fail)
     monkeypatch.setattr(pdl, "Driver", lambda: drv)
@@ -129,14 +129,14 @@ def test_a_decoder_rewrites_its_graphs_and_recaptures_plainly_when_the_driver_re
 
 
 def test_pdl_mode_follows_the_device_the_switch_and_the_packages_compile() -> None:
-    from trtbuild.backends.torch_runtime import pdl_mode
+    from trtbuild.backends.torch.runtime import pdl_mode
 
     assert pdl_mode({"pdl": True}, "cpu") == {"on": False, "why": "CPU"}
     assert pdl_mode({"pdl": True}, "cuda:0", allowed=False)["on"] is False
 
 
 def test_pdl_mode_takes_only_the_kernels_the_engine_says_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trtbuild.backends.torch_runtime import pdl_mode
+    from trtbuild.backends.torch.runtime import pdl_mode
 
     monkeypatch.setattr(pdl, "available", lambda capability: None)  # a Hopper GPU and a recent driver
     assert pdl_mode({}, "cuda:0")["on"] is False  # an engine whose kernels have no wait: never early

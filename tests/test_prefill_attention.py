@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_CONFIG
-from trtbuild.backends import export, prefill_attention
+from trtbuild.backends.torch import export, prefill_attention
 from trtbuild.errors import TrtbuildError
 from trtbuild.models.llama import Attention, LlamaConfig, Transformer, rope_table
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from trtbuild.backends import prefill_graphs
-from trtbuild.backends.prefill_graphs import PrefillGraphs, graph_length
+from trtbuild.backends.torch import prefill_graphs
+from trtbuild.backends.torch.prefill_graphs import PrefillGraphs, graph_length
 
 _capturing: list[Any] = []
 _reserved = [0]  # torch.cuda.memory_reserved's stand-in: each capture reserves 1 MiB

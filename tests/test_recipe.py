@@ -261,7 +261,7 @@ def test_backend_checks_its_own_options() -> None:
 def test_a_torch_recipe_without_options_builds_with_each_options_default() -> None:
     """What a build passes to its plans when the recipe names no option: epilogue fusion since the
     fifteenth session's 8B measurement (the README's recipe section names these defaults)."""
-    from trtbuild.backends.torch_aoti import OPTIONS, _option
+    from trtbuild.backends.torch.backend import OPTIONS, _option
 
     recipe = parse_recipe(tiny_recipe_doc(), Path("r.yaml"))
     assert {name: _option(recipe, name) for name in OPTIONS} == {
@@ -273,7 +273,7 @@ def test_a_torch_recipe_without_options_builds_with_each_options_default() -> No
 
 def test_only_a_cuda_build_with_fused_decode_kernels_folds_the_norm_gains() -> None:
     """The fold exists for the decode kernels (CUDA only); every other build stores the checkpoint's weights."""
-    from trtbuild.backends.torch_aoti import folds_norms
+    from trtbuild.backends.torch.backend import folds_norms
 
     fused = parse_recipe(tiny_recipe_doc(options={"decode_fusion": "fused"}), Path("r.yaml"))
     assert folds_norms(fused, "cuda") and not folds_norms(fused, "cpu")

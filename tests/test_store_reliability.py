@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from trtbuild.backends.torch_aoti import TorchAOTIBackend
+from trtbuild.backends.torch.backend import TorchAOTIBackend
 from trtbuild.builder import build
 from trtbuild.recipe import load_recipe
 from trtbuild.runner import open_session, run_report
@@ -271,7 +271,7 @@ def test_a_run_takes_the_weights_preloaded_from_its_own_entry(published: dict[st
     when the session closes."""
     pytest.importorskip("numpy")
     from tests.doubles.host_cuda_driver import HostDriver
-    from trtbuild.backends import weights_preload
+    from trtbuild.backends.torch import weights_preload
 
     store_dir = _copy_store(published, tmp_path / "engines")
     monkeypatch.setenv("TRTBUILD_LOAD_THREADS", "2")

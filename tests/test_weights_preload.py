@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from tests import cuda_header
 from tests.doubles.host_cuda_driver import HostDriver
-from trtbuild.backends import weights_preload
-from trtbuild.backends.torch_aoti import TorchAOTIBackend
+from trtbuild.backends.torch import weights_preload
+from trtbuild.backends.torch.backend import TorchAOTIBackend
 
 np = pytest.importorskip("numpy")  # the stand-in hands its memory to torch through numpy's array interface
 
@@ -327,7 +327,7 @@ def test_a_process_that_exits_with_a_read_under_way_stops_it_and_frees_its_memor
         # registered before weights_preload's own handler, so it runs after it (atexit runs last-in first-out)
         atexit.register(lambda: print("copies", drv.copies, "left", len(drv.device) + len(drv.host) + len(drv.streams),
                                       "misuse", len(drv.misuse), flush=True))
-        from trtbuild.backends import weights_preload
+        from trtbuild.backends.torch import weights_preload
         assert weights_preload.start(__import__("pathlib").Path({str(weights)!r}), 1, driver=drv, chunk=1024)
         import time
         while drv.copies < 2:  # the read is under way when the process ends

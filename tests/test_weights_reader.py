@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trtbuild.backends.torch_runtime import load_threads
-from trtbuild.backends.weights_reader import contiguous_groups, read_safetensors
+from trtbuild.backends.torch.weights_reader import load_threads
+from trtbuild.backends.torch.weights_reader import contiguous_groups, read_safetensors
 from trtbuild.errors import InputError, TrtbuildError
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-# Before anything imports torch: one libstdc++ for every compiled graph (trtbuild/backends/cxx.py).
-from trtbuild.backends.cxx import make_global as _make_global  # noqa: E402
+# Before anything imports torch: one libstdc++ for every compiled graph (trtbuild/backends/torch/cxx.py).
+from trtbuild.backends.torch.cxx import make_global as _make_global  # noqa: E402
 
 _make_global()
 

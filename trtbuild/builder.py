@@ -52,11 +52,12 @@ def no_build_from_env() -> bool:
 
 
 def engine_code_files(backend: backends.Backend) -> list[Path]:
-    """The source files that shape what a backend builds: the model code, the backend's module and the
+    """The source files that shape what a backend builds: the model and kernel code, the backend's module and the
     modules it names in `build_modules` (its build-time plans, graph compiling and caching)."""
     root = Path(__file__).parent
     modules = [type(backend).__module__, *getattr(backend, "build_modules", ())]
-    return sorted((root / "models").glob("*.py")) + [Path(importlib.import_module(m).__file__ or "") for m in modules]
+    code = sorted((root / "models").glob("*.py")) + sorted((root / "kernels").glob("*.py"))
+    return code + [Path(importlib.import_module(m).__file__ or "") for m in modules]
 
 
 def engine_code_digest(backend: backends.Backend) -> str:

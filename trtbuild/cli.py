@@ -348,7 +348,7 @@ def doctor() -> None:
         click.echo(f"{name:<13} {'available' if ok else 'unavailable'}: {reason}")
     click.echo(f"device: {json.dumps(fingerprint.device())}")
     click.echo(f"host:   {json.dumps(fingerprint.host())}")
-    from trtbuild.backends import cxx
+    from trtbuild.backends.torch import cxx
 
     # What compiled torch graphs depend on (the H200 image crashed every graph here until it was fixed).
     shadows = cxx.shadowing_libraries()

@@ -83,7 +83,7 @@ def _driver_version() -> str | None:
 
 
 # Environment variables that only say where caches and logs go, or how many threads compile: they never
-# change a compiled graph, and the build sets the cache folders itself (torch_aoti.inductor_caches).
+# change a compiled graph, and the build sets the cache folders itself (inductor.inductor_caches).
 _ENV_NEUTRAL_SUFFIXES = ("_DIR", "_HOME", "_PATH", "_LOGPATH", "_OUTPUT")
 _ENV_NEUTRAL = {"TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
                 "TORCHINDUCTOR_FORCE_DISABLE_CACHES", "TRITON_PRINT_AUTOTUNING", "TRITON_INTERPRET"}

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from trtbuild import registry
 from trtbuild.errors import InputError, RecipeError
 
 BACKENDS = ("torch", "tensorrt-llm", "tensorrt")
@@ -228,9 +229,7 @@ def parse_recipe(doc: Any, path: Path) -> Recipe:
     assert name and model and backend and precision and shapes and level and run  # all checked above
     recipe = Recipe(name=name, model=model, backend=backend, precision=precision, shapes=shapes,
                     tactics_level=level, run=run, options=dict(options), path=path)
-    from trtbuild.backends import check_recipe  # the backend validates its own fields
-
-    problems = check_recipe(recipe)
+    problems = registry.check_recipe(recipe)  # the backend validates its own fields
     if problems:
         raise RecipeError(str(path), problems)
     return recipe

@@ -12,7 +12,7 @@ from filelock import FileLock, Timeout
 
 from tests.doubles import tiny_onnx
 from tests.doubles.strict import PYBIND_ENUM_BUILTINS, SURFACE_DIR
-from trtbuild.backends import trt_common
+from trtbuild.backends.tensorrt import common as trt_common
 from trtbuild.errors import BackendUnavailableError, InputError, RecipeError, TrtbuildError
 from trtbuild.recipe import load_recipe
 

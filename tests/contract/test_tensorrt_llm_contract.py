@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import tiny_recipe_doc, write_recipe
-from trtbuild.backends import trt_common
-from trtbuild.backends.tensorrt_llm import quant_plan
+from trtbuild.backends.tensorrt import common as trt_common
+from trtbuild.backends.tensorrt.llm import quant_plan
 from trtbuild.errors import BackendUnavailableError, RecipeError, TrtbuildError
 from trtbuild.recipe import load_recipe
 

@@ -7,13 +7,14 @@ as unavailable with the reason and the install step, and fails only when a recip
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from trtbuild import registry
 from trtbuild.errors import BackendUnavailableError
+from trtbuild.registry import REGISTRY  # noqa: F401 (the names `trtbuild doctor` lists)
 
 if TYPE_CHECKING:
     from trtbuild.models.source import ResolvedModel
@@ -92,36 +93,10 @@ class Backend(Protocol):
     # and returns the files it reads. The torch backend has one (backends/weights_preload.py).
 
 
-@dataclass(frozen=True)
-class _Registration:
-    module: str
-    cls: str
-    install: str  # the install step shown when the backend is unavailable
-
-
-REGISTRY: dict[str, _Registration] = {
-    "torch": _Registration("trtbuild.backends.torch_aoti", "TorchAOTIBackend",
-                           "pip install torch (a CUDA build for GPUs)"),
-    "tensorrt-llm": _Registration("trtbuild.backends.tensorrt_llm", "TensorRTLLMBackend",
-                                  "install tensorrt_llm from NVIDIA's Python package index, as NVIDIA's "
-                                  "TensorRT-LLM installation guide describes (pip's default index has only a placeholder)"),
-    "tensorrt": _Registration("trtbuild.backends.tensorrt", "TensorRTBackend",
-                              "install tensorrt from NVIDIA's Python package index, as NVIDIA's TensorRT "
-                              "installation guide describes (pip's default index has only a placeholder)"),
-}
-
-
 def get(name: str) -> Backend:
     """The backend object for `name`; its module is imported now, its library later."""
-    reg = REGISTRY[name]
-    try:
-        module = importlib.import_module(reg.module)
-    except ModuleNotFoundError as exc:
-        if exc.name != reg.module:
-            raise
-        raise BackendUnavailableError(f"backend '{name}' is not part of this trtbuild yet",
-                                      hint="choose backend: torch") from None
-    return getattr(module, reg.cls)()
+    backend: Backend = registry.backend(name)
+    return backend
 
 
 def availability(name: str) -> tuple[bool, str]:
@@ -133,15 +108,6 @@ def availability(name: str) -> tuple[bool, str]:
     return True, "ok"
 
 
-def check_recipe(recipe: "Recipe") -> list[str]:
-    """The backend's own checks of a recipe that passed the common schema."""
-    try:
-        backend = get(recipe.backend)
-    except BackendUnavailableError as exc:
-        return [f"backend: {exc}"]
-    return backend.check(recipe)
-
-
 def unavailable(name: str, reason: str) -> BackendUnavailableError:
     """The one-line error for a backend whose library cannot be imported."""
-    return BackendUnavailableError(f"backend '{name}' is unavailable: {reason}", hint=REGISTRY[name].install)
+    return BackendUnavailableError(f"backend '{name}' is unavailable: {reason}", hint=registry.REGISTRY[name].install)

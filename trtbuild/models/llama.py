@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from trtbuild.kernels.fusions import NORMED
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -128,9 +130,6 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-# The call-site fusions (`decode_matmul.FUSIONS`) that include the RMSNorm before the matmul: "rms" and
-# "rms_gate" are "norm" and "norm_gate" after `Transformer.fold_norm_gains`.
-NORMED = ("norm", "norm_gate", "rms", "rms_gate")
 FOLDED = {"norm": "rms", "norm_gate": "rms_gate"}
 
 
@@ -140,7 +139,7 @@ class Linear(nn.Linear):
     It is called with the operations around it in the block (the RMSNorm before it, the SiLU gating of
     its output's halves, the residual add after it), which it applies itself: in ATen ops by default,
     inside the kernel when the backend routes it there. `fusion` says which of these its call site
-    passes (one of `decode_matmul.FUSIONS`), so the build can time the kernel as it will run.
+    passes (one of `kernels.fusions.FUSIONS`), so the build can time the kernel as it will run.
 
     `decode_config` (a `matmul_configs.MatmulConfig`, None by default) is set by the backend only while
     it exports a decode graph, for the weight shapes where the build's tactic selection measured the
@@ -177,7 +176,7 @@ class Linear(nn.Linear):
 
     def _kernel(self, x: Tensor, norm: RMSNorm | None = None, gate: bool = False, residual: Tensor | None = None) -> Tensor:
         """trtbuild's decode matmul with `decode_config`, doing whichever of norm, gate and residual it is given."""
-        from trtbuild.models.decode_matmul import decode_matmul_op  # needs Triton: CUDA builds only
+        from trtbuild.kernels.decode_matmul import decode_matmul_op  # needs Triton: CUDA builds only
 
         c = self.decode_config
         gain = None if norm is None or norm.folded else norm.weight
@@ -214,7 +213,7 @@ class Attention(nn.Module):
         q_size = c.num_heads * c.head_dim
         qkv = self.wqkv(x, norm=norm)
         if self.decode_kernel in ("kernel", "kernel-early"):
-            from trtbuild.models import decode_attention  # needs Triton: CUDA builds only
+            from trtbuild.kernels import decode_attention  # needs Triton: CUDA builds only
 
             op = (decode_attention.decode_attention_rope_early_op if self.decode_kernel == "kernel-early"
                   else decode_attention.decode_attention_rope_op)
@@ -227,7 +226,7 @@ class Attention(nn.Module):
         if from_start:
             y = causal_attention(q, k, v, self.prefill_kernel)
         elif self.decode_kernel == "kernel-unfused":
-            from trtbuild.models.decode_attention import decode_attention_op  # needs Triton: CUDA builds only
+            from trtbuild.kernels.decode_attention import decode_attention_op  # needs Triton: CUDA builds only
 
             # reads slots 0..pos of the whole cache buffer itself, so the window (span) is not needed
             return self.wo(decode_attention_op(q_rows, k_cache, v_cache, pos).reshape(b, t, q_size), residual=residual)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trtbuild.backends import unavailable
 from trtbuild.tactics import TacticCache, write_atomic
 
 TIMING_CACHE = "timing.cache"
@@ -111,3 +112,14 @@ def major_version(trt_module: Any) -> int:
 
 def plan_path(entry: Path) -> Path:
     return entry / "engine.plan"
+
+
+def import_tensorrt() -> Any:
+    """The full tensorrt package (with its builder), or the one-line unavailable error."""
+    try:
+        import tensorrt
+    except ImportError as exc:
+        raise unavailable("tensorrt", f"the tensorrt Python package cannot be imported ({exc})") from None
+    if not hasattr(tensorrt, "Builder"):  # tensorrt_lean / tensorrt_dispatch have no builder
+        raise unavailable("tensorrt", f"the installed tensorrt {tensorrt.__version__} is a runtime-only package")
+    return tensorrt

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import Generation
-from trtbuild.backends import trt_common as common
+from trtbuild.backends.tensorrt import common
 from trtbuild.errors import TrtbuildError
 
 TORCH_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT32": "int32", "INT64": "int64",
@@ -43,11 +43,10 @@ class TensorRTEngine:
         self._state: dict[str, Any] = {}
 
     def __enter__(self) -> "TensorRTEngine":
-        from trtbuild.backends.tensorrt import _import_trt
 
         import torch
 
-        trt = _import_trt()
+        trt = common.import_tensorrt()
         if str(trt.__version__) != self.meta["tensorrt"]:  # refuse by name before deserializing
             raise common.IncompatibleEngineError(
                 "version_mismatch", f"the engine was built by TensorRT {self.meta['tensorrt']}; this is {trt.__version__}")

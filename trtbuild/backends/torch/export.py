@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from trtbuild.backends import decode_kernels, prefill_attention
+from trtbuild.backends.torch import decode_kernels, prefill_attention
 from trtbuild.errors import TrtbuildError
 
 

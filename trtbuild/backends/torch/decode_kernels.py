@@ -1,6 +1,6 @@
 """Which of trtbuild's own decode kernels a torch build compiles into its decode graphs.
 
-The kernels live with the model code (`trtbuild/models/decode_matmul.py`, `decode_attention.py`: their
+The kernels live with the model code (`trtbuild/kernels/decode_matmul.py`, `decode_attention.py`: their
 sources are part of the engine key); this module is the backend's side of them: the recipe options that
 choose them, the build-time plan (timed per weight shape for the matmuls, by what the attention kernel
 can serve), the switch that routes the model through them for one export, and their sources' part in
@@ -82,8 +82,8 @@ def parse_key(name: str) -> MatmulKey:
     return int(n), int(k), fusion or "none"
 
 # The custom op each kernel module registers, as it appears in an exported program's text.
-KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.models.decode_matmul",
-                  "trtbuild.decode_attention": "trtbuild.models.decode_attention"}
+KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.kernels.decode_matmul",
+                  "trtbuild.decode_attention": "trtbuild.kernels.decode_attention"}
 
 
 def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str, job: BuildJob,
@@ -108,7 +108,7 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
                "tactics level none" if level == "none" else "a CPU build")
         return {}, {"note": f"cuBLAS (ATen) for every matmul: {why}"}
     try:
-        from trtbuild.models import decode_matmul as dm
+        from trtbuild.kernels import decode_matmul as dm
     except ImportError as e:  # torch's CUDA wheels bring Triton; a source build may not
         if mode == "kernel":
             raise TrtbuildError(f"options.decode_matmul: 'kernel' needs Triton, which does not import here ({e})") from e
@@ -222,7 +222,7 @@ def pdl_edges(device: str) -> Callable[[int], object]:
     Refused where PDL cannot run: before Hopper, or without the driver's graph-edge functions."""
     import torch
 
-    from trtbuild.backends import pdl
+    from trtbuild.backends.torch import pdl
 
     why = pdl.available(lambda: torch.cuda.get_device_capability(torch.device(device)))
     if why is not None:
@@ -246,7 +246,7 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
     if edit is not None:  # absent: full edges, as every timing before options.decode_timing (their keys stay valid)
         identity["edges"] = "programmatic"
         # and the code that makes them: a timing measured through a broken edit is not reused once it is fixed
-        from trtbuild.backends import pdl
+        from trtbuild.backends.torch import pdl
         identity["edit"] = pdl.source_digest()
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
     cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
@@ -280,7 +280,7 @@ def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, st
     why = None if device.startswith("cuda") else "a CPU build"
     if why is None:
         try:
-            from trtbuild.models import decode_attention
+            from trtbuild.kernels import decode_attention
         except ImportError as e:  # torch's CUDA wheels bring Triton; a source build may not
             why = f"the kernel needs Triton ({e})"
         else:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import BuildJob, BuildOutput, Generation, unavailable
-from trtbuild.backends import trt_common as common
+from trtbuild.backends.tensorrt import common
 from trtbuild.errors import TrtbuildError
 from trtbuild.tactics import write_atomic
 
@@ -40,7 +40,7 @@ NEEDS_CALIBRATION = ("fp8", "int4_awq")  # ModelOpt calibration (a dataset downl
 
 class TensorRTLLMBackend:
     name = "tensorrt-llm"
-    build_modules = ("trtbuild.backends.trt_common",)  # the shared builder settings and timing cache
+    build_modules = ("trtbuild.backends.tensorrt.common",)  # the shared builder settings and timing cache
 
     def check(self, recipe: Any) -> list[str]:
         problems = []

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import BuildJob, BuildOutput, unavailable
-from trtbuild.backends import trt_common as common
+from trtbuild.backends.tensorrt import common
 from trtbuild.errors import InputError, TrtbuildError
 
 OPTIONS = ("workspace_mib", "max_num_tactics", "profiling_verbosity")
@@ -37,7 +37,7 @@ INSPECTOR_JSON = "inspector.json"
 
 class TensorRTBackend:
     name = "tensorrt"
-    build_modules = ("trtbuild.backends.trt_common",)  # the shared builder settings and timing cache
+    build_modules = ("trtbuild.backends.tensorrt.common",)  # the shared builder settings and timing cache
 
     def check(self, recipe: Any) -> list[str]:
         problems = []
@@ -59,14 +59,14 @@ class TensorRTBackend:
         return problems
 
     def toolchain(self) -> dict[str, str]:
-        trt = _import_trt()
+        trt = common.import_tensorrt()
         import torch
 
         return {"tensorrt": str(trt.__version__), "cuda": str(torch.version.cuda or "")}
 
     # -- build -----------------------------------------------------------------------------------
     def build(self, job: BuildJob) -> BuildOutput:
-        trt = _import_trt()
+        trt = common.import_tensorrt()
         recipe, opts = job.recipe, job.recipe.options
         eleven = common.major_version(trt) >= 11
         if eleven and recipe.precision != "onnx":
@@ -134,19 +134,9 @@ class TensorRTBackend:
                            extra={"versions": versions, "gpu": job.device, "plan_bytes": int(plan.nbytes)})
 
     def load(self, entry: Path, manifest: dict[str, Any]) -> Any:
-        from trtbuild.backends.trt_runtime import TensorRTEngine
+        from trtbuild.backends.tensorrt.runtime import TensorRTEngine
 
         return TensorRTEngine(entry, manifest)
-
-
-def _import_trt() -> Any:
-    try:
-        import tensorrt
-    except ImportError as exc:
-        raise unavailable("tensorrt", f"the tensorrt Python package cannot be imported ({exc})") from None
-    if not hasattr(tensorrt, "Builder"):  # tensorrt_lean / tensorrt_dispatch have no builder
-        raise unavailable("tensorrt", f"the installed tensorrt {tensorrt.__version__} is a runtime-only package")
-    return tensorrt
 
 
 def _parser_errors(parser: Any) -> list[str]:

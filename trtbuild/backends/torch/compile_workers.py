@@ -101,7 +101,7 @@ class Workers:
         # Inductor sizes its own compile pool by the CPU count; split the cores between the processes.
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(self.threads_each))
         with open(self.folder / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "trtbuild.backends.compile_workers", str(path)],
+            proc = subprocess.Popen([sys.executable, "-m", "trtbuild.backends.torch.compile_workers", str(path)],
                                     stdout=log, stderr=subprocess.STDOUT, env=env)
         self.running[name] = (proc, path)
 
@@ -182,11 +182,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     """
     import torch
 
-    from trtbuild.backends import decode_kernels, export, graph_cache, torch_aoti
+    from trtbuild.backends.torch import decode_kernels, export, graph_cache, inductor
     from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes, read_config
 
     _, cfg = read_config(Path(spec["folder"]))
-    dtype = getattr(torch, torch_aoti.DTYPE_NAMES[spec["precision"]])
+    dtype = getattr(torch, inductor.DTYPE_NAMES[spec["precision"]])
     shapes = SimpleNamespace(max_batch_size=spec["max_batch_size"], max_input_len=spec["max_input_len"],
                              max_seq_len=spec["max_seq_len"])
     # Uninitialized weights, on the CPU like the build's own, through the same placement: what a graph
@@ -197,20 +197,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     del hf
     matmuls: dict[decode_kernels.MatmulKey, Any] = {}
     if spec["matmuls"]:
-        from trtbuild.models.matmul_configs import MatmulConfig
+        from trtbuild.kernels.matmul_configs import MatmulConfig
 
         for key, name in spec["matmuls"].items():
             matmuls[decode_kernels.parse_key(key)] = MatmulConfig.parse(name)
     graph = export.export_graph(model, spec["graph"], shapes, spec["device"], matmuls, spec["attention"],
                                     spec.get("prefill_attention", "sdpa"))
-    configs = torch_aoti.inductor_configs(spec["level"], spec["device"], spec["graph"])
+    configs = inductor.inductor_configs(spec["level"], spec["device"], spec["graph"])
     digest = graph_cache.graph_digest(graph["program"], configs)
     if digest != spec["digest"]:
         raise TrtbuildError(f"{spec['graph']}: the worker's export has cache key {digest[:12]}, the build's "
                             f"{spec['digest'][:12]}; not compiled here")
     tuned: list[dict[str, Any]] = []
     t = time.perf_counter()
-    with torch_aoti.inductor_caches(Path(spec["tactics"])), torch_aoti.record_autotuning(tuned), \
+    with inductor.inductor_caches(Path(spec["tactics"])), inductor.record_autotuning(tuned), \
             timing_alone(Path(spec["tactics"]) / TIMING_LOCK):
         graph_cache.compile_or_reuse(graph, spec["graph"], configs, digest, Path(spec["tactics"]),
                                      Path(spec["workdir"]))

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trtbuild.backends.weights_reader import (Job, TensorEntry, contiguous_groups, entries, host_bytes, open_sequential,
+from trtbuild.backends.torch.weights_reader import (Job, TensorEntry, contiguous_groups, entries, host_bytes, open_sequential,
                                               pread_into)
 
 CHUNK = 64 << 20  # fewer, larger chunks than the loader's: each one takes the GIL from the import a few times
@@ -263,7 +263,7 @@ def start_for(entry: Path) -> list[Path]:
     """Start reading a cached CUDA engine's weights (a guess of the entry `TorchEngine` will load), with
     the threads its loader would use; the files it reads. Never raises: whatever stops it, the loader
     reads as before and reports what is wrong."""
-    from trtbuild.backends.torch_runtime import load_threads
+    from trtbuild.backends.torch.weights_reader import load_threads
     from trtbuild.errors import TrtbuildError
 
     weights = entry / "weights.safetensors"
@@ -351,7 +351,7 @@ def take(path: Path, device: str) -> Preloaded | None:
         return None
     import torch
 
-    from trtbuild.backends.weights_reader import torch_dtype
+    from trtbuild.backends.torch.weights_reader import torch_dtype
 
     # Every allocation gets its owner first: whatever happens below, each is freed exactly once.
     owned = [(e, Allocation(pre.driver, ptr, e.nbytes) if ptr else None) for e, ptr in pre.tensors]

@@ -24,11 +24,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trtbuild.backends import BuildJob, BuildOutput, compile_workers, decode_kernels, graph_cache, prefill_attention
-from trtbuild.backends.export import bucket, export_graph, model_bytes, place_model
+from trtbuild.backends import BuildJob, BuildOutput
+from trtbuild.backends.torch import compile_workers, decode_kernels, graph_cache, prefill_attention
+from trtbuild.backends.torch.inductor import DTYPE_NAMES, inductor_caches, inductor_configs, kernels_wait, record_autotuning
+from trtbuild.backends.torch.export import bucket, export_graph, model_bytes, place_model
 from trtbuild import fingerprint
 
-DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WEIGHTS = "weights.safetensors"
 ENGINE_JSON = "engine.json"
 # Every recipe option this backend takes, with its modes (the first is the default).
@@ -43,8 +44,9 @@ def _option(recipe: Any, name: str) -> str:
 
 class TorchAOTIBackend:
     name = "torch"
-    build_modules = ("trtbuild.backends.export", "trtbuild.backends.decode_kernels", "trtbuild.backends.prefill_attention",
-                     "trtbuild.backends.graph_cache", "trtbuild.backends.compile_workers")
+    build_modules = ("trtbuild.backends.torch.export", "trtbuild.backends.torch.inductor",
+                     "trtbuild.backends.torch.decode_kernels", "trtbuild.backends.torch.prefill_attention",
+                     "trtbuild.backends.torch.graph_cache", "trtbuild.backends.torch.compile_workers")
 
     def check(self, recipe: Any) -> list[str]:
         problems = [f"options.{k}: unknown option for backend torch (known: {', '.join(OPTIONS)})"
@@ -62,7 +64,7 @@ class TorchAOTIBackend:
     def toolchain(self) -> dict[str, str]:
         import torch
 
-        from trtbuild.backends import cxx
+        from trtbuild.backends.torch import cxx
 
         # The C++ compiler is part of the toolchain: it compiles every graph.
         tools = {"torch": torch.__version__, "cxx": cxx.compiler().version}
@@ -89,7 +91,7 @@ class TorchAOTIBackend:
     def build(self, job: BuildJob) -> BuildOutput:
         import torch
 
-        from trtbuild.backends import weights_preload
+        from trtbuild.backends.torch import weights_preload
         from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
 
         weights_preload.discard()  # a run's guess of another entry: its device memory is the build's now
@@ -205,14 +207,14 @@ class TorchAOTIBackend:
         return BuildOutput(phases=phases, tactics=tactics, extra={"graphs": list(graphs)})
 
     def load(self, entry: Path, manifest: dict[str, Any]) -> Any:
-        from trtbuild.backends.torch_runtime import TorchEngine
+        from trtbuild.backends.torch.runtime import TorchEngine
 
         return TorchEngine(entry)
 
     def preload(self, entry: Path, manifest: dict[str, Any]) -> list[Path]:
         """Start reading a cached engine's weights onto its GPU before torch is imported (weights_preload:
         runtime code, kept out of this module, whose source keys every engine); the files it reads."""
-        from trtbuild.backends import weights_preload
+        from trtbuild.backends.torch import weights_preload
 
         return weights_preload.start_for(entry)
 
@@ -233,118 +235,7 @@ def save_weights(tensors: dict[str, Any], path: Path) -> None:
         raise OSError(code, os.strerror(code), str(path)) from exc
 
 
-def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str, Any]:
-    """Inductor options per tactics level, for one graph (`prefill` or a `decode_b<N>`).
-
-    none: no kernel benchmarking at all (fastest build). default: Inductor's defaults (cuBLAS for
-    every matmul; Triton configs of the other kernels benchmarked). max: also max-autotune for the
-    decode graphs, which benchmarks Triton GEMM templates against cuBLAS for every matmul shape and
-    keeps the faster. Their GEMM shapes are exact (the batch is static; a weight is N x K), so what
-    is measured at build is what runs. The prefill graph keeps `default` at every level above none:
-    its rows (batch x prompt length) are dynamic, and Inductor would benchmark the templates at the
-    export's example size (4 rows) and keep that winner for 2048-row prompts, where cuBLAS picks its
-    kernel per call.
-
-    Coordinate descent is in neither: with it on, Inductor rewrites every batch-1 matmul as a Triton
-    GEMV reduction, and on the H200 (2026-12-03, 1B shape) those ran at 2.1-3.5 TB/s against cuBLAS's
-    2.7-4.3, made the batch-1 decode step slower than the batch-8 one (1.55 vs 1.26 ms) and cost most
-    of a 282 s build. max-autotune keeps cuBLAS wherever cuBLAS measures faster.
-
-    On the CPU, `max` keeps ATen's matmuls: Inductor's C++ GEMM template packs constant weights into
-    new constants at compile time, which a graph whose weights are handed in at load never receives
-    (the engine then refuses to load, naming the missing constants).
-    """
-    base: dict[str, Any] = {"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True}
-    from trtbuild.backends import cxx
-
-    base["cpp.cxx"] = (None, cxx.compiler().path)  # exactly the compiler the key records
-    if graph != "prefill" and pdl_compilable(device):
-        # Inductor's kernels wait for their predecessor inside the kernel, so the runtime may let them
-        # start early in the captured decode step (trtbuild/backends/pdl.py). The prefill graph is not
-        # captured: it gains nothing.
-        base["triton.enable_pdl"] = True
-    if level == "none":
-        return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
-    if level == "default" or graph == "prefill":
-        return base
-    tuned = base | {"max_autotune": True, "coordinate_descent_tuning": False}
-    return tuned if device.startswith("cuda") else tuned | {"max_autotune_gemm_backends": "ATEN"}
-
-
-def pdl_compilable(device: str) -> bool:
-    """Whether Inductor compiles the PDL wait into its kernels for `device`: a Hopper or later GPU, and an
-    Inductor with the option. TRTBUILD_INDUCTOR_PDL=0 says no (a diagnostic switch: the runtime then lets
-    only trtbuild's own kernels start early, as the engine spec records; the key records it through
-    fingerprint.compile_environment)."""
-    if os.environ.get("TRTBUILD_INDUCTOR_PDL", "1") == "0" or not kernels_wait(device):
-        return False
-    import torch
-
-    return hasattr(torch._inductor.config.triton, "enable_pdl")
-
-
-def kernels_wait(device: str) -> bool:
-    """Whether trtbuild's decode kernels are compiled with the PDL wait for `device`: the test their
-    launchers make (models/grid_dependency.py), a Hopper or later GPU."""
-    if not device.startswith("cuda"):
-        return False
-    try:
-        from trtbuild.models.grid_dependency import waits_on
-    except ImportError:  # no Triton: no trtbuild kernels either
-        return False
-    return waits_on(device)
-
-
 def folds_norms(recipe: Any, device: str) -> bool:
     """Whether a build folds the norms' gains into the weights: with decode_fusion fused, for the decode
     kernels, which run on CUDA only (a CPU build keeps its weights as the checkpoint has them)."""
     return device == "cuda" and _option(recipe, "decode_fusion") == "fused"
-
-
-@contextlib.contextmanager
-def inductor_caches(path: Path) -> Iterator[None]:
-    """Point Inductor's and Triton's caches (compiled kernels, autotune choices) at the tactic cache."""
-    wanted = {"TORCHINDUCTOR_CACHE_DIR": str(path / "inductor"), "TRITON_CACHE_DIR": str(path / "triton")}
-    saved = {k: os.environ.get(k) for k in wanted}
-    os.environ.update(wanted)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
-def record_autotuning(out: list[dict[str, Any]]) -> Iterator[None]:
-    """Collect every GEMM selection Inductor benchmarks: the candidates, their times, the winner.
-
-    Inductor also prints each selection's table to stderr (pages of them for a model at tactics
-    `max`); the manifest keeps the same facts, so the tables are shown only with TRTBUILD_DEBUG=1.
-    """
-    from torch._inductor import config
-    from torch._inductor import select_algorithm as sa
-
-    quiet = os.environ.get("TRTBUILD_DEBUG") != "1"
-    was_printing = getattr(sa, "PRINT_AUTOTUNE", None)
-    if quiet and was_printing is not None:
-        sa.PRINT_AUTOTUNE = False
-    stats_flag = "max_autotune_report_choices_stats"  # its "Autotune Choices Stats" lines (not in every torch)
-    stats = {stats_flag: False} if quiet and hasattr(config, stats_flag) else {}
-
-    def saver(timings: dict[Any, float], name: str, *rest: Any) -> None:
-        ranked = sorted(((getattr(c, "name", str(c)), float(t)) for c, t in timings.items()), key=lambda x: x[1])
-        if ranked:
-            out.append({"op": name, "candidates": [{"choice": n, "ms": t} for n, t in ranked[:8]],
-                        "num_candidates": len(ranked), "winner": ranked[0][0], "winner_ms": ranked[0][1]})
-
-    sa.add_feedback_saver(saver)
-    try:
-        with config.patch(stats):
-            yield
-    finally:
-        sa.clear_feedback_savers()
-        if was_printing is not None:
-            sa.PRINT_AUTOTUNE = was_printing

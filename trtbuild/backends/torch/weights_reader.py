@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trtbuild.errors import TrtbuildError
+from trtbuild.errors import InputError, TrtbuildError
 
 DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
@@ -184,3 +184,20 @@ def _read_group_cuda(path: Path, jobs: list[Job], device: str, chunk_bytes: int)
             stream.synchronize()
     finally:
         os.close(fd)
+
+
+DEFAULT_LOAD_THREADS = 8  # what the H200 measurements used (RESULTS.md, seventh session)
+
+
+def load_threads(device: str) -> int:
+    """How many threads read the weights (weights_reader.py); 0 = safetensors' own loader.
+
+    TRTBUILD_LOAD_THREADS=N sets it; unset, a CUDA engine reads with 8 threads (on the H200 the 8B
+    load took 1.01 s against safetensors' 3.08 s warm, 6.75 against 8.03 s cold, and its GPU test
+    found the same tensors) and a CPU one with safetensors' loader (not measured against it there)."""
+    raw = os.environ.get("TRTBUILD_LOAD_THREADS", "").strip()
+    if not raw:
+        return DEFAULT_LOAD_THREADS if device.startswith("cuda") else 0
+    if not raw.isdigit() or int(raw) > 64:
+        raise InputError(f"TRTBUILD_LOAD_THREADS: expected a number of threads from 0 to 64, got {raw!r}")
+    return int(raw)

@@ -33,10 +33,11 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor, waits_on
-from trtbuild.models.grid_dependency import source_digest as wait_digest
-from trtbuild.models.llama import NORMED
-from trtbuild.models.matmul_configs import MatmulConfig, candidates
+from trtbuild.kernels.grid_dependency import release_successor, wait_for_predecessor, waits_on
+from trtbuild.kernels.grid_dependency import source_digest as wait_digest
+from trtbuild.kernels import fusions
+from trtbuild.kernels.fusions import FUSIONS, GAINED, GATED, NORMED  # noqa: F401 (FUSIONS: the names callers use)
+from trtbuild.kernels.matmul_configs import MatmulConfig, candidates
 from trtbuild.timing import graph_seconds
 
 MAX_ROWS = 16  # the dot path pads the rows to 16; a larger batch is a GEMM, cuBLAS's ground
@@ -44,22 +45,10 @@ MAX_ROWS = 16  # the dot path pads the rows to 16; a larger batch is a GEMM, cuB
 
 def source_digest() -> str:
     """This file's content and its wait's: a compiled graph that calls the kernel is only reusable with the same kernel."""
-    return hashlib.sha256(Path(__file__).read_bytes() + wait_digest().encode()).hexdigest()[:16]
+    return hashlib.sha256(Path(__file__).read_bytes() + Path(fusions.__file__).read_bytes()
+                          + wait_digest().encode()).hexdigest()[:16]
 
 
-# What a decode matmul can absorb from the code around it, so each is one launch instead of two or three
-# (the H200 profiles show each small norm, gating or add kernel at 1.4-2.3 us, 3-4 of them per layer):
-#   none      y = x @ w^T
-#   norm      y = rmsnorm(x) @ w^T            (the RMSNorm before QKV, gate/up and the LM head)
-#   residual  y = r + x @ w^T                 (the residual add after the output and down projections)
-#   norm_gate y = silu(a) * b, [a | b] = rmsnorm(x) @ w^T   (gate/up: w holds both halves, y half as wide)
-#   gate      y = silu(a) * b, [a | b] = x @ w^T            (gate/up with the norm left outside)
-#   rms       y = (x / rms(x)) @ w^T, rms_gate likewise: the norm with its gain already folded into w
-#             (`Transformer.fold_norm_gains`), so the kernel reads no gain vector and scales nothing per
-#             element; it only sums x's squares as it streams, and scales the sums once at the end
-FUSIONS = ("none", "norm", "residual", "norm_gate", "gate", "rms", "rms_gate")
-GATED = ("norm_gate", "gate", "rms_gate")
-GAINED = ("norm", "norm_gate")  # the normed fusions whose gain the kernel applies itself
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from trtbuild.backends import decode_kernels
+from trtbuild.backends.torch import decode_kernels
 from trtbuild.errors import TrtbuildError
 
 def program_text(program: Any) -> str:

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import Generation
-from trtbuild.backends.decode_graphs import DecodeGraphs
-from trtbuild.backends.prefill_graphs import PrefillGraphs, prefill_graph_limit
+from trtbuild.backends.torch.decode_graphs import DecodeGraphs
+from trtbuild.backends.torch.prefill_graphs import PrefillGraphs, prefill_graph_limit
 from trtbuild.errors import InputError, TrtbuildError
 from trtbuild.timing import StepClock, sync
 
@@ -44,8 +44,8 @@ class TorchEngine:
         import torch
         from safetensors.torch import load_file
 
-        from trtbuild.backends import weights_preload
-        from trtbuild.backends.weights_reader import read_safetensors
+        from trtbuild.backends.torch import weights_preload
+        from trtbuild.backends.torch.weights_reader import load_threads, read_safetensors
         from trtbuild.models.llama import LlamaConfig, kv_cache_shape, rope_table
 
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -216,7 +216,7 @@ class _Model:
     def __init__(self, so: Path, device: str) -> None:
         import torch
 
-        from trtbuild.backends import cxx
+        from trtbuild.backends.torch import cxx
 
         aoti = torch._C._aoti
         cxx.check_symbols(str(so))  # a clear error where the graph would otherwise segfault
@@ -246,26 +246,9 @@ class _Model:
         return self.runner.run([t.contiguous() for t in inputs])[0]
 
 
-DEFAULT_LOAD_THREADS = 8  # what the H200 measurements used (RESULTS.md, seventh session)
-
-
-def load_threads(device: str) -> int:
-    """How many threads read the weights (weights_reader.py); 0 = safetensors' own loader.
-
-    TRTBUILD_LOAD_THREADS=N sets it; unset, a CUDA engine reads with 8 threads (on the H200 the 8B
-    load took 1.01 s against safetensors' 3.08 s warm, 6.75 against 8.03 s cold, and its GPU test
-    found the same tensors) and a CPU one with safetensors' loader (not measured against it there)."""
-    raw = os.environ.get("TRTBUILD_LOAD_THREADS", "").strip()
-    if not raw:
-        return DEFAULT_LOAD_THREADS if device.startswith("cuda") else 0
-    if not raw.isdigit() or int(raw) > 64:
-        raise InputError(f"TRTBUILD_LOAD_THREADS: expected a number of threads from 0 to 64, got {raw!r}")
-    return int(raw)
-
-
 def pdl_mode(graph: dict[str, Any], device: str, allowed: bool = True) -> dict[str, Any]:
     """Whether the captured graphs of one decode package use programmatic dependent launch
-    (trtbuild/backends/pdl.py): {"on": bool, "inductor": bool, "trtbuild": bool, "why"}. On for CUDA where
+    (trtbuild/backends/torch/pdl.py): {"on": bool, "inductor": bool, "trtbuild": bool, "why"}. On for CUDA where
     the GPU and driver support it, for the kernels the engine spec's graph says were compiled with the
     wait: Inductor's (`"pdl"`) and trtbuild's (`"trtbuild_wait"`). Not `allowed`: TRTBUILD_PDL=0 (A/B
     runs and diagnosis)."""
@@ -275,7 +258,7 @@ def pdl_mode(graph: dict[str, Any], device: str, allowed: bool = True) -> dict[s
         return {"on": False, "why": "CPU"}
     import torch
 
-    from trtbuild.backends import pdl
+    from trtbuild.backends.torch import pdl
 
     why = pdl.available(lambda: torch.cuda.get_device_capability(device))
     if why is not None:

@@ -104,7 +104,7 @@ class DecodeGraphs:
             self._step(window)
         self._pool = graph.pool()
         if self.pdl["on"]:
-            from trtbuild.backends import pdl
+            from trtbuild.backends.torch import pdl
 
             try:
                 self.pdl_report = self.pdl | pdl.overlap(graph.raw_cuda_graph(), self.pdl["inductor"],

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch from inside trtbuild's Triton kernels (the runtime side: trtbuild/backends/pdl.py).
+"""Programmatic dependent launch from inside trtbuild's Triton kernels (the runtime side: trtbuild/backends/torch/pdl.py).
 
 A kernel that may be scheduled before its predecessor completes must wait for it (`griddepcontrol.wait`)
 before it reads or writes any memory, and may let its own successor be scheduled before it completes

@@ -35,8 +35,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from trtbuild.models.grid_dependency import release_successor, wait_for_predecessor, waits_on
-from trtbuild.models.grid_dependency import source_digest as wait_digest
+from trtbuild.kernels.grid_dependency import release_successor, wait_for_predecessor, waits_on
+from trtbuild.kernels.grid_dependency import source_digest as wait_digest
 
 BLOCK_S = 32  # cache slots per loop step: a (16 x D) by (D x 32) dot, and K and V tiles of 32 rows
 TARGET_PROGRAMS = 256  # slices per step ~ two waves on the H200's 132 SMs, whatever the batch
