@@ -1,0 +1,323 @@
+"""Continuous batching over an engine's slots: the loop between the HTTP server and the device.
+
+A bounded queue of waiting requests; at each step boundary the scheduler drops what was cancelled,
+admits waiting requests into free cache rows (the lowest rows first, so the running rows stay in the
+smallest batch bucket), prefills each newcomer, then runs one decode step for every running row, each
+at its own position. A request that ends (a stop token, a stop string, its token budget, a cancel or a
+disconnect) gives its row back at once. The engine runs in one thread of its own; callers, usually an
+asyncio loop, hear of tokens through a callback that must not block.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from trtbuild.errors import InputError, TrtbuildError
+
+log = logging.getLogger(__name__)
+
+
+class SlotEngine(Protocol):
+    """The part of a loaded engine the scheduler drives (trtbuild.backends.Engine's slot API)."""
+
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    vocab_size: int
+
+    def prefill(self, slot: int, prompt: list[int], sampling: Any) -> int: ...
+
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int], sampling: list[Any]) -> list[int]: ...
+
+    def release(self, slot: int) -> None: ...
+
+
+class TextWatch(Protocol):
+    """Per request: turns tokens into text that is safe to emit (no half characters) and spots stop strings."""
+
+    def feed(self, token: int) -> tuple[str, bool]:
+        """The text that became final with this token, and whether a stop string has now appeared (the text
+        then ends before it)."""
+        ...
+
+    def flush(self) -> str:
+        """What was held back, emitted once the request ends by anything but a stop string."""
+        ...
+
+
+class Observer(Protocol):
+    """Where the scheduler reports what metrics need (serve.py's Prometheus collectors); every method cheap."""
+
+    def queued(self, waiting: int, running: int) -> None: ...
+
+    def first_token(self, seconds: float, prompt_tokens: int) -> None: ...
+
+    def token_interval(self, seconds: float) -> None: ...
+
+    def step(self, rows: int, bucket: int, seconds: float, context_tokens: int) -> None: ...
+
+    def finished(self, reason: str, generated: int) -> None: ...
+
+
+class _Quiet:
+    def queued(self, waiting: int, running: int) -> None: pass
+
+    def first_token(self, seconds: float, prompt_tokens: int) -> None: pass
+
+    def token_interval(self, seconds: float) -> None: pass
+
+    def step(self, rows: int, bucket: int, seconds: float, context_tokens: int) -> None: pass
+
+    def finished(self, reason: str, generated: int) -> None: pass
+
+
+class QueueFull(TrtbuildError):
+    """The waiting queue is at its bound; `retry_after_s` is a guess at when a place frees up."""
+
+    def __init__(self, limit: int, retry_after_s: float) -> None:
+        super().__init__(f"the server's queue is full ({limit} waiting requests)", hint="retry later")
+        self.retry_after_s = retry_after_s
+
+
+class ShuttingDown(TrtbuildError):
+    """The scheduler is draining for exit and takes no new requests."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request's callback receives: one generated token (with the text it made final), or the end.
+
+    `finish` is None while the request runs, else "stop" (a stop token or string), "length" (max_tokens),
+    "cancelled" or "error" (`error` says what). A stop token itself is never delivered (`token` None)."""
+
+    token: int | None
+    text: str = ""
+    finish: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """One generation: the prompt's token ids, how to sample, when to stop, and where its events go."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: Any = None  # trtbuild.sampling.Sampling; None means the engine's default (greedy)
+    stop_ids: frozenset[int] = frozenset()  # EOS ids and the request's stop token ids
+    watch: TextWatch | None = None  # text and stop strings; None: tokens only
+    on_event: Callable[[Event], None] = lambda event: None  # called from the engine thread: must not block
+    id: int = field(default_factory=itertools.count().__next__)
+    # filled in by the scheduler
+    arrived: float = 0.0
+    generated: int = 0
+    slot: int | None = None
+    position: int = 0  # the position of the token fed at the next decode step
+    last_token: int = 0
+    last_time: float = 0.0
+    cancelled: bool = False
+    done: bool = False
+
+
+def check_request(engine: SlotEngine, prompt: list[int], max_tokens: int) -> None:
+    """Raise InputError naming the engine limit this request exceeds; a request is never truncated."""
+    n = len(prompt)
+    if n == 0:
+        raise InputError("prompt: empty; at least one token is needed")
+    if n > engine.max_input_len:
+        raise InputError(f"prompt: {n} tokens, more than the engine's max_input_len of {engine.max_input_len}")
+    if max_tokens < 1:
+        raise InputError(f"max_tokens: must be >= 1, got {max_tokens}")
+    if n + max_tokens > engine.max_seq_len:
+        raise InputError(f"max_tokens: the prompt's {n} tokens plus {max_tokens} new ones exceed the engine's "
+                         f"max_seq_len of {engine.max_seq_len} (at most {max(engine.max_seq_len - n, 0)} new tokens)")
+    bad = next((t for t in prompt if not 0 <= t < engine.vocab_size), None)
+    if bad is not None:
+        raise InputError(f"prompt: token id {bad} is outside the vocabulary [0, {engine.vocab_size})")
+
+
+class Scheduler:
+    """Continuous batching over `engine`'s rows. `start()` runs the loop in its own thread; tests may call
+    `step()` directly instead. `buckets` are the engine's decode batch sizes (for occupancy figures)."""
+
+    def __init__(self, engine: SlotEngine, max_queue: int = 256, buckets: list[int] | None = None,
+                 observer: Observer | None = None) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.buckets = sorted(buckets or [engine.max_batch_size])
+        self.observer: Observer = observer or _Quiet()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # in admission order
+        self._free: list[int] = list(range(engine.max_batch_size))  # a heap: the lowest row first
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False  # no new requests (draining)
+        self.step_s = 0.05  # a running estimate of one step, for Retry-After
+
+    # -- the caller's side (any thread) -----------------------------------------------------------------
+    def submit(self, request: Request) -> Request:
+        """Queue a request, or raise InputError (does not fit the engine), QueueFull or ShuttingDown."""
+        check_request(self.engine, request.prompt, request.max_tokens)
+        with self._wake:
+            if self._closed:
+                raise ShuttingDown("the server is shutting down", hint="retry on another replica")
+            if len(self._waiting) >= self.max_queue:
+                # one place frees when a running row ends; a step per token of the shortest remaining budget
+                raise QueueFull(self.max_queue, max(1.0, self.step_s * self._soonest_end()))
+            request.arrived = time.perf_counter()
+            self._waiting.append(request)
+            self.observer.queued(len(self._waiting), len(self._running))
+            self._wake.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """End a request (a client gone, a stop string seen by the caller); its row frees at the next step."""
+        with self._wake:
+            request.cancelled = True
+            self._wake.notify()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def bucket_for(self, rows: int) -> int:
+        """The smallest decode bucket that holds `rows` running rows."""
+        return next(b for b in self.buckets if b >= rows)
+
+    # -- the engine thread --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="trtbuild-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Refuse new requests; with `drain`, let the queued and running ones finish first, else cancel them."""
+        with self._wake:
+            self._closed = True
+            if not drain:
+                for r in [*self._waiting, *self._running]:
+                    r.cancelled = True
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._waiting or self._running) and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and not (self._waiting or self._running):
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a bug here must end the requests it touched, never the server
+                log.exception("scheduler step failed")
+                for r in list(self._running):
+                    self._finish(r, "error", f"{type(exc).__name__}: {exc}", flushed=True)
+
+    def step(self) -> bool:
+        """One step boundary: free cancelled rows, admit and prefill newcomers, decode every running row.
+        Returns whether there was anything to do."""
+        for r in [r for r in self._running if r.cancelled]:  # first: their rows go to the newcomers
+            self._finish(r, "cancelled")
+        with self._wake:
+            for r in [r for r in self._waiting if r.cancelled]:
+                self._waiting.remove(r)
+                self._finish(r, "cancelled")
+            newcomers = []
+            while self._waiting and len(newcomers) < len(self._free):
+                newcomers.append(self._waiting.popleft())
+        for r in newcomers:
+            self._prefill(r)
+        if self._running:
+            self._decode()
+        self.observer.queued(len(self._waiting), len(self._running))
+        return bool(newcomers or self._running)
+
+    def _prefill(self, r: Request) -> None:
+        r.slot = heapq.heappop(self._free)
+        self._running.append(r)
+        try:
+            token = self.engine.prefill(r.slot, r.prompt, r.sampling)
+        except Exception as exc:  # one bad request must not take the server down
+            self._finish(r, "error", f"prefill failed: {type(exc).__name__}: {exc}")
+            return
+        now = time.perf_counter()
+        self.observer.first_token(now - r.arrived, len(r.prompt))
+        r.position, r.last_time = len(r.prompt), now
+        self._accept(r, token)
+
+    def _decode(self) -> None:
+        rows = list(self._running)
+        t = time.perf_counter()
+        try:
+            tokens = self.engine.decode([r.slot for r in rows], [r.last_token for r in rows],  # type: ignore[misc]
+                                        [r.position for r in rows], [r.sampling for r in rows])
+        except Exception as exc:
+            for r in rows:
+                self._finish(r, "error", f"decode failed: {type(exc).__name__}: {exc}")
+            return
+        now = time.perf_counter()
+        self.step_s = 0.9 * self.step_s + 0.1 * (now - t)
+        self.observer.step(len(rows), self.bucket_for(len(rows)), now - t, sum(r.position + 1 for r in rows))
+        for r, token in zip(rows, tokens):
+            self.observer.token_interval(now - r.last_time)
+            r.last_time = now
+            r.position += 1
+            self._accept(r, token)
+
+    def _accept(self, r: Request, token: int) -> None:
+        try:
+            self._deliver(r, token)
+        except Exception as exc:  # a tokenizer's or a callback's failure ends this request, not the loop
+            self._finish(r, "error", f"{type(exc).__name__}: {exc}", flushed=True)
+
+    def _deliver(self, r: Request, token: int) -> None:
+        """Deliver a generated token, or end the request on it."""
+        if token in r.stop_ids:
+            self._finish(r, "stop")
+            return
+        r.generated += 1
+        r.last_token = token
+        text, stopped = r.watch.feed(token) if r.watch is not None else ("", False)
+        if stopped:
+            if text:
+                r.on_event(Event(None, text))
+            self._finish(r, "stop", flushed=True)
+        elif r.generated >= r.max_tokens:
+            r.on_event(Event(token, text))
+            self._finish(r, "length")
+        else:
+            r.on_event(Event(token, text))
+
+    def _finish(self, r: Request, reason: str, error: str | None = None, flushed: bool = False) -> None:
+        if r.done:
+            return
+        r.done = True
+        if r.slot is not None:
+            self._running.remove(r)
+            self.engine.release(r.slot)
+            heapq.heappush(self._free, r.slot)
+            r.slot = None
+        self.observer.finished(reason, r.generated)
+        try:
+            tail = r.watch.flush() if r.watch is not None and not flushed and reason != "error" else ""
+            r.on_event(Event(None, tail, finish=reason, error=error))
+        except Exception as exc:
+            if reason != "error":  # the caller still hears that its request ended
+                r.on_event(Event(None, "", finish="error", error=f"{type(exc).__name__}: {exc}"))
+
+    def _soonest_end(self) -> int:
+        return min((r.max_tokens - r.generated for r in list(self._running)), default=1)
