@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers
 import trtbuild  # noqa: E402,F401  - before torch: one libstdc++ for the compiled graphs (backends/cxx.py)
 
 import targets  # noqa: E402
+from trtbuild import ceilings  # noqa: E402
+from trtbuild.ceilings import time_op  # noqa: E402  - the variants time with it too
 from restart import child, child_main, measure_restart  # noqa: E402
 
 VARIANTS = ("engine", "eager", "compile", "hf")
@@ -53,43 +55,9 @@ QUICK = Plan(8, 36, 3, 2, (8, 32, 64), 5, 64 << 20, 512)
 
 
 # -- timing and ceilings ------------------------------------------------------------------------------
-def time_op(fn: Callable[[], Any], device: str, reps: int, warmup: int = 3) -> list[float]:
-    """Seconds per call: CUDA events around each call on a GPU, perf_counter on the CPU."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    cuda = device.startswith("cuda")
-    out = []
-    for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(); fn(); b.record(); b.synchronize()  # noqa: E702
-            out.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter(); fn(); out.append(time.perf_counter() - t)  # noqa: E702
-    return out
-
-
 def measure_ceilings(device: str, plan: Plan) -> dict[str, Any]:
-    import torch
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-
-    def copy_seconds() -> float:
-        src = torch.randn(plan.copy_bytes // 2, dtype=torch.bfloat16, device=device)
-        dst = torch.empty_like(src)
-        return statistics.median(time_op(lambda: dst.copy_(src), device, 50))
-
-    t_copy = copy_seconds()  # its 4 GiB freed on return, before the matmul inputs
-    n = plan.matmul_n
-    mats = [(torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device))
-            for _ in range(3)]  # rotate among inputs so no run times a cache-warm repeat
-    it = iter(range(10**9))
-    t_mm = statistics.median(time_op(lambda: torch.mm(*mats[next(it) % 3]), device, 30))
-    return {"copy_bytes": plan.copy_bytes, "copy_s": t_copy, "copy_Bps": 2 * plan.copy_bytes / t_copy,
-            "copy_note": "bytes read + written", "matmul_n": n, "matmul_dtype": str(dtype).replace("torch.", ""),
-            "matmul_s": t_mm, "matmul_flops_per_s": 2 * n**3 / t_mm}
+    """Copy bandwidth and matmul rate, by the probe `trtbuild profile` uses too (trtbuild/ceilings.py)."""
+    return ceilings.measure(device, plan.copy_bytes, plan.matmul_n)
 
 
 # -- floors ---------------------------------------------------------------------------------------------
