@@ -72,7 +72,7 @@ def test_run_in_a_new_process_reuses_the_engine(built: dict[str, Any]) -> None:
     parts = report["load_parts"]
     assert set(parts) == {"graphs_s", "weights_s", "constants_s"} and all(v > 0 for v in parts.values())
     assert sum(parts.values()) <= report["phases"]["load_s"]
-    assert report["ttft_ms"] > 0 and report["tpot_ms"]["p50"] > 0 and report["tokens_per_s"] > 0
+    assert report["ttft_ms"] > 0 and report["tpot_ms"]["p50"] > 0 and report["tokens_per_s"]["decode"] > 0 and report["tokens_per_s"]["end_to_end"] > 0
     assert len(report["output_ids"]) == 1 and len(report["output_ids"][0]) == 8
     assert report["roofline"]["decode_bandwidth_Bps"] > 0 and report["roofline"]["prefill_bandwidth_Bps"] > 0
     # how the decode steps launched, per bucket used: on the CPU no graph, so no PDL, and it says why
@@ -141,7 +141,8 @@ def test_the_prefill_row_names_the_roof_that_binds_it(monkeypatch: pytest.Monkey
     print_table({"recipe": "r", "backend": "torch", "device": "cuda", "engine": {"key": "0" * 64, "cache_hit": True,
                  "path": "p"}, "shape": {"batch_size": 1, "input_len": 128, "output_len": 2}, "output_ids": [],
                  "phases": {"lookup_s": 0.0, "build_s": 0.0, "load_s": 0.1, "warmup_s": 0.1, "end_to_end_s": 0.5},
-                 "ttft_ms": 5.9, "tpot_ms": {"p50": 4.1, "p90": 4.2, "p99": 4.3}, "tokens_per_s": 240.0,
+                 "ttft_ms": 5.9, "tpot_ms": {"p50": 4.1, "p90": 4.2, "p99": 4.3},
+                 "tokens_per_s": {"decode": 243.9, "end_to_end": 4.0},
                  "roofline": roof, "prefill_launch": {"on": True, "replayed": True, "lengths": {"prompt": 100, "graph": 128},
                                                       "shapes": [[1, 128]], "limit": 4, "captures_reserved_mib": 12.0}})
     out = capsys.readouterr().out

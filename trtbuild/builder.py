@@ -41,6 +41,9 @@ class BuildOutcome:
     waited_for: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
     startup_s: float = 0.0  # importing the backend's framework and finding the device; not in lookup_s
+    quarantined: list[str] = field(default_factory=list)  # corrupt entries this lookup moved aside, and where
+    reused: list[str] = field(default_factory=list)  # what a build took from the tactic cache (compiled graphs)
+    store: str = ""  # the store's folder and why it is that one (flag, variable or default)
 
     @property
     def key(self) -> str:
@@ -119,9 +122,12 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
     backend, model, material, key = _resolve(recipe, store, toolchain)
     entry = store.lookup(key, full_verify=full_verify)
     lookup_s = time.perf_counter() - t0 - startup_s
+    where = f"{store.root} ({store.origin})"
     if entry is not None:
         store.record("hit", key=key, name=recipe.name, saved_s=entry.manifest.get("build", {}).get("total_s"))
-        return BuildOutcome(entry, True, lookup_s, 0.0, model, startup_s=startup_s)
+        return BuildOutcome(entry, True, lookup_s, 0.0, model, startup_s=startup_s, store=where)
+    if store.quarantined:
+        progress(f"corrupt entry {store.quarantined[-1]}; building it again")
     store.record("miss", key=key, name=recipe.name)
     if not allow_build:
         raise _missing(recipe, store, material, key)
@@ -136,9 +142,10 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
         if entry is not None:
             store.record("hit", key=key, name=recipe.name, saved_s=entry.manifest.get("build", {}).get("total_s"))
             return BuildOutcome(entry, True, lookup_s, 0.0, model, waited_for=waited[0] if waited else None,
-                                startup_s=startup_s)
+                                startup_s=startup_s, quarantined=list(store.quarantined), store=where)
         outcome = _build_locked(recipe, store, backend, model, material, key, progress)
-        outcome.lookup_s, outcome.startup_s = lookup_s, startup_s
+        outcome.lookup_s, outcome.startup_s, outcome.store = lookup_s, startup_s, where
+        outcome.quarantined = list(store.quarantined)
         return outcome
 
 
@@ -188,7 +195,8 @@ def _build_locked(recipe: Recipe, store: Store, backend: backends.Backend, model
         shutil.rmtree(workdir, ignore_errors=True)
         raise
     store.record("build", key=key, name=recipe.name, build_s=build_s)
-    return BuildOutcome(entry, False, 0.0, build_s, model, phases=dict(output.phases))
+    reused = list(output.tactics.get("compiled_graphs_reused", [])) if isinstance(output.tactics, dict) else []
+    return BuildOutcome(entry, False, 0.0, build_s, model, phases=dict(output.phases), reused=reused)
 
 
 def _missing(recipe: Recipe, store: Store, material: dict[str, Any], key: str) -> EngineMissingError:

@@ -15,7 +15,8 @@ import click
 from trtbuild.errors import InputError, TrtbuildError
 
 engines_option = click.option("--engines", type=click.Path(file_okay=False), default=None,
-                              help="Engine store folder (default: $TRTBUILD_ENGINES, else ./engines).")
+                              help="Engine store folder (default: $TRTBUILD_ENGINES, else ~/.cache/trtbuild/engines).")
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress lines (a wait for another build still shows).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 recipe_arg = click.argument("recipe", type=click.Path(dir_okay=False))
 
@@ -42,18 +43,34 @@ def main() -> None:
 
 @contextlib.contextmanager
 def _progress(quiet: bool) -> Iterator[Callable[[str], None]]:
-    """Progress lines on stderr, as a live status line on a terminal; nothing under --json."""
-    if quiet:  # JSON on stdout; only a wait for another process's build is worth a line on stderr
+    """Build progress on stderr: on a terminal a live line with the phase and the seconds since the build
+    started, and each finished phase kept above it; elsewhere one timestamped line a phase. `--quiet` and
+    `--json` keep only a wait for another process's build (worth knowing: it can take minutes)."""
+    if quiet:
         yield lambda message: click.echo(f"trtbuild: {message}", err=True) if message.startswith("waiting") else None
         return
+    import time
+
     from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    if console.is_terminal:
-        with console.status("starting") as status:
-            yield lambda message: status.update(message)
-    else:
-        yield lambda message: click.echo(f"trtbuild: {message}", err=True)
+    t0 = time.perf_counter()
+    if not console.is_terminal:
+        yield lambda message: click.echo(f"trtbuild: [{time.perf_counter() - t0:6.1f} s] {message}", err=True)
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        last: list[str] = []
+
+        def show(message: str) -> None:
+            if last:  # the phase that just ended stays on screen with the time it ended at
+                console.print(f"[dim]{time.perf_counter() - t0:6.1f} s[/dim]  {last[0]}", highlight=False)
+            last[:] = [message]
+            bar.update(task, description=message)
+
+        yield show
 
 
 def _load(path: str) -> Any:
@@ -74,6 +91,15 @@ def validate(recipes: tuple[str, ...]) -> None:
             failed.append(exc)
             click.echo(f"Error: {exc}", err=True)
         else:
+            if recipe.model.kind == "local" and recipe.model.path is not None and recipe.model.path.is_dir():
+                try:  # what `run` would refuse in the folder, read from its config and the weights' headers
+                    from trtbuild.models.checkpoint import check_folder
+
+                    check_folder(recipe.model.path)
+                except TrtbuildError as exc:
+                    failed.append(exc)
+                    click.echo(f"Error: {path}: model.source: {exc}", err=True)
+                    continue
             click.echo(f"{path}: ok ({recipe.name}, backend {recipe.backend}, {recipe.precision})")
     if failed:
         sys.exit(max(e.exit_code for e in failed))
@@ -84,15 +110,17 @@ def validate(recipes: tuple[str, ...]) -> None:
 @engines_option
 @click.option("--verify", is_flag=True, help="Hash every file of a cached engine (sizes are always checked).")
 @json_option
-def build_cmd(recipe: str, engines: str | None, verify: bool, as_json: bool) -> None:
+@quiet_option
+def build_cmd(recipe: str, engines: str | None, verify: bool, as_json: bool, quiet: bool) -> None:
     """Build the recipe's engine, or find it in the store."""
     from trtbuild.builder import build
 
     r = _load(recipe)
-    with _progress(as_json) as progress:
+    with _progress(as_json or quiet) as progress:
         outcome = build(r, engines, full_verify=verify, progress=progress)
     result = {"recipe": r.name, "backend": r.backend,
-              "engine": {"key": outcome.key, "path": str(outcome.entry.path), "cache_hit": outcome.cache_hit},
+              "engine": {"key": outcome.key, "path": str(outcome.entry.path), "cache_hit": outcome.cache_hit,
+                         "store": outcome.store, "quarantined": outcome.quarantined},
               "startup_s": outcome.startup_s, "lookup_s": outcome.lookup_s, "build_s": outcome.build_s,
               "phases": outcome.phases,
               "waited_for": outcome.waited_for}
@@ -100,7 +128,9 @@ def build_cmd(recipe: str, engines: str | None, verify: bool, as_json: bool) -> 
         click.echo(json.dumps(result))
         return
     state = "cache hit" if outcome.cache_hit else f"built in {outcome.build_s:.1f} s"
-    click.echo(f"{r.name}: {state}\n  key  {outcome.key}\n  path {outcome.entry.path}")
+    for damaged in outcome.quarantined:
+        click.echo(f"corrupt entry {damaged}")
+    click.echo(f"{r.name}: {state}\n  key   {outcome.key}\n  path  {outcome.entry.path}\n  store {outcome.store}")
     for name, seconds in outcome.phases.items():
         click.echo(f"  {name:<16} {seconds:8.2f} s")
 
@@ -129,9 +159,10 @@ def _parse_ids(text: str | None) -> list[list[int]] | None:
 @click.option("--iterations", type=int, default=3, show_default=True)
 @click.option("--verify", is_flag=True, help="Hash every engine file before loading (sizes are always checked).")
 @json_option
+@quiet_option
 def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | None, input_len: int | None,
             output_len: int | None, prompt_ids: str | None, prompt_text: str | None, iterations: int,
-            verify: bool, as_json: bool) -> None:
+            verify: bool, as_json: bool, quiet: bool) -> None:
     """Find (or build) the engine, run it, and report every phase."""
     from trtbuild.report import print_table
     from trtbuild.runner import check_run_shape, open_session, run_report
@@ -140,14 +171,21 @@ def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | 
     ids = _parse_ids(prompt_ids)
     if ids is not None and prompt_text is not None:
         raise InputError("--prompt and --prompt-ids: give one of them")
+    if ids is not None and batch_size is not None and batch_size != len(ids):
+        raise InputError(f"--batch-size {batch_size} but --prompt-ids has {len(ids)} row(s): the rows are the batch; "
+                         "drop --batch-size or give one row per sequence (rows separated by ';')")
+    if ids is not None and input_len is not None and input_len != len(ids[0]):
+        raise InputError(f"--input-len {input_len} but --prompt-ids rows have {len(ids[0])} tokens: drop --input-len")
+    if prompt_text is not None and input_len is not None:
+        raise InputError("--input-len and --prompt: the prompt's own length is the input length; drop --input-len")
     # `is None`, not `or`: a 0 given on the command line is refused by name, never replaced by the default
     shape = {"batch_size": r.run.batch_size if batch_size is None else batch_size,
              "input_len": r.run.input_len if input_len is None else input_len,
              "output_len": r.run.output_len if output_len is None else output_len}
     if prompt_text is None:  # checked before the engine loads (a text prompt's length is known once tokenized)
         given = {"batch_size": len(ids), "input_len": len(ids[0])} if ids else {}
-        check_run_shape(r, **(shape | given), iterations=iterations)
-    with _progress(as_json) as progress:
+        check_run_shape(r, **(shape | given), iterations=iterations, prompt="--prompt-ids" if ids else None)
+    with _progress(as_json or quiet) as progress:
         session = open_session(r, engines, build=not no_build, progress=progress, verify=verify)
     with session:
         report = run_report(session, **shape, iterations=iterations, prompt_ids=ids, prompt_text=prompt_text)
@@ -181,31 +219,62 @@ def cache_ls(engines: str | None, as_json: bool) -> None:
     """List engines: name, backend, precision, size, created, last used, key prefix."""
     from trtbuild.store import Store
 
-    entries = Store(engines).entries()
+    store = Store(engines)
+    entries = store.entries()
     rows: list[dict[str, Any]] = [
         {"name": e.name, "backend": e.manifest.get("backend"), "precision": e.manifest.get("precision"),
          "size": e.size(), "created": e.manifest.get("created"), "last_used": e.manifest.get("last_used"),
-         "key": e.key, "path": str(e.path)} for e in entries]
+         "pinned": store.is_pinned(e.key), "key": e.key, "path": str(e.path)} for e in entries]
     if as_json:
         click.echo(json.dumps(rows))
         return
     if not rows:
         click.echo("no engines")
         return
-    click.echo(f"{'NAME':<24} {'BACKEND':<13} {'PREC':<6} {'SIZE':>9}  {'CREATED':<16}  {'LAST USED':<16}  KEY")
+    click.echo(f"{'NAME':<24} {'BACKEND':<13} {'PREC':<6} {'SIZE':>9}  {'CREATED':<16}  {'LAST USED':<16}  "
+               f"{'PINNED':<6}  KEY")
     for r in rows:
         click.echo(f"{r['name']:<24} {r['backend']:<13} {r['precision']:<6} {_size(r['size']):>9}  "
-                   f"{_when(r['created']):<16}  {_when(r['last_used']):<16}  {r['key'][:16]}")
+                   f"{_when(r['created']):<16}  {_when(r['last_used']):<16}  {'yes' if r['pinned'] else '-':<6}  "
+                   f"{r['key'][:16]}")
 
 
 @cache.command("show")
 @click.argument("ref")
 @engines_option
-def cache_show(ref: str, engines: str | None) -> None:
-    """Show an entry's manifest: key material, files, build timings, tactic summary."""
+@json_option
+def cache_show(ref: str, engines: str | None, as_json: bool) -> None:
+    """One entry, by key prefix (6+ characters), name or path: a summary, or its whole manifest with --json."""
     from trtbuild.store import Store
 
-    click.echo(json.dumps(Store(engines).find(ref).manifest, indent=2, sort_keys=True))
+    store = Store(engines)
+    entry = store.find(ref)
+    m = entry.manifest
+    if as_json:
+        click.echo(json.dumps(m, indent=2, sort_keys=True))
+        return
+    recipe = m.get("key_material", {}).get("recipe", {})
+    device = m.get("key_material", {}).get("device", {})
+    toolchain = m.get("key_material", {}).get("backend", {}).get("toolchain", {})
+    build = m.get("build", {})
+    lines = [f"{entry.path.name}",
+             f"  key        {entry.key}",
+             f"  path       {entry.path}",
+             f"  recipe     {m.get('name')} ({m.get('recipe_file') or '-'}), backend {m.get('backend')}, "
+             f"precision {m.get('precision')}",
+             f"  model      {m.get('model_source')}",
+             f"  shapes     {json.dumps(recipe.get('shapes', {}), sort_keys=True)}",
+             f"  device     {device.get('name', device.get('kind', '-'))}",
+             f"  toolchain  {', '.join(f'{k} {v}' for k, v in sorted(toolchain.items()))}",
+             f"  size       {_size(entry.size())} in {len(m.get('files', {}))} files"
+             f"{' (pinned)' if store.is_pinned(entry.key) else ''}",
+             f"  built      {_when(m.get('created'))} in {float(build.get('total_s') or 0):.1f} s on "
+             f"{build.get('host', {}).get('hostname', '-') if isinstance(build.get('host'), dict) else '-'}",
+             f"  last used  {_when(m.get('last_used'))}"]
+    for name, seconds in (build.get("phases") or {}).items():
+        lines.append(f"    {name:<18} {seconds:8.2f} s")
+    lines.append("  (--json for the whole manifest: key material, files and hashes, tactics)")
+    click.echo("\n".join(lines))
 
 
 @cache.command("rm")
@@ -256,7 +325,7 @@ def cache_unpin(ref: str, engines: str | None) -> None:
 @click.option("--older-than", default=None, help="Remove entries unused for this long, e.g. 30d.")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
 def cache_prune(engines: str | None, max_size: str | None, older_than: str | None, dry_run: bool) -> None:
-    """Remove least recently used entries; pinned and in-use entries always stay."""
+    """Remove quarantined entries (oldest first), then least recently used ones; pinned and in-use entries stay."""
     from trtbuild.housekeeping import parse_age, parse_size, plan_prune
     from trtbuild.store import Store
 
@@ -265,6 +334,10 @@ def cache_prune(engines: str | None, max_size: str | None, older_than: str | Non
     store = Store(engines)
     plan = plan_prune(store, parse_size(max_size) if max_size else None, parse_age(older_than) if older_than else None)
     verb = "would remove" if dry_run else "removed"
+    for path, size, when in plan.remove_quarantined:
+        if not dry_run:
+            store.remove_quarantined(path)
+        click.echo(f"{verb} quarantine/{path.name} ({_size(size)}, quarantined {_when(when)})")
     for entry in plan.remove:
         if not dry_run:
             store.remove(entry)
@@ -281,7 +354,7 @@ def cache_prune(engines: str | None, max_size: str | None, older_than: str | Non
 @engines_option
 @json_option
 def cache_explain(recipe: str, engines: str | None, as_json: bool) -> None:
-    """Hit or miss for a recipe; on a miss, the key fields that differ from the nearest entry."""
+    """Hit (exit 0) or miss (exit 1) for a recipe; on a miss, the key fields that differ from the nearest entry."""
     from trtbuild.builder import explain
 
     result = explain(_load(recipe), engines)
@@ -295,13 +368,14 @@ def cache_explain(recipe: str, engines: str | None, as_json: bool) -> None:
         click.echo(f"miss: key {result['key'][:16]}; nearest entry {result['nearest']} differs in:")
         for d in result["differences"]:
             click.echo(f"  {d['field']}: entry {json.dumps(d['entry'])} -> recipe {json.dumps(d['recipe'])}")
+    sys.exit(0 if result["hit"] else 1)  # scripts ask "is it built?" with the exit status
 
 
 @cache.command("stats")
 @engines_option
 @json_option
 def cache_stats(engines: str | None, as_json: bool) -> None:
-    """Hits, misses, builds, and the build seconds that hits saved."""
+    """Hits, misses, builds, the build seconds that hits saved, and what the store and its quarantine hold."""
     from trtbuild.housekeeping import stats
     from trtbuild.store import Store
 
@@ -311,6 +385,8 @@ def cache_stats(engines: str | None, as_json: bool) -> None:
         return
     click.echo(f"hits {counts['hits']}  misses {counts['misses']}  builds {counts['builds']}  "
                f"build time {counts['build_s']:.1f} s  saved by hits {counts['build_s_saved']:.1f} s")
+    click.echo(f"entries {counts['entries']} ({_size(counts['entries_bytes'])})  quarantined {counts['quarantined']} "
+               f"({_size(counts['quarantine_bytes'])}; `trtbuild cache prune` removes them first)")
 
 
 @cache.command("verify")
@@ -342,7 +418,14 @@ def cache_verify(refs: tuple[str, ...], all_: bool, engines: str | None) -> None
 def doctor() -> None:
     """Which backends work here, why not, and this machine's device and toolchain."""
     from trtbuild import backends, fingerprint
+    from trtbuild.store import Store
 
+    missing = _missing_dependencies()
+    for dist, problem in missing:
+        click.echo(f"dependency {dist}: {problem}")
+    click.echo(f"dependencies: {'ok' if not missing else f'{len(missing)} missing (pip install trtbuild again)'}")
+    store = Store()
+    click.echo(f"store: {store.root} ({store.origin})")
     for name in backends.REGISTRY:
         ok, reason = backends.availability(name)
         click.echo(f"{name:<13} {'available' if ok else 'unavailable'}: {reason}")
@@ -356,3 +439,41 @@ def doctor() -> None:
              if shadows else "first in the global scope")
     click.echo(f"c++:    compiler {cxx.compiler().path} ({cxx.compiler().version}); "
                f"libstdc++ {cxx.loaded_libstdcxx() or 'not loaded'}, {state}")
+    if missing:
+        sys.exit(1)
+
+
+def _missing_dependencies() -> list[tuple[str, str]]:
+    """Every runtime dependency that this installation declares (its metadata, so the list cannot go stale),
+    imported: (distribution, problem) for each that is absent or fails to import."""
+    import importlib
+    import re
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("trtbuild") or []
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return [("trtbuild", "not installed (pip install -e .)")]
+    modules: dict[str, list[str]] = {}
+    for module, dists in metadata.packages_distributions().items():
+        for dist in dists:
+            modules.setdefault(_normalize(dist), []).append(module)
+    problems = []
+    for req in requires:
+        if "extra ==" in req:
+            continue
+        dist = _normalize(re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0])
+        names = [m for m in modules.get(dist, []) if not m.startswith("_")]
+        if not names:
+            problems.append((dist, "not installed"))
+            continue
+        for module in names[:1]:
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # noqa: BLE001 - any failure to import is what doctor reports
+                problems.append((dist, f"installed but `import {module}` fails: {exc}"))
+    return problems
+
+
+def _normalize(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from trtbuild import fingerprint
@@ -75,36 +76,52 @@ class PrunePlan:
     remove: list[Entry]
     kept_pinned: list[Entry]
     kept_in_use: list[Entry]
-    size_before: int
+    size_before: int  # entries and quarantine together: what the store takes on disk
     size_after: int
+    remove_quarantined: list[tuple[Path, int, float]] = field(default_factory=list)  # (folder, bytes, when)
 
 
 def plan_prune(store: Store, max_size: int | None, older_than_s: float | None) -> PrunePlan:
-    """Least recently used first: everything older than the age limit, then the oldest-used until
-    the store fits in `max_size`. Pinned entries and entries open in a running process stay."""
+    """What to remove, quarantine first: corrupt entries kept only for inspection go before any engine
+    (oldest first), then engines least recently used first: everything older than the age limit, then
+    the oldest-used until the store fits in `max_size`. Pinned entries and entries open in a running
+    process stay."""
     entries = sorted(store.entries(), key=lambda e: e.manifest.get("last_used") or 0)
+    quarantined = store.quarantined_entries()
     pinned = [e for e in entries if store.is_pinned(e.key)]
     busy = [e for e in entries if e not in pinned and store.is_in_use(e.key)]
     candidates = [e for e in entries if e not in pinned and e not in busy]
-    total = sum(e.size() for e in entries)
+    total = sum(e.size() for e in entries) + sum(q[1] for q in quarantined)
     now = time.time()
     remove: list[Entry] = []
+    gone_q: list[tuple[Path, int, float]] = []
     if older_than_s is not None:
+        gone_q = [q for q in quarantined if now - q[2] > older_than_s]
         remove = [e for e in candidates if now - (e.manifest.get("last_used") or 0) > older_than_s]
-    size = total - sum(e.size() for e in remove)
+    size = total - sum(e.size() for e in remove) - sum(q[1] for q in gone_q)
     if max_size is not None:
+        for q in quarantined:
+            if size <= max_size:
+                break
+            if q not in gone_q:
+                gone_q.append(q)
+                size -= q[1]
         for e in candidates:
             if size <= max_size:
                 break
             if e not in remove:
                 remove.append(e)
                 size -= e.size()
-    return PrunePlan(remove, pinned, busy, total, size)
+    return PrunePlan(remove, pinned, busy, total, size, gone_q)
 
 
 def stats(store: Store) -> dict[str, Any]:
-    """Counts from the store's event log: hits, misses, builds, and build seconds the hits saved."""
-    counts = {"hits": 0, "misses": 0, "builds": 0, "build_s": 0.0, "build_s_saved": 0.0}
+    """Counts from the store's event log (hits, misses, builds, build seconds the hits saved) and what the store
+    holds now: its entries and its quarantine, with their sizes."""
+    quarantined = store.quarantined_entries()
+    counts: dict[str, Any] = {"hits": 0, "misses": 0, "builds": 0, "build_s": 0.0, "build_s_saved": 0.0,
+                              "entries": len(store.entries()), "entries_bytes": sum(e.size() for e in store.entries()),
+                              "quarantined": len(quarantined), "quarantine_bytes": sum(q[1] for q in quarantined)}
     try:
         lines = store.stats_file.read_text().splitlines()
     except FileNotFoundError:

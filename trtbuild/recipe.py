@@ -387,7 +387,13 @@ def _run(c: _Checker, value: Any, shapes: Shapes | None) -> RunDefaults | None:
     defaults = RunDefaults()
     bs = c.integer(r.get("batch_size", defaults.batch_size), "run.batch_size")
     il = c.integer(r.get("input_len", defaults.input_len), "run.input_len")
+    if il is not None and shapes is not None and "input_len" not in r:
+        # a default the user did not write must fit the recipe's shapes: never an error about a field
+        # that is not in the file
+        il = max(1, min(il, shapes.max_input_len, shapes.max_seq_len - 1))
     ol = c.integer(r.get("output_len", defaults.output_len), "run.output_len")
+    if ol is not None and il is not None and shapes is not None and "output_len" not in r:
+        ol = max(1, min(ol, shapes.max_seq_len - il))
     if bs is None or il is None or ol is None:
         return None
     if shapes is not None:

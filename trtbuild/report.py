@@ -17,9 +17,8 @@ def print_table(rep: dict[str, Any]) -> None:
     table.add_column("time", justify="right")
     table.add_column("note")
     table.add_row("start-up", f"{p.get('startup_s', 0.0) * 1e3:.1f} ms", "import the framework, find the device")
-    table.add_row("lookup", f"{p['lookup_s'] * 1e3:.1f} ms", f"key {e['key'][:16]}")
-    table.add_row("build", "cached" if e["cache_hit"] else f"{p['build_s']:.1f} s",
-                  "cache hit: no export, no compile" if e["cache_hit"] else "built and published")
+    table.add_row("lookup", f"{p['lookup_s'] * 1e3:.1f} ms", f"key {e['key'][:16]} in {e.get('store') or 'the store'}")
+    table.add_row("build", "cached" if e["cache_hit"] else f"{p['build_s']:.1f} s", _build_note(e))
     parts = " · ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f} ms" for k, v in rep.get("load_parts", {}).items())
     table.add_row("load", f"{p['load_s'] * 1e3:.1f} ms", " · ".join(n for n in (parts, rep.get("load_note", "")) if n))
     table.add_row("warm-up", f"{p['warmup_s'] * 1e3:.1f} ms", "excluded from the figures below")
@@ -47,7 +46,9 @@ def print_table(rep: dict[str, Any]) -> None:
             how = f"kernel by kernel from the host ({pl.get('why', 'no graph for this length')})"
         table.add_row("  prefill launch", "", how)
     t = rep["tpot_ms"]
-    note = f"p90 {t['p90']:.3f} · p99 {t['p99']:.3f} ms · {rep['tokens_per_s']:.1f} tok/s"
+    rate = rep["tokens_per_s"]
+    note = (f"p90 {t['p90']:.3f} · p99 {t['p99']:.3f} ms · {rate['decode']:.1f} tok/s of decode time, "
+            f"{rate['end_to_end']:.1f} tok/s end to end")
     if "decode_bandwidth_Bps" in roof:
         note += f" · {roof['decode_bandwidth_Bps'] / 1e9:.1f} GB/s"
         if "decode_fraction_of_peak_bandwidth" in roof:
@@ -73,3 +74,17 @@ def print_table(rep: dict[str, Any]) -> None:
         console.print(f"output[{i}]: {row}", highlight=False)
     for i, text in enumerate(rep.get("output_text", [])):
         console.print(f"text[{i}]: {text!r}", highlight=False)
+
+
+def _build_note(e: dict[str, Any]) -> str:
+    """What the build row means: a hit, a build, or a corrupt entry moved aside and built again."""
+    damaged = e.get("quarantined") or []
+    if e["cache_hit"] and not damaged:
+        return "cache hit: no export, no compile"
+    note = "cache hit" if e["cache_hit"] else "built and published"
+    if damaged:
+        note = f"the entry was corrupt: {'; '.join(damaged)}; " + ("found again" if e["cache_hit"] else "rebuilt")
+    reused = e.get("graphs_reused") or []
+    if not e["cache_hit"] and reused:
+        note += f" ({len(reused)} compiled graph(s) copied from the tactic cache: {', '.join(reused)})"
+    return note

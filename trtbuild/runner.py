@@ -62,6 +62,7 @@ class Session:
 
     def _load(self) -> None:
         store = Store(self.engines)
+        moved_aside: list[str] = []  # entries found damaged at load, for the report
         for attempt in (1, 2):
             entry = self.outcome.entry
             # Held while open: prune and rm never take an engine from under a running process.
@@ -74,7 +75,8 @@ class Session:
                 # Built for another library version or GPU: never crash later, rebuild now if allowed.
                 if attempt == 2 or not self.allow_build:
                     raise
-                store.quarantine(entry.path, f"{exc.reason}: {exc.message}")
+                moved = store.quarantine(entry.path, f"{exc.reason}: {exc.message}")
+                moved_aside.append(f"{entry.path.name} ({exc.reason}), moved to {moved}")
             except TrtbuildError:
                 raise
             except Exception:
@@ -85,6 +87,7 @@ class Session:
                 if not problems:
                     raise
                 moved = store.quarantine(entry.path, "; ".join(problems))
+                moved_aside.append(f"{entry.path.name} ({'; '.join(problems)}), moved to {moved}")
                 if attempt == 2 or not self.allow_build:
                     raise EngineMissingError(f"engine {entry.path.name} is corrupt ({'; '.join(problems)}); moved to "
                                              f"quarantine: {moved}", hint="build it again (`trtbuild build "
@@ -93,6 +96,7 @@ class Session:
                 self.phases["load_s"] = time.perf_counter() - t  # __enter__ synchronizes what it loads
                 return
             self.outcome = build(self.recipe, self.engines, allow_build=True, progress=self.progress)
+            self.outcome.quarantined[:0] = moved_aside
             self.phases["build_s"] += self.outcome.build_s
 
     def __exit__(self, *exc: object) -> None:
@@ -170,10 +174,20 @@ def vocab_size(recipe: Recipe, session: Session) -> int:
     return int(getattr(cfg, "vocab_size", 32000))
 
 
-def check_run_shape(recipe: Recipe, batch_size: int, input_len: int, output_len: int, iterations: int) -> None:
-    """Raise InputError naming each flag whose value this recipe's engine cannot run."""
-    problems = [(f"--{field.replace('_', '-')}", msg)
-                for field, msg in run_shape_problems(recipe.shapes, batch_size, input_len, output_len)]
+def check_run_shape(recipe: Recipe, batch_size: int, input_len: int, output_len: int, iterations: int,
+                    prompt: str | None = None) -> None:
+    """Raise InputError naming each flag whose value this recipe's engine cannot run. `prompt` names where
+    the prompt's length came from (`--prompt`, `--prompt-ids`), so its problem is reported under that name."""
+    problems = []
+    for field, msg in run_shape_problems(recipe.shapes, batch_size, input_len, output_len):
+        if prompt is not None and field == "input_len":  # the length is the prompt's, not a flag's
+            problems.append((prompt, f"the prompt is {input_len} tokens, more than shapes.max_input_len "
+                                     f"{recipe.shapes.max_input_len}"))
+        elif prompt is not None and field == "output_len":
+            problems.append(("--output-len", f"the prompt's {input_len} tokens + {output_len} new tokens exceed "
+                                             f"shapes.max_seq_len {recipe.shapes.max_seq_len}"))
+        else:
+            problems.append((f"--{field.replace('_', '-')}", msg))
     if iterations < 1:
         problems.append(("--iterations", f"must be >= 1, got {iterations}"))
     if problems:
@@ -184,11 +198,14 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
                prompt_ids: list[list[int]] | None = None, prompt_text: str | None = None) -> dict[str, Any]:
     """Warm up, then generate `iterations` times; the report the CLI prints (or emits as JSON)."""
     recipe = session.recipe
+    source = None
     if prompt_text is not None:
-        prompt_ids = [session.encode(prompt_text)] * batch_size
+        prompt_ids, source = [session.encode(prompt_text)] * batch_size, "--prompt"
+    elif prompt_ids is not None:
+        source = "--prompt-ids"
     if prompt_ids is not None:
         batch_size, input_len = len(prompt_ids), len(prompt_ids[0])
-    check_run_shape(recipe, batch_size, input_len, output_len, iterations)
+    check_run_shape(recipe, batch_size, input_len, output_len, iterations, prompt=source)
     prompts = prompt_ids or default_prompt(batch_size, input_len, vocab_size(recipe, session))
     t_start = time.perf_counter()
     session.warmup(batch_size, input_len, output_len)
@@ -204,23 +221,29 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
         "recipe": recipe.name,
         "backend": recipe.backend,
         "device": session.engine.device,
-        "engine": {"key": outcome.key, "path": str(outcome.entry.path), "cache_hit": outcome.cache_hit},
+        "engine": {"key": outcome.key, "path": str(outcome.entry.path), "cache_hit": outcome.cache_hit,
+                   "store": outcome.store, "quarantined": list(outcome.quarantined),
+                   "graphs_reused": list(outcome.reused)},
         "shape": {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "iterations": iterations},
         "phases": {**{k: session.phases.get(k, 0.0) for k in ("startup_s", "lookup_s", "build_s", "load_s", "warmup_s")},
                    "prefill_s": ttft["p50"], "decode_s": decode_s, "end_to_end_s": end_to_end},
         "ttft_ms": ttft["p50"] * 1e3,
         "tpot_ms": {k: v * 1e3 for k, v in tpot.items()},
-        "tokens_per_s": batch_size / tpot["p50"] if tpot["p50"] > 0 else 0.0,
+        # generated tokens over the seconds that produced them, so the figure agrees with a stopwatch: the
+        # decode steps' tokens over the decode time, and every new token over the whole generation
+        "tokens_per_s": {"decode": batch_size * (output_len - 1) / decode_s if decode_s > 0 else 0.0,
+                         "end_to_end": batch_size * output_len / end_to_end if end_to_end > 0 else 0.0},
         "output_ids": gens[-1].output_ids,
     }
     report["roofline"] = roofline(gens[-1], ttft["p50"], tpot["p50"], session.engine.device)
     report["load_note"] = getattr(session.engine, "load_note", "")
     report["load_parts"] = dict(getattr(session.engine, "load_parts", {}))  # torch backend: graphs, weights, constants
+    on_gpu = str(session.engine.device).startswith("cuda")  # CUDA graphs and PDL mean nothing elsewhere
     launch = getattr(session.engine, "launch_report", None)  # how the decode steps launched (torch backend)
-    if callable(launch):
+    if callable(launch) and on_gpu:
         report["decode_launch"] = launch()
     prefill = getattr(session.engine, "prefill_report", None)  # whether the prefill replayed a graph (torch)
-    if callable(prefill):
+    if callable(prefill) and on_gpu:
         report["prefill_launch"] = prefill()
     timed = getattr(session.engine, "timed_matmuls", None)  # the build's timings of the matmuls (torch backend)
     if callable(timed) and (matmuls := timed(batch_size)) is not None:

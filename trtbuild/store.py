@@ -1,6 +1,7 @@
 """The engine store: hash-keyed entries, atomic publish, per-key locks, integrity checks.
 
-Layout under the root (`--engines`, `TRTBUILD_ENGINES`, or ./engines):
+Layout under the root (`--engines`, else `TRTBUILD_ENGINES`, else `$XDG_CACHE_HOME/trtbuild/engines`, i.e.
+`~/.cache/trtbuild/engines`: one store per user, found the same way from any working directory):
 
     CACHEDIR.TAG
     v1/<name>-<key[:16]>/        one engine: the backend's files + manifest.json
@@ -54,8 +55,21 @@ def key_of(material: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(material).encode()).hexdigest()
 
 
+def store_origin(engines: str | os.PathLike[str] | None = None) -> tuple[Path, str]:
+    """The store's folder and why it is that one: the flag, the environment variable, or the default.
+
+    The default is per user, not per working directory (as Hugging Face's and vLLM's caches are), so a
+    server started from another folder finds the engines a build made."""
+    if engines:
+        return Path(engines).expanduser(), "--engines"
+    if env := os.environ.get("TRTBUILD_ENGINES"):
+        return Path(env).expanduser(), "TRTBUILD_ENGINES"
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
+    return Path(cache) / "trtbuild" / "engines", "default (per user; --engines or TRTBUILD_ENGINES to change)"
+
+
 def default_root(engines: str | os.PathLike[str] | None = None) -> Path:
-    return Path(engines or os.environ.get("TRTBUILD_ENGINES") or "engines")
+    return store_origin(engines)[0]
 
 
 @dataclass(frozen=True)
@@ -77,7 +91,8 @@ class Entry:
 
 class Store:
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
-        self.root = default_root(root).absolute()
+        where, self.origin = store_origin(root)
+        self.root = where.absolute()
         self.entries_dir = self.root / SCHEMA
         self.tmp_dir = self.entries_dir / ".tmp"
         self.locks_dir = self.entries_dir / ".locks"
@@ -116,15 +131,15 @@ class Store:
             manifest = read_manifest(path)
             if manifest is None or manifest.get("key") != key:
                 if manifest is None and path.is_dir():
-                    self.quarantine(path, "manifest missing or unreadable")
-                    self.quarantined.append(f"{path.name}: manifest missing or unreadable")
+                    dest = self.quarantine(path, "manifest missing or unreadable")
+                    self.quarantined.append(f"{path.name} (manifest missing or unreadable), moved to {dest}")
                 continue
             entry = Entry(path, manifest)
             # Sizes on every lookup (cheap); every hash on the first use after publish or when asked.
             problems = verify(entry, full=full_verify or not manifest.get("verified", False))
             if problems:
-                self.quarantine(path, "; ".join(problems))
-                self.quarantined.append(f"{path.name}: {'; '.join(problems)}")
+                dest = self.quarantine(path, "; ".join(problems))
+                self.quarantined.append(f"{path.name} ({'; '.join(problems)}), moved to {dest}")
                 continue
             if not manifest.get("verified", False):
                 manifest["verified"] = True  # first use after publish checked every hash
@@ -149,13 +164,21 @@ class Store:
         return out
 
     def find(self, ref: str) -> Entry:
-        """An entry by folder name, recipe name or key prefix; ambiguous or absent refs are errors."""
-        matches = [e for e in self.entries() if ref in (e.path.name, e.name) or (len(ref) >= 6 and e.key.startswith(ref))]
+        """An entry by key prefix (6 characters or more), recipe name, folder name or path.
+
+        Absent refs are errors; an ambiguous one is an error that lists the candidates."""
+        as_path = Path(ref).expanduser()
+        if as_path.is_dir() and (as_path / MANIFEST).is_file():
+            if (manifest := read_manifest(as_path)) is not None:
+                return Entry(as_path.absolute(), manifest)
+        name = Path(ref.rstrip("/")).name
+        matches = [e for e in self.entries() if name in (e.path.name, e.name) or (len(ref) >= 6 and e.key.startswith(ref))]
         if not matches:
-            raise InputError(f"no engine matches {ref!r} in {self.entries_dir}", hint="see `trtbuild cache ls`")
+            hint = "a key prefix needs at least 6 characters" if len(ref) < 6 else "see `trtbuild cache ls`"
+            raise InputError(f"no engine matches {ref!r} in {self.entries_dir}", hint=hint)
         if len(matches) > 1:
-            names = ", ".join(e.path.name for e in matches)
-            raise InputError(f"{ref!r} matches several engines: {names}", hint="give the key prefix")
+            names = ", ".join(f"{e.path.name} (key {e.key[:16]})" for e in matches)
+            raise InputError(f"{ref!r} matches {len(matches)} engines: {names}", hint="give a longer key prefix")
         return matches[0]
 
     def newest(self, name: str) -> Entry | None:
@@ -216,18 +239,30 @@ class Store:
         return path
 
     def clean_stale_workdirs(self) -> list[Path]:
-        """Remove build folders whose builder process on this host no longer exists."""
+        """Remove what builders that died on this host left half-written, whatever phase they died in:
+        build folders (v1/.tmp/<name>-<key>.<host>.<pid>.<id>), synthetic checkpoints being written
+        (models/<name>.tmp-<host>-<pid>) and compiled graphs being copied into a tactic cache
+        (tactics/.../<digest>.tmp-<host>-<pid>). None of them is ever visible as a result: each is
+        published by one rename, so removing it only reclaims the space."""
         removed: list[Path] = []
-        if not self.tmp_dir.is_dir():
-            return removed
         host = socket.gethostname()
-        for path in self.tmp_dir.iterdir():
-            parts = path.name.rsplit(".", 3)
-            if len(parts) != 4 or parts[1] != host or not parts[2].isdigit():
+        if self.tmp_dir.is_dir():
+            for path in self.tmp_dir.iterdir():
+                parts = path.name.rsplit(".", 3)
+                if len(parts) != 4 or parts[1] != host or not parts[2].isdigit():
+                    continue
+                if not pid_alive(int(parts[2])):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+        for folder in (self.root / "models", self.tactics_dir):
+            if not folder.is_dir():
                 continue
-            if not pid_alive(int(parts[2])):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
+            for path in folder.rglob("*.tmp-*"):
+                owner = path.name.rsplit(".tmp-", 1)[1]
+                who, _, pid = owner.rpartition("-")
+                if path.is_dir() and pid.isdigit() and who in ("", host) and not pid_alive(int(pid)):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
         return removed
 
     def publish(self, workdir: Path, name: str, key: str, manifest: dict[str, Any]) -> Entry:
@@ -302,6 +337,22 @@ class Store:
             os.rename(path, dest)
             (dest / "QUARANTINED").write_text(reason + "\n")
         return dest
+
+    def quarantined_entries(self) -> list[tuple[Path, int, float]]:
+        """(folder, bytes, when moved aside) of every quarantined entry, oldest first."""
+        out = []
+        if self.quarantine_dir.is_dir():
+            for path in self.quarantine_dir.iterdir():
+                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+                out.append((path, size, path.stat().st_mtime))
+        return sorted(out, key=lambda q: q[2])
+
+    def remove_quarantined(self, path: Path) -> None:
+        """Delete one quarantined folder (after one rename out of view, as `remove` does)."""
+        trash = self.tmp_dir / f".rm-q-{path.name}.{uuid.uuid4().hex[:6]}"
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
     def remove(self, entry: Entry) -> None:
         """Take an entry out of view with one rename, then delete it."""

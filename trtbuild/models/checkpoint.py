@@ -180,3 +180,42 @@ def convert_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, 
         out[o + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
         out[o + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
     return out
+
+
+def header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes from a safetensors file's header alone (8 bytes of length, then JSON): what
+    `trtbuild validate` checks without reading any weights."""
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 2 <= length <= 100_000_000:
+                raise ValueError(f"header length {length} is not plausible")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{file}: not a readable safetensors file (truncated or corrupt?): {exc}") from None
+    return {name: tuple(info["shape"]) for name, info in header.items()
+            if name != "__metadata__" and isinstance(info, dict) and "shape" in info}
+
+
+def check_folder(folder: Path) -> None:
+    """What a build would refuse in a local model folder, found from config.json and the weights' headers:
+    the config's fields, every tensor it implies (present, with its shape), and tensors of layers the
+    config does not have (a num_hidden_layers that does not match the weights)."""
+    _, cfg = read_config(folder)
+    expected = hf_parameter_shapes(cfg)
+    found: dict[str, tuple[int, ...]] = {}
+    where: dict[str, Path] = {}
+    for file in weight_files(folder):
+        for name, shape in header_shapes(file).items():
+            found[name], where[name] = shape, file
+    layers = {int(n.split(".")[2]) for n in found if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    if layers and max(layers) + 1 != cfg.num_layers:
+        raise InputError(f"{folder / 'config.json'}: num_hidden_layers: {cfg.num_layers}, but the weights hold "
+                         f"{max(layers) + 1} layers (model.layers.0 to model.layers.{max(layers)})")
+    missing = [n for n in expected if n not in found]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise InputError(f"{folder}: tensor(s) missing from the checkpoint: {shown}")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise InputError(f"{where[name]}: tensor {name} has shape {found[name]}, config.json implies {shape}")

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,8 @@ class ResolvedModel:
         folder = self._store_models / f"synthetic-{_digest(self.identity)[:16]}"
         with FileLock(str(folder) + ".lock"):
             if not (folder / "config.json").is_file():
-                tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+                # named for its writer, so the next build on this host removes it if the writer died
+                tmp = folder.with_name(folder.name + f".tmp-{socket.gethostname()}-{os.getpid()}")
                 _remove_tree(tmp)
                 assert self.spec.config is not None
                 write_synthetic(tmp, self.spec.config, self.spec.seed)
