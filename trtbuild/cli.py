@@ -195,6 +195,28 @@ def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | 
         print_table(report)
 
 
+@main.command("serve")
+@recipe_arg
+@engines_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--no-build", is_flag=True, help="Never build; a missing engine is an error (also TRTBUILD_NO_BUILD=1).")
+@click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Requests that may wait for a row; beyond it a request is answered 429 with Retry-After.")
+@quiet_option
+def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: bool, max_queue: int,
+              quiet: bool) -> None:
+    """Serve the recipe's engine over an OpenAI-compatible HTTP API, with continuous batching."""
+    from trtbuild.runner import open_session
+    from trtbuild.serve import require, serve
+
+    require()  # before a build of minutes, not after
+    r = _load(recipe)
+    with _progress(quiet) as progress:
+        session = open_session(r, engines, build=not no_build, progress=progress)
+    serve(session, host=host, port=port, max_queue=max_queue, log_level="warning" if quiet else "info")
+
+
 @main.group()
 def cache() -> None:
     """Inspect and manage the engine store."""

@@ -165,18 +165,25 @@ class Scheduler:
     # -- the caller's side (any thread) -----------------------------------------------------------------
     def submit(self, request: Request) -> Request:
         """Queue a request, or raise InputError (does not fit the engine), QueueFull or ShuttingDown."""
-        check_request(self.engine, request.prompt, request.max_tokens)
+        self.submit_all([request])
+        return request
+
+    def submit_all(self, requests: list[Request]) -> None:
+        """Queue all of them or none (the `n` choices of one HTTP request): InputError, QueueFull, ShuttingDown."""
+        for r in requests:
+            check_request(self.engine, r.prompt, r.max_tokens)
         with self._wake:
             if self._closed:
                 raise ShuttingDown("the server is shutting down", hint="retry on another replica")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) + len(requests) > self.max_queue:
                 # one place frees when a running row ends; a step per token of the shortest remaining budget
                 raise QueueFull(self.max_queue, max(1.0, self.step_s * self._soonest_end()))
-            request.arrived = time.perf_counter()
-            self._waiting.append(request)
+            now = time.perf_counter()
+            for r in requests:
+                r.arrived = now
+                self._waiting.append(r)
             self.observer.queued(len(self._waiting), len(self._running))
             self._wake.notify()
-        return request
 
     def cancel(self, request: Request) -> None:
         """End a request (a client gone, a stop string seen by the caller); its row frees at the next step."""
@@ -198,7 +205,8 @@ class Scheduler:
 
     # -- the engine thread --------------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="trtbuild-engine", daemon=True)
+        """Run the loop in a thread of its own."""
+        self._thread = threading.Thread(target=self.run, name="trtbuild-engine", daemon=True)
         self._thread.start()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
@@ -213,7 +221,9 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """The loop, in the calling thread (the one that loaded the engine): steps while there is work,
+        sleeps while there is none, returns once `stop` is called and nothing is left."""
         while True:
             with self._wake:
                 while not (self._waiting or self._running) and not self._stopping:

@@ -1,0 +1,485 @@
+"""`trtbuild serve`: an OpenAI-compatible HTTP server over a prebuilt engine, with continuous batching.
+
+FastAPI in uvicorn's event loop answers HTTP; one engine thread loads the engine, warms every decode
+bucket, then runs the scheduler (scheduler.py). Requests reach the scheduler as token ids with their
+sampling and stop conditions; tokens come back through `loop.call_soon_threadsafe` into a queue per HTTP
+request, as text that the engine thread has already made safe to emit (generate.py's detokenizer).
+
+Errors are OpenAI's error object: 400 for malformed JSON, wrong types and requests that do not fit the
+engine (the message names the limit), 404 for another model's name, 429 with Retry-After when the queue
+is full, 503 while loading or draining. SIGTERM (or Ctrl-C) stops accepting, lets running requests end,
+then exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from trtbuild.errors import InputError, TrtbuildError
+from trtbuild.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown, TextWatch
+
+log = logging.getLogger("trtbuild.serve")
+
+INSTALL_HINT = "pip install -e .  (FastAPI, uvicorn and prometheus_client are trtbuild's dependencies)"
+
+
+def require() -> None:
+    """InputError naming the install step when the server's libraries are missing."""
+    missing = []
+    for name in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise InputError(f"trtbuild serve needs {', '.join(missing)}, not installed here", hint=INSTALL_HINT)
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# -- request bodies -------------------------------------------------------------------------------------------
+def _models() -> tuple[type, type]:
+    """The pydantic models of the two bodies (built on first use: pydantic is the server's dependency)."""
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Common(BaseModel):
+        # strict: "5" is not a number and 1 is not a bool, as OpenAI's API answers; unknown fields pass
+        model_config = ConfigDict(extra="allow", strict=True)
+        model: str | None = None
+        max_tokens: int | None = Field(None, ge=1)
+        temperature: float = Field(1.0, ge=0.0, le=2.0)
+        top_p: float = Field(1.0, gt=0.0, le=1.0)
+        top_k: int = Field(0, ge=-1)  # vLLM's extension; -1 or 0 = off
+        n: int = Field(1, ge=1, le=128)
+        seed: int | None = Field(None, ge=0, lt=2**63)
+        stop: str | list[str] | None = None
+        stop_token_ids: list[int] | None = None
+        stream: bool = False
+        stream_options: dict[str, Any] | None = None
+        presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+        frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+        repetition_penalty: float = Field(1.0, gt=0.0)
+        user: str | None = None
+
+    class Completion(Common):
+        prompt: str | list[str] | list[int] | list[list[int]]
+
+    class Message(BaseModel):
+        model_config = ConfigDict(extra="allow", strict=True)
+        role: Literal["system", "user", "assistant", "tool", "developer"]
+        content: str | list[dict[str, Any]] | None = None
+
+    class Chat(Common):
+        messages: list[Message] = Field(min_length=1)
+        max_completion_tokens: int | None = Field(None, ge=1)
+
+    return Completion, Chat
+
+
+_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "tools", "functions",
+                "response_format")
+
+
+def _parse(raw: bytes, model: type) -> Any:
+    from pydantic import ValidationError
+
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        params = model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise ApiError(400, f"{where}: {first['msg']}{more}", param=where) from None
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, False, 0, [], {}):
+            raise ApiError(400, f"{name}: not supported by this server", param=name)
+    if params.frequency_penalty != 0.0:
+        raise ApiError(400, "frequency_penalty: not supported (presence_penalty and repetition_penalty are)",
+                       param="frequency_penalty")
+    return params
+
+
+# -- the server -----------------------------------------------------------------------------------------------
+class Server:
+    """The engine thread and the state the HTTP handlers read. `status`: loading, ready, draining, failed."""
+
+    def __init__(self, session: Any, max_queue: int = 256, on_fail: Callable[[], None] = lambda: None) -> None:
+        from trtbuild.metrics import Metrics
+
+        self.session = session
+        self.name: str = session.recipe.name
+        self.max_queue = max_queue
+        self.metrics = Metrics(self.name)
+        self.status = "loading"
+        self.failure = ""
+        self.scheduler: Scheduler | None = None
+        self.text: Any = None  # generate.py's text side: encode, chat, eos ids, watches
+        self.created = int(time.time())
+        self._on_fail = on_fail
+        self._thread = threading.Thread(target=self._engine_thread, name="trtbuild-engine", daemon=True)
+        self._done = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _engine_thread(self) -> None:
+        try:
+            with self.session as session:
+                engine = session.engine
+                self.text = _text_side(session)
+                _warm(engine, self._buckets(engine))
+                elem = {"fp32": 4, "fp16": 2, "bf16": 2}.get(session.recipe.precision, 2)
+                self.metrics.describe_engine(engine, elem)
+                self.scheduler = Scheduler(engine, self.max_queue, self._buckets(engine), self.metrics)
+                self.status = "ready"
+                self.metrics.ready.set(1)
+                log.info("engine %s loaded and warmed; serving", self.name)
+                self.scheduler.run()
+        except BaseException as exc:  # nothing to serve: say why and make uvicorn exit
+            self.failure = str(exc) if isinstance(exc, TrtbuildError) else f"{type(exc).__name__}: {exc}"
+            log.error("the engine could not be loaded: %s", self.failure, exc_info=not isinstance(exc, TrtbuildError))
+            self.status = "failed"
+            self._on_fail()
+        finally:
+            self.metrics.ready.set(0)
+            self._done.set()
+
+    @staticmethod
+    def _buckets(engine: Any) -> list[int]:
+        return list(getattr(engine, "buckets", None) or [engine.max_batch_size])
+
+    def drain(self, timeout: float | None = None) -> None:
+        """No new requests; the engine thread ends once the queued and running ones have."""
+        if self.status == "ready":
+            self.status = "draining"
+        if self.scheduler is not None:
+            self.scheduler.stop(drain=True)
+        self._done.wait(timeout)
+
+    # -- one HTTP request's generations ------------------------------------------------------------------------
+    def check_ready(self, params: Any) -> Scheduler:
+        if params.model not in (None, self.name):
+            raise ApiError(404, f"model '{params.model}' is not served here; this server serves '{self.name}'",
+                           param="model", code="model_not_found")
+        if self.status != "ready" or self.scheduler is None:
+            why = {"loading": "the engine is still loading", "draining": "the server is shutting down",
+                   "failed": f"the engine failed to load: {self.failure}"}[self.status]
+            raise ApiError(503, why, "server_unavailable", headers={"Retry-After": "5"})
+        return self.scheduler
+
+    def requests(self, prompts: list[list[int]], params: Any, max_tokens: int | None, default_max: int | None,
+                 emit: Callable[[int, Event], None]) -> list[Request]:
+        """One scheduler Request a choice: `n` per prompt, choice index = prompt index * n + j."""
+        from trtbuild.sampling import Sampling
+
+        scheduler = self.check_ready(params)
+        engine = scheduler.engine
+        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        if stops and not self.text.can_detokenize:
+            raise ApiError(400, "stop: stop strings need the model's tokenizer, which this engine lacks", param="stop")
+        stop_ids = frozenset(self.text.eos_ids) | frozenset(params.stop_token_ids or [])
+        out = []
+        for p, prompt in enumerate(prompts):
+            room = engine.max_seq_len - len(prompt)
+            want = max_tokens if max_tokens is not None else min(default_max or room, room)
+            for j in range(params.n):
+                sampling = Sampling(temperature=params.temperature, top_k=max(params.top_k, 0), top_p=params.top_p,
+                                    seed=None if params.seed is None else params.seed + j,
+                                    repetition_penalty=params.repetition_penalty,
+                                    presence_penalty=params.presence_penalty)
+                index = p * params.n + j
+                out.append(Request(prompt=prompt, max_tokens=want, sampling=sampling, stop_ids=stop_ids,
+                                   watch=self.text.watch(stops) if self.text.can_detokenize else None,
+                                   on_event=lambda ev, i=index: emit(i, ev)))
+        if len(out) > self.max_queue:
+            raise ApiError(400, f"n: {len(out)} generations in one request, more than the server's queue of "
+                           f"{self.max_queue}", param="n")
+        return out
+
+    def submit(self, reqs: list[Request]) -> None:
+        assert self.scheduler is not None
+        try:
+            self.scheduler.submit_all(reqs)
+        except InputError as exc:
+            self.metrics.rejected.labels("invalid").inc()
+            param = "max_tokens" if exc.message.startswith("max_tokens") else "prompt"
+            raise ApiError(400, exc.message, param=param,
+                           code="context_length_exceeded" if "max_" in exc.message else None) from None
+        except QueueFull as exc:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise ApiError(429, f"{exc.message}; retry later", "server_overloaded",
+                           headers={"Retry-After": str(round(exc.retry_after_s))}) from None
+        except ShuttingDown:
+            self.metrics.rejected.labels("draining").inc()
+            raise ApiError(503, "the server is shutting down", "server_unavailable",
+                           headers={"Retry-After": "5"}) from None
+
+
+def _text_side(session: Any) -> Any:
+    """generate.py's tokenizer, chat template, EOS ids and incremental detokenizer for this model."""
+    from trtbuild.generate import text_side
+
+    return text_side(session)
+
+
+def _warm(engine: Any, buckets: list[int]) -> None:
+    """Every decode bucket's first calls (graph capture on a GPU) and the sampling path, before /health is
+    ready: each bucket's rows prefilled with one token, decoded twice, released."""
+    from trtbuild.sampling import Sampling
+
+    plans = [Sampling(), Sampling(temperature=1.0, top_p=0.9, seed=0)]
+    capture = getattr(engine, "capture_all", None)  # the torch backend: every cache window's graph, now
+    if callable(capture):
+        capture()
+    for b in buckets:
+        slots = list(range(b))
+        tokens = [engine.prefill(s, [0], plans[0]) for s in slots]
+        for step in range(2):
+            tokens = engine.decode(slots, tokens, [1 + step] * b, [plans[step % 2]] * b)
+        for s in slots:
+            engine.release(s)
+
+
+# -- the HTTP app -------------------------------------------------------------------------------------------------
+def create_app(server: Server) -> Any:
+    """The FastAPI app over `server` (its engine thread started by the app's lifespan)."""
+    import contextlib
+
+    from fastapi import FastAPI
+    from fastapi import Request as HttpRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    from trtbuild.metrics import CONTENT_TYPE
+
+    Completion, Chat = _models()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        server.start()
+        yield
+        # uvicorn has stopped taking connections and waited for the open ones: now the engine thread ends
+        await asyncio.to_thread(server.drain, 60.0)
+
+    app = FastAPI(title="trtbuild", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(ApiError(400, str(exc)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: HttpRequest, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = server.status == "ready"
+        body = {"status": server.status} | ({"error": server.failure} if server.failure else {})
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": server.name, "object": "model", "created": server.created, "owned_by": "trtbuild"}
+        if server.scheduler is not None:
+            card["max_model_len"] = server.scheduler.engine.max_seq_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest) -> Any:
+        params = _parse(await request.body(), Completion)
+        server.check_ready(params)
+        prompts = _completion_prompts(server, params.prompt)
+        return await _generate(request, params, prompts, params.max_tokens, 16, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HttpRequest) -> Any:
+        params = _parse(await request.body(), Chat)
+        server.check_ready(params)
+        messages = [m.model_dump(exclude_none=True) for m in params.messages]
+        try:
+            prompt = server.text.chat(messages)
+        except InputError as exc:
+            raise ApiError(400, exc.message, param="messages") from None
+        limit = params.max_completion_tokens if params.max_completion_tokens is not None else params.max_tokens
+        return await _generate(request, params, [prompt], limit, None, chat=True)
+
+    async def _generate(request: HttpRequest, params: Any, prompts: list[list[int]], max_tokens: int | None,
+                        default_max: int | None, chat: bool) -> Any:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+        def emit(index: int, event: Event) -> None:  # the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
+
+        reqs = server.requests(prompts, params, max_tokens, default_max, emit)
+        server.submit(reqs)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        usage = {"prompt_tokens": sum(len(r.prompt) for r in reqs[::params.n])}
+        if params.stream:
+            include_usage = bool((params.stream_options or {}).get("include_usage"))
+            return StreamingResponse(_stream(reqs, events, rid, chat, usage, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _collect(request, reqs, events, rid, chat, usage)
+
+    def _chunk(rid: str, chat: bool, index: int, text: str | None, finish: str | None,
+               role: bool = False) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = ({"role": "assistant", "content": ""} if role else
+                                     {} if text is None else {"content": text})
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": server.name, "choices": [choice]}
+
+    async def _stream(reqs: list[Request], events: asyncio.Queue[tuple[int, Event]], rid: str, chat: bool,
+                      usage: dict[str, int], include_usage: bool) -> AsyncIterator[str]:
+        left = len(reqs)
+        try:
+            if chat:
+                for i in range(len(reqs)):
+                    yield _sse(_chunk(rid, chat, i, None, None, role=True))
+            while left:
+                index, ev = await events.get()
+                if ev.finish == "error":
+                    yield _sse(ApiError(500, ev.error or "generation failed", "server_error").body())
+                    break
+                if ev.text or ev.finish:
+                    yield _sse(_chunk(rid, chat, index, ev.text if ev.text else None, _reason(ev.finish)))
+                if ev.finish:
+                    left -= 1
+            if include_usage and not left:
+                done = sum(r.generated for r in reqs)
+                final = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                         "created": int(time.time()), "model": server.name, "choices": [],
+                         "usage": usage | {"completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done}}
+                yield _sse(final)
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (a cancelled task), or an error: free every row at the next step
+            for r in reqs:
+                if not r.done:
+                    server.scheduler.cancel(r)  # type: ignore[union-attr]
+
+    async def _collect(request: HttpRequest, reqs: list[Request], events: asyncio.Queue[tuple[int, Event]],
+                       rid: str, chat: bool, usage: dict[str, int]) -> Any:
+        texts = [""] * len(reqs)
+        finishes: list[str | None] = [None] * len(reqs)
+        left = len(reqs)
+        try:
+            while left:
+                try:
+                    index, ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():  # nobody to answer: give the rows back
+                        return Response(status_code=499)
+                    continue
+                texts[index] += ev.text
+                if ev.finish:
+                    if ev.finish == "error":
+                        raise ApiError(500, ev.error or "generation failed", "server_error")
+                    finishes[index] = ev.finish
+                    left -= 1
+        finally:
+            for r in reqs:
+                if not r.done:
+                    server.scheduler.cancel(r)  # type: ignore[union-attr]
+        done = sum(r.generated for r in reqs)
+        if chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                        "finish_reason": _reason(f)} for i, (t, f) in enumerate(zip(texts, finishes))]
+        else:
+            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": _reason(f)}
+                       for i, (t, f) in enumerate(zip(texts, finishes))]
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": server.name, "choices": choices,
+                "usage": usage | {"completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done}}
+
+    return app
+
+
+def _reason(finish: str | None) -> str | None:
+    return None if finish is None else "stop" if finish in ("stop", "cancelled") else finish
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
+    """A completion's `prompt` as token ids: a string, a list of strings, a list of ids, a list of id lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    if not prompt:
+        raise ApiError(400, "prompt: empty", param="prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not server.text.can_encode:
+                raise ApiError(400, "prompt: text needs the model's tokenizer, which this engine lacks; send token "
+                               "ids", param="prompt")
+            out.append(server.text.encode(p))
+        else:
+            out.append(list(p))
+    return out
+
+
+# -- the process ------------------------------------------------------------------------------------------------
+def serve(session: Any, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
+          log_level: str = "info") -> int:
+    """Serve `session` (a runner.Session, not yet entered) until SIGTERM or Ctrl-C; the exit status."""
+    require()
+    import uvicorn
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if server.status == "ready":  # /health says so at once; open streams run to their end
+                server.status = "draining"
+            super().handle_exit(sig, frame)
+
+    def failed() -> None:
+        web.should_exit = True
+
+    server = Server(session, max_queue=max_queue, on_fail=failed)
+    config = uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=None, lifespan="on")
+    web = _Uvicorn(config)
+    web.run()
+    if server.status == "failed":
+        raise TrtbuildError(f"the engine could not be served: {server.failure}")
+    return 0
