@@ -117,7 +117,7 @@ def test_a_decoder_rewrites_its_graphs_and_recaptures_plainly_when_the_driver_re
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
     Graph.made = []
-    decoder = DecodeGraphs(lambda *a: torch.zeros(1, 1, dtype=torch.long), 1, 8, "cpu",
+    decoder = DecodeGraphs(lambda *a: (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 4)), 1, 8, "cpu",
                            {"on": True, "inductor": True, "trtbuild": True, "why": "test"})
     decoder._capture_one(8)
     if fail:  # half edited, maybe: captured again, serialized, and PDL off for the decoder's later graphs

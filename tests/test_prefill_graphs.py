@@ -53,7 +53,7 @@ class _Package:
     def __init__(self) -> None:
         self.direct_calls = 0
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, None]:
         out = torch.empty(tokens.shape[0], 1, dtype=torch.long)
 
         def work() -> None:
@@ -65,7 +65,7 @@ class _Package:
         else:
             self.direct_calls += 1
             work()
-        return out
+        return out, None  # (greedy tokens, logits): the logits are not looked at here
 
 
 @pytest.fixture()
@@ -80,9 +80,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _run(graphs: PrefillGraphs, rows: list[list[int]]) -> list[int]:
-    tokens, positions = torch.tensor(rows), torch.arange(len(rows[0]))
-    graphs.prepare(tokens, positions)
-    return graphs(tokens, positions)[:, 0].tolist()
+    tokens, positions, slots = torch.tensor(rows), torch.arange(len(rows[0])), torch.arange(len(rows))
+    graphs.prepare(tokens, positions, slots)
+    return graphs(tokens, positions, slots)[0][:, 0].tolist()
 
 
 @pytest.mark.parametrize(("t", "longest", "padded"), [(1, 100, 16), (16, 100, 16), (17, 100, 32), (33, 100, 64),
@@ -112,9 +112,9 @@ def test_positions_live_with_their_graph_not_with_the_call_that_captured_it(fake
     package = _Package()
     graphs = PrefillGraphs(package, "cuda:0", limit=1, max_input_len=16, max_seq_len=32)
     tokens, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)
-    graphs.prepare(tokens, positions)
+    graphs.prepare(tokens, positions, torch.zeros(1, dtype=torch.long))
     positions.fill_(100)  # the caller's tensor reused for something else
-    assert graphs(tokens, torch.arange(3))[:, 0].tolist() == [6]
+    assert graphs(tokens, torch.arange(3), torch.zeros(1, dtype=torch.long))[0][:, 0].tolist() == [6]
 
 
 @pytest.mark.parametrize(("limit", "device", "why"), [(0, "cuda:0", "off (TRTBUILD_PREFILL_GRAPHS=N turns it on)"),

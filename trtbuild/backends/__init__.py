@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from trtbuild import registry
 from trtbuild.errors import BackendUnavailableError
 from trtbuild.registry import REGISTRY  # noqa: F401 (the names `trtbuild doctor` lists)
+from trtbuild.sampling import Sampling  # noqa: F401 (part of the Engine protocol below)
 
 if TYPE_CHECKING:
     from trtbuild.models.source import ResolvedModel
@@ -56,10 +57,18 @@ class Generation:
 
 
 class Engine(Protocol):
-    """A loaded engine. Cheap to construct; device work happens in `__enter__` (Polygraphy's runners)."""
+    """A loaded engine. Cheap to construct; device work happens in `__enter__` (Polygraphy's runners).
+
+    `generate` is the timed greedy path (`trtbuild run`, the benchmark). `prefill`, `decode` and `release`
+    are the slot API a scheduler drives: the cache has `max_batch_size` rows ("slots"), each holding one
+    sequence at its own length. The torch backend implements both; the TensorRT backends only `generate`.
+    `generate` uses rows 0..batch-1, so it must not run while slots are in use."""
 
     device: str
-    max_batch_size: int
+    max_batch_size: int  # number of cache rows ("slots")
+    max_input_len: int
+    max_seq_len: int
+    vocab_size: int
 
     def __enter__(self) -> "Engine": ...
 
@@ -68,6 +77,20 @@ class Engine(Protocol):
     def warmup(self, batch_size: int, input_len: int, output_len: int) -> None: ...
 
     def generate(self, input_ids: list[list[int]], max_new_tokens: int) -> Generation: ...
+
+    def prefill(self, slot: int, prompt: list[int], sampling: Sampling) -> int:
+        """Write the prompt's KV into cache row `slot` (positions 0..len-1); return the first generated token."""
+        ...
+
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int], sampling: list[Sampling]) -> list[int]:
+        """One decode step for these rows (any subset of slots, any order, each at its own position, the
+        position of the token being fed); return the next token of each row. Uses the smallest batch bucket
+        that holds len(slots) (CUDA graphs per bucket on GPU)."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """The row is free (cheap; no device work needed)."""
+        ...
 
 
 class Backend(Protocol):

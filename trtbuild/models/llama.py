@@ -9,7 +9,7 @@ gate/up projections are fused into one matmul each (fewer, larger kernels);
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trtbuild.kernels.fusions import NORMED
+from trtbuild.models.families import family_fields, global_rope
+from trtbuild.models.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,24 @@ class LlamaConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    # Features of the other families (models/families.py sets them from config.json); the defaults are Llama's.
+    model_type: str = "llama"
+    qk_norm: bool = False  # RMSNorm over each head's query and key before rope (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma)
+    unit_offset_norms: bool = False  # the checkpoint stores RMSNorm gains as gain - 1 (Gemma)
+    hidden_act: str = "silu"  # the MLP's gating: "silu" or "gelu_tanh"
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window, 0 for none; () for none anywhere
+    local_rope_theta: float | None = None  # sliding layers' own rope (Gemma 3); None: every layer shares one
+    local_rope_scaling: dict[str, Any] | None = None
+    num_experts: int = 0  # a mixture of experts in the layers `moe_layers` marks (models/moe.py)
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalized to sum to one
+    moe_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
@@ -42,7 +62,7 @@ class LlamaConfig:
         heads = int(cfg["num_attention_heads"])
         model_type = cfg.get("model_type", "llama")
         attention_bias = bool(cfg.get("attention_bias", False))
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        scaling = global_rope(cfg)
         # transformers 5 writes rope_theta inside rope_parameters; read it before a "default" rope
         # type drops the mapping, or a checkpoint's rope_theta would silently become 10000.
         theta = cfg.get("rope_theta", (scaling or {}).get("rope_theta", 10000.0))
@@ -64,13 +84,20 @@ class LlamaConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            **family_fields(cfg),
         )
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, active: bool = False) -> int:
+        """Every parameter but biases; `active`: with only the chosen experts of a mixture of experts (what
+        one token reads)."""
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         qkv = d * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        per_layer = qkv + self.num_heads * self.head_dim * d + 3 * d * f + 2 * d
-        return self.num_layers * per_layer + v * d * (1 if self.tie_word_embeddings else 2) + d
+        per_layer = qkv + self.num_heads * self.head_dim * d + 2 * d
+        per_layer += 2 * self.head_dim * self.qk_norm + 2 * d * self.sandwich_norms
+        experts = self.experts_per_token if active else self.num_experts
+        moe = experts * 3 * d * self.moe_intermediate_size + self.num_experts * d  # the experts and the router
+        mlps = sum(moe if self.moe_layers and self.moe_layers[i] else 3 * d * f for i in range(self.num_layers))
+        return self.num_layers * per_layer + mlps + v * d * (1 if self.tie_word_embeddings else 2) + d
 
 
 def rope_frequencies(cfg: LlamaConfig) -> Tensor:
@@ -82,8 +109,11 @@ def rope_frequencies(cfg: LlamaConfig) -> Tensor:
     kind = s.get("rope_type", s.get("type"))
     if kind == "linear":
         return (inv / float(s["factor"])).float()
+    if kind == "longrope":
+        longrope_frequencies(cfg, "long_factor")  # checked here, with the config, not first at a build's rope table
+        return longrope_frequencies(cfg, "short_factor")
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear and llama3 are)")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3 and longrope are)")
     factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
     old_len = float(s["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv
@@ -93,26 +123,74 @@ def rope_frequencies(cfg: LlamaConfig) -> Tensor:
     return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
 
 
+def longrope_frequencies(cfg: LlamaConfig, which: str) -> Tensor:
+    """LongRoPE's (Phi-3) inverse frequencies with its short or long factors, as transformers computes them."""
+    s = cfg.rope_scaling or {}
+    factors = torch.tensor([float(f) for f in s[which]], dtype=torch.float32)
+    if factors.shape != (cfg.head_dim // 2,):
+        raise ValueError(f"{which} has {factors.numel()} entries, the head dimension needs {cfg.head_dim // 2}")
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+    return 1.0 / (factors * cfg.rope_theta ** exponents)
+
+
+def _longrope_scale(s: dict[str, Any]) -> float:
+    """The factor LongRoPE multiplies cos and sin by (transformers' attention_factor)."""
+    old = float(s["original_max_position_embeddings"])
+    factor = s.get("factor") or float(s["max_position_embeddings"]) / old
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
+
+
+def _cos_sin(cfg: LlamaConfig, max_seq_len: int) -> Tensor:
+    positions = torch.arange(max_seq_len, dtype=torch.float32)
+    angles = torch.outer(positions, rope_frequencies(cfg))
+    s = cfg.rope_scaling
+    if s is None or s.get("rope_type") != "longrope":
+        return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    # transformers rotates with the long factors once a forward's last position reaches
+    # original_max_position_embeddings, so a decode step at position p uses them iff p >= that length; here
+    # per position, so a prompt crossing that length keeps the short factors below it (docs/models.md)
+    long = torch.outer(positions, longrope_frequencies(cfg, "long_factor"))
+    angles = torch.where(positions[:, None] >= float(s["original_max_position_embeddings"]), long, angles)
+    scale = _longrope_scale(s)
+    return torch.stack([angles.cos() * scale, angles.sin() * scale], dim=-1)
+
+
 def rope_table(cfg: LlamaConfig, max_seq_len: int) -> Tensor:
-    """(max_seq_len, head_dim // 2, 2) cos/sin table, kept in fp32 for accuracy."""
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_frequencies(cfg))
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    """(max_seq_len, head_dim // 2, 2) cos/sin table, kept in fp32 for accuracy; (..., 4) where the sliding
+    layers rotate with a rope of their own (Gemma 3): the global layers' cos/sin, then theirs."""
+    table = _cos_sin(cfg, max_seq_len)
+    if cfg.local_rope_theta is None:
+        return table
+    local = replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=cfg.local_rope_scaling, local_rope_theta=None)
+    return torch.cat([table, _cos_sin(local, max_seq_len)], dim=-1)
 
 
 def apply_rope(x: Tensor, table: Tensor) -> Tensor:
-    """Rotate (B, T, H, D) by a (T, D/2, 2) table, in the half-split layout Hugging Face uses."""
+    """Rotate (B, T, H, D) by a (B or 1, T, D/2, 2) table (each row's own positions, or one set for the
+    batch), in the half-split layout Hugging Face uses."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
-    cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]
+    cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
 def kv_cache_shape(cfg: LlamaConfig, max_batch_size: int, max_seq_len: int) -> tuple[int, int, int, int]:
-    """(B, KV heads, slots, D) of each layer's K and V cache: one slot more than max_seq_len, never
-    written. A span of max_seq_len slots is then never the whole dimension, so the decode graph
-    exported with a dynamic span has one code path; with slots == max_seq_len, export adds a
+    """(rows, KV heads, slots, D) of each layer's K and V cache.
+
+    One row more than max_batch_size: the scratch row (`scratch_row`), which the padding rows of a decode
+    batch write into, so that a bucket's unused rows never touch a sequence's cache (a decode step serves
+    any set of rows, each at its own position: `Transformer.forward`'s `slots`). One slot more than
+    max_seq_len, never written: a span of max_seq_len slots is then never the whole dimension, so the
+    decode graph exported with a dynamic span has one code path; with slots == max_seq_len, export adds a
     contiguity branch for span == slots (and a runtime assert that refuses the longest window)."""
-    return (max_batch_size, cfg.num_kv_heads, max_seq_len + 1, cfg.head_dim)
+    return (max_batch_size + 1, cfg.num_kv_heads, max_seq_len + 1, cfg.head_dim)
+
+
+def scratch_row(max_batch_size: int) -> int:
+    """The cache row no sequence owns: a decode batch's padding rows read and write only there."""
+    return max_batch_size
 
 
 class RMSNorm(nn.Module):
@@ -151,10 +229,46 @@ class Linear(nn.Linear):
 
     decode_config: Any = None
     decode_fusion: str = "none"
+    # The stored weight format (`quantize.FORMATS`: fp8, int8, int4) once `hold_quantized` has replaced the
+    # weight by the buffers `qweight`, `scale` (and int4's `zero`); None for a dense weight. On the CPU the
+    # graphs dequantize and multiply in the activations' dtype (correct, not fast).
+    quant: str | None = None
+    # Set by the backend only while it exports a CUDA prefill graph of an fp8 engine: the matmul runs in fp8
+    # on the tensor cores (`quantize.fp8_linear`, per-token activation scales) instead of dequantizing.
+    fp8_prefill: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fusion: str = "none") -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.fusion = fusion
+
+    def hold_quantized(self, fmt: str) -> None:
+        """Replace the weight parameter by empty buffers of format `fmt` on its device (meta while a model
+        is placed), for `load_state_dict(..., assign=True)` to fill with a quantized checkpoint's tensors."""
+        from trtbuild.models.quantize import stored_shapes
+
+        device = self.weight.device
+        del self.weight
+        for name, (shape, dtype) in stored_shapes(fmt, self.out_features, self.in_features).items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
+        self.quant = fmt
+
+    def dense_weight(self, dtype: torch.dtype) -> Tensor:
+        """The weight as a dense (out, in) matrix in `dtype`: dequantized when the Linear holds it quantized."""
+        if self.quant is None:
+            return self.weight.to(dtype)
+        from trtbuild.models.quantize import dequantize
+
+        return dequantize(self.quant, self.qweight, self.scale, getattr(self, "zero", None), dtype)
+
+    def _matmul(self, x: Tensor) -> Tensor:
+        """x @ W^T + b, W as the Linear holds it."""
+        if self.quant is None:
+            return super().forward(x)
+        if self.fp8_prefill:
+            from trtbuild.models.quantize import fp8_linear
+
+            return fp8_linear(x, self.qweight, self.scale, self.bias)
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
     def forward(self, x: Tensor, norm: RMSNorm | None = None, gate: bool = False, residual: Tensor | None = None) -> Tensor:
         inside = self.decode_fusion  # what the kernel does ("none" whenever decode_config is None)
@@ -165,7 +279,7 @@ class Linear(nn.Linear):
             y = self._kernel(x, norm, gate and in_gate, residual if in_residual else None)
             gate, residual = gate and not in_gate, None if in_residual else residual
         elif self.decode_config is None:
-            y = super().forward(x)
+            y = self._matmul(x)
         else:
             y = self._kernel(x)
             y = y if self.bias is None else y + self.bias
@@ -197,17 +311,27 @@ class Attention(nn.Module):
     # Set by the backend only while it exports the prefill graph: "sdpa" or "cudnn" (causal_attention).
     prefill_kernel: str = "sdpa"
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.wqkv = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias, fusion="norm")
-        self.wo = Linear(q, cfg.hidden_size, bias=cfg.o_bias, fusion="residual")
+        # with norms after attention (Gemma) the residual is added after that norm, by the block
+        self.wo = Linear(q, cfg.hidden_size, bias=cfg.o_bias, fusion="none" if cfg.sandwich_norms else "residual")
+        self.window = cfg.layer_windows[layer] if cfg.layer_windows else 0  # 0: no sliding window
+        self.rope_pair = 1 if self.window and cfg.local_rope_theta is not None else 0  # which cos/sin of the table
+        self.qk_norms = (RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)) \
+            if cfg.qk_norm else None
+        if self.qk_norms is not None:
+            self.q_norm, self.k_norm = self.qk_norms
+        # what SDPA's causal kernels cannot do: a prompt's attention takes the masked path for these layers
+        self.masked = bool(self.window or cfg.attn_softcap)
 
-    def forward(self, x: Tensor, rope: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                from_start: bool, span: Tensor | None, norm: RMSNorm, residual: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, table: Tensor, pos: Tensor, slots: Tensor, k_cache: Tensor,
+                v_cache: Tensor, from_start: bool, span: Tensor | None, norm: RMSNorm, residual: Tensor) -> Tensor:
         """residual + attention(norm(x)): the norm and the add are the projections' (see Linear).
-        `rope` is the whole (max_seq_len, D/2, 2) table, `table` its rows at `pos`."""
+        `rope` is the whole (max_seq_len, D/2, 2) table, `table` its rows at `pos` (B or 1, T); `slots` (B,)
+        the cache row of each sequence."""
         c = self.cfg
         b, t, _ = x.shape
         q_size = c.num_heads * c.head_dim
@@ -217,61 +341,74 @@ class Attention(nn.Module):
 
             op = (decode_attention.decode_attention_rope_early_op if self.decode_kernel == "kernel-early"
                   else decode_attention.decode_attention_rope_op)
-            y = op(qkv, rope, k_cache, v_cache, pos, c.num_heads)
+            y = op(qkv, rope, k_cache, v_cache, pos.reshape(b), slots, c.num_heads)
             return self.wo(y.reshape(b, t, q_size), residual=residual)
-        q_rows, k, v = rope_and_store(qkv, table, pos, k_cache, v_cache, c)
+        if c.local_rope_theta is not None:
+            table = table[..., 2 * self.rope_pair:2 * self.rope_pair + 2]
+        q_rows, k, v = rope_and_store(qkv, table, pos, slots, k_cache, v_cache, c, self.qk_norms)
         q = q_rows.transpose(1, 2)
         # A prompt that starts at position 0 only attends to itself: a causal fused kernel over t
         # tokens, not a masked pass over the whole cache.
-        if from_start:
-            y = causal_attention(q, k, v, self.prefill_kernel)
+        if from_start and self.masked:  # a sliding window or soft-capped scores: the prompt's keys, masked
+            y = _cached_attention(q, k, v, pos, None, c.attn_scale, c.attn_softcap, self.window)
+        elif from_start:
+            y = causal_attention(q, k, v, self.prefill_kernel, c.attn_scale)
         elif self.decode_kernel == "kernel-unfused":
             from trtbuild.kernels.decode_attention import decode_attention_op  # needs Triton: CUDA builds only
 
-            # reads slots 0..pos of the whole cache buffer itself, so the window (span) is not needed
-            return self.wo(decode_attention_op(q_rows, k_cache, v_cache, pos).reshape(b, t, q_size), residual=residual)
+            # reads slots 0..pos of its rows of the whole cache buffer itself, so the window (span) is not needed
+            y = decode_attention_op(q_rows, k_cache, v_cache, pos.reshape(b), slots)
+            return self.wo(y.reshape(b, t, q_size), residual=residual)
         else:
-            y = _cached_attention(q, k_cache[:b], v_cache[:b], pos, span)
+            # the window first, then the sequences' rows: the gather copies only the slots attended over
+            w = k_cache.shape[2] if span is None else span.shape[0]
+            keys, values = k_cache[:, :, :w].index_select(0, slots), v_cache[:, :, :w].index_select(0, slots)
+            y = _cached_attention(q, keys, values, pos, span, c.attn_scale, c.attn_softcap, self.window)
         return self.wo(y.transpose(1, 2).reshape(b, t, q_size), residual=residual)
 
 
-def rope_and_store(qkv: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   c: LlamaConfig) -> tuple[Tensor, Tensor, Tensor]:
+def rope_and_store(qkv: Tensor, table: Tensor, pos: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   c: LlamaConfig, qk_norms: tuple[RMSNorm, RMSNorm] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Split the QKV projection's output (B, T, (H + 2 KV) D), rotate the query and the keys by `table`
-    (rope's rows at `pos`) and write the keys and values into the caches at `pos`. Returns the query
-    (B, T, H, D) and the new keys and values (B, KV, T, D). What the decode attention kernel does itself
-    with options.decode_attention kernel."""
+    (rope's rows at `pos`, (B or 1, T)) and write the keys and values into the caches' rows `slots` (B,) at
+    `pos`. Returns the query (B, T, H, D) and the new keys and values (B, KV, T, D). What the decode
+    attention kernel does itself with options.decode_attention kernel."""
     b, t, _ = qkv.shape
     q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q_rows = apply_rope(q.view(b, t, c.num_heads, c.head_dim), table)
-    k = apply_rope(k.view(b, t, c.num_kv_heads, c.head_dim), table).transpose(1, 2)
+    q, k = q.view(b, t, c.num_heads, c.head_dim), k.view(b, t, c.num_kv_heads, c.head_dim)
+    if qk_norms is not None:  # Qwen3, Gemma 3: each head's query and key normed before rope
+        q, k = qk_norms[0](q), qk_norms[1](k)
+    q_rows = apply_rope(q, table)
+    k = apply_rope(k, table).transpose(1, 2)
     v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
     # In-place writes into the static cache: export keeps these as buffer mutations, so the
     # prefill and decode graphs share one cache. Indexed on the whole buffer, never through a
     # slice of it: a write into `k_cache[:b]` with b < max_batch_size became a copy of the whole
     # slice (measured on the H200: 2 x 3.5 us per layer for batch-1 decode, 13% of the step).
-    slot = (torch.arange(b, device=qkv.device)[:, None, None],
-            torch.arange(c.num_kv_heads, device=qkv.device)[None, :, None], pos[None, None, :])
+    slot = (slots[:, None, None], torch.arange(c.num_kv_heads, device=qkv.device)[None, :, None], pos[:, None, :])
     k_cache.index_put_(slot, k)
     v_cache.index_put_(slot, v)
     return q_rows, k, v
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, kernel: str = "sdpa") -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, kernel: str = "sdpa", scale: float | None = None) -> Tensor:
     """Causal attention of a prompt over itself: q (B, H, T, D), k and v (B, KV, T, D) -> (B, H, T, D).
     "sdpa": SDPA's dispatch (FlashAttention-2 first on CUDA); "cudnn": cuDNN's fused attention, called
     directly (CUDA only; SDPA ranks it fourth); the build times both (backends/prefill_attention.py).
     Both take the KV heads as they are (GQA): repeating them would put the shape guards of the repeat's
-    view arithmetic on the dynamic prompt length, which export cannot discharge on CUDA."""
+    view arithmetic on the dynamic prompt length, which export cannot discharge on CUDA.
+    `scale`: the scores' factor where the family sets one (Gemma); None is 1/sqrt(D)."""
     if kernel == "cudnn":
         # (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask)
-        return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, True, False)[0]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, True, False,
+                                                                   scale=scale)[0]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1], scale=scale)
 
 
-def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span: Tensor | None) -> Tensor:
-    """Attention of q (B, H, T, D) at positions `pos` over the static cache (B, KV, S, D).
+def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span: Tensor | None,
+                      scale: float | None = None, softcap: float | None = None, window: int = 0) -> Tensor:
+    """Attention of q (B, H, T, D) at positions `pos` (B or 1, T) over the sequences' caches (B, KV, S, D).
 
     `span` (W,) = arange(W) limits it to the first W slots, which must cover every position in
     `pos`: a decode graph exported with W dynamic reads only the filled part of the cache, not all
@@ -282,6 +419,10 @@ def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span
     K and V row once. Repeating K/V per query head instead (what SDPA's math path does for GQA) writes
     and reads H/KV copies of the cache every step: 4x the cache traffic on Llama-3 shapes, measured on
     the H200 as most of the gap between batch-8 decode and its floor.
+
+    `scale` (None: 1/sqrt(D)), `softcap` (scores -> softcap * tanh(scores / softcap)) and `window` (slot j
+    visible to position p only if p - window < j, as transformers' sliding_window_overlay) are the other
+    families' (models/families.py).
     """
     b, h, t, d = q.shape
     if span is None:
@@ -290,9 +431,13 @@ def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span
     kv = keys.shape[1]
     rep = h // kv
     qg = q.reshape(b, kv, rep * t, d)  # query head i uses KV head i // rep (HF's repeat_kv order)
-    scores = (qg @ keys.transpose(-1, -2)).float() * d**-0.5  # (B, KV, rep*T, W)
-    # Causal mask over the static cache, from positions: slot j is visible to position p iff j <= p.
-    visible = (span[None, :] <= pos[:, None]).repeat(rep, 1)  # (rep*T, W)
+    scores = (qg @ keys.transpose(-1, -2)).float() * (d**-0.5 if scale is None else scale)  # (B, KV, rep*T, W)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    # Causal mask over the static cache, from each row's positions: slot j is visible to position p iff j <= p.
+    visible = (span[None, None, :] <= pos[:, :, None]).repeat(1, rep, 1)[:, None]  # (B or 1, 1, rep*T, W)
+    if window:
+        visible = visible & (span[None, None, :] > pos[:, :, None] - window).repeat(1, rep, 1)[:, None]
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(q.dtype)
     return (probs @ values).reshape(b, h, t, d)
 
@@ -300,30 +445,53 @@ def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span
 class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, fusion="norm_gate")
-        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, fusion="residual")
+        # The decode matmul kernel gates with SiLU only: a GELU family's gating stays in ATen after it, and
+        # with norms after the MLP (Gemma) the residual is the block's to add.
+        self.gelu = cfg.hidden_act == "gelu_tanh"
+        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias,
+                          fusion="norm" if self.gelu else "norm_gate")
+        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias,
+                         fusion="none" if cfg.sandwich_norms else "residual")
 
-    def forward(self, x: Tensor, norm: RMSNorm, residual: Tensor) -> Tensor:
-        """residual + w2(silu(gate) * up), [gate | up] = w13(norm(x))."""
+    def forward(self, x: Tensor, norm: RMSNorm, residual: Tensor | None) -> Tensor:
+        """residual + w2(silu(gate) * up), [gate | up] = w13(norm(x)); GELU-tanh in place of SiLU for Gemma."""
+        if self.gelu:
+            a, b = self.w13(x, norm=norm).chunk(2, dim=-1)
+            return self.w2(F.gelu(a, approximate="tanh") * b, residual=residual)
         return self.w2(self.w13(x, norm=norm, gate=True), residual=residual)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
-        self.attention = Attention(cfg)
-        self.feed_forward = FeedForward(cfg)
+        self.attention = Attention(cfg, layer)
+        self.moe = bool(cfg.moe_layers) and cfg.moe_layers[layer]
+        self.feed_forward: nn.Module = MoE(cfg) if self.moe else FeedForward(cfg)
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:  # Gemma: each sublayer's output normed before the residual add
+            self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope: Tensor, table: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                from_start: bool, span: Tensor | None) -> Tensor:
-        h = self.attention(x, rope, table, pos, k_cache, v_cache, from_start, span, self.attention_norm, x)
+    def forward(self, x: Tensor, rope: Tensor, table: Tensor, pos: Tensor, slots: Tensor, k_cache: Tensor,
+                v_cache: Tensor, from_start: bool, span: Tensor | None) -> Tensor:
+        if self.sandwich:
+            a = self.attention(x, rope, table, pos, slots, k_cache, v_cache, from_start, span, self.attention_norm, None)
+            h = x + self.post_attention_norm(a)
+            return h + self.post_ffn_norm(self.feed_forward(h, self.ffn_norm, None))
+        h = self.attention(x, rope, table, pos, slots, k_cache, v_cache, from_start, span, self.attention_norm, x)
+        if self.moe:  # a decode step reads only the chosen experts' weights (models/moe.py)
+            return self.feed_forward(h, self.ffn_norm, h, gathered=not from_start)
         return self.feed_forward(h, self.ffn_norm, h)
 
 
 class Transformer(nn.Module):
-    """forward(tokens (B, T) int64, input_pos (T,) int64) -> logits (B, V) of the last position.
+    """forward(tokens (B, T) int64, input_pos (T,) or (B, T) int64) -> logits (B, V) of the last position.
+
+    input_pos (T,) is one set of positions for the whole batch; (B, T) gives each row its own (a decode
+    step of a ragged batch: (B, 1), every sequence at its own length). `slots` (B,) names the cache row of
+    each sequence (default: rows 0..B-1), so a step can serve any set of sequences in any order.
 
     Only the last position goes through the LM head: generation needs nothing else, and for long
     prompts the head is a large share of prefill's FLOPs. `all_logits=True` is for tests.
@@ -337,7 +505,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        # Gemma scales the embeddings by sqrt(hidden_size) rounded to the weights' dtype, as transformers does
+        self.embed_scale = float(torch.tensor(cfg.embed_scale, dtype=dtype, device="cpu"))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, fusion="norm")
         self.register_buffer("rope", rope_table(cfg, max_seq_len), persistent=False)
@@ -357,7 +527,7 @@ class Transformer(nn.Module):
         not change: that norm keeps its gain."""
         blocks: list[Block] = list(self.layers)  # type: ignore[arg-type]  # ModuleList items are Modules to mypy
         pairs: list[tuple[RMSNorm, Linear]] = [(b.attention_norm, b.attention.wqkv) for b in blocks]
-        pairs += [(b.ffn_norm, b.feed_forward.w13) for b in blocks]
+        pairs += [(b.ffn_norm, b.feed_forward.w13) for b in blocks if isinstance(b.feed_forward, FeedForward)]
         if not self.cfg.tie_word_embeddings:
             pairs.append((self.norm, self.output))
         for norm, linear in pairs:
@@ -367,17 +537,27 @@ class Transformer(nn.Module):
             linear.fusion = FOLDED[linear.fusion]
 
     def forward(self, tokens: Tensor, input_pos: Tensor, all_logits: bool = False, from_start: bool = False,
-                span: Tensor | None = None) -> Tensor:
-        table = self.rope[input_pos]
+                span: Tensor | None = None, slots: Tensor | None = None) -> Tensor:
+        pos = input_pos if input_pos.dim() == 2 else input_pos[None, :]  # (B or 1, T)
+        if slots is None:
+            slots = torch.arange(tokens.shape[0], device=tokens.device)
+        table = self.rope[pos]
         x = self.tok_embeddings(tokens)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         for i, layer in enumerate(self.layers):
-            x = layer(x, self.rope, table, input_pos, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), from_start,
-                      span)
+            x = layer(x, self.rope, table, pos, slots, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"),
+                      from_start, span)
         if all_logits:
-            return self.output(x, norm=self.norm)
+            return softcap(self.output(x, norm=self.norm), self.cfg.final_softcap)
         if from_start:  # a decode step's graph stays as it was: its compiled form is keyed by its program
             x = x.index_select(1, prompt_end(input_pos) - 1)
-        return self.output(x[:, -1], norm=self.norm)
+        return softcap(self.output(x[:, -1], norm=self.norm), self.cfg.final_softcap)
+
+
+def softcap(logits: Tensor, cap: float | None) -> Tensor:
+    """cap * tanh(logits / cap) where the family caps its logits (Gemma 2; Gemma 3 where the config says)."""
+    return logits if not cap else torch.tanh(logits / cap) * cap
 
 
 def prompt_end(input_pos: Tensor) -> Tensor:
@@ -395,11 +575,14 @@ class Step(nn.Module):
     """One exported entry point over a shared Transformer: a prompt (`from_start`) or a decode step.
 
     Both wrap the same module, so their constants carry the same names ("model.<param>") and one set
-    of weight and cache tensors serves every package. A decode step takes a third input, the span of
-    cache slots to attend over, whose length is the graph's one dynamic dimension. Both return the
-    greedy next token (B, 1): the argmax is compiled into the graph (ATen's argmax over a 128K
-    vocabulary took 35 us of every H200 decode step as a separate kernel), in two reductions
-    (`greedy_token`).
+    of weight and cache tensors serves every package. Inputs: the tokens (B, T), their positions ((T,)
+    for a prompt, (B, 1) for a decode step: each row at its own), the cache row of each sequence (B,),
+    and for a decode step the span of cache slots to attend over, whose length is the graph's one dynamic
+    dimension. Both return the greedy next token (B, 1) and the logits (B, V) it was taken from. The
+    argmax is compiled into the graph (ATen's argmax over a 128K vocabulary took 35 us of every H200
+    decode step as a separate kernel), in two reductions (`greedy_token`); the logits are there for
+    sampling (trtbuild/sampling.py), which runs after the graph on the same device. Returning them adds
+    no work to a greedy step: the LM head writes them to memory for the argmax either way.
     """
 
     def __init__(self, model: Transformer, from_start: bool) -> None:
@@ -407,8 +590,9 @@ class Step(nn.Module):
         self.model = model
         self.from_start = from_start
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, span: Tensor | None = None) -> Tensor:
-        return greedy_token(self.model(tokens, input_pos, from_start=self.from_start, span=span))
+    def forward(self, tokens: Tensor, input_pos: Tensor, slots: Tensor, span: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        logits = self.model(tokens, input_pos, from_start=self.from_start, span=span, slots=slots)
+        return greedy_token(logits), logits
 
 
 ARGMAX_CHUNK = 2048

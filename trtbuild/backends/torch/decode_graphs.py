@@ -1,8 +1,10 @@
 """A decode bucket's step as CUDA graphs: the whole step replayed on the device, one graph a cache window.
 
 Each replay does the step on the device (forward and argmax in the compiled graph, write the token,
-advance the position), so a token costs one replay and no host work beyond picking the graph: one per
+advance the positions), so a token costs one replay and no host work beyond picking the graph: one per
 cache window (`decode_windows`), since attention reads only as many cache slots as the window holds.
+Every row has its own position and its own cache row (`slots`): `generate`'s loop feeds the graph its own
+tokens (`start`, `step`), a server's scheduler hands it any set of rows each step (`run`).
 """
 
 from __future__ import annotations
@@ -39,18 +41,25 @@ class DecodeGraphs:
     cache window (the graphs share one memory pool: they never run at the same time)."""
 
     def __init__(self, package: Any, batch: int, max_seq_len: int, device: str,
-                 pdl_on: dict[str, Any] | None = None) -> None:
+                 pdl_on: dict[str, Any] | None = None, scratch: int | None = None) -> None:
         import torch
 
-        self.package, self.device = package, device
+        self.package, self.device, self.batch = package, device, batch
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)  # each row's position
+        self.slots = torch.arange(batch, device=device)  # each row's cache row
+        # the cache row that padding rows and the capture's warm-up steps write (llama.scratch_row)
+        self.scratch = batch if scratch is None else scratch
         self.out = torch.zeros(batch, max_seq_len, dtype=torch.long, device=device)
+        self.logits: Any = None  # the last step's logits (B, V): the graph's output buffer when captured
         self.windows = decode_windows(max_seq_len)
         self.spans = {w: torch.arange(w, device=device) for w in self.windows}
         self.next_pos = 0  # the position the next step writes, mirrored on the host to pick a window
         self.capturable = device.startswith("cuda") and getattr(package, "graph_safe", True)
         self.graphs: dict[int, Any] = {}
+        # each captured graph's logits buffer, kept referenced so that the shared pool never hands its memory
+        # to another graph: a replay writes there
+        self.graph_logits: dict[int, Any] = {}
         self._pool: Any = None
         self.pdl = pdl_on or {"on": False, "why": "not asked for"}
         self.pdl_report: dict[str, Any] = dict(self.pdl)
@@ -64,8 +73,9 @@ class DecodeGraphs:
     def prepare(self, first: int, last: int) -> None:
         """Capture the graphs of the windows that positions first..last-1 will decode in, if not yet
         captured: a generation captures only what it needs (a restart's first token, no decode step,
-        captures nothing; on the H200 all six windows of a bucket took ~0.4 s to capture). Only
-        before a prefill: the warm-up steps write cache slot 0 and `out`, which the prompt overwrites."""
+        captures nothing; on the H200 all six windows of a bucket took ~0.4 s to capture). The warm-up
+        steps and the capture write only the scratch cache row (and `out`), so a capture may come between
+        any two steps."""
         if not self.capturable:
             return
         need = [w for w in windows_between(self.windows, first, last) if w not in self.graphs]
@@ -73,8 +83,8 @@ class DecodeGraphs:
             self._capture(need)
 
     def _step(self, window: int) -> None:
-        nxt = self.package(self.tok, self.pos, self.spans[window])  # (B, 1) greedy token ids
-        self.out.index_copy_(1, self.pos, nxt)
+        nxt, self.logits = self.package(self.tok, self.pos, self.slots, self.spans[window])  # (B, 1) greedy ids, (B, V)
+        self.out.scatter_(1, self.pos, nxt)
         self.tok.copy_(nxt)
         self.pos.add_(1)
 
@@ -85,6 +95,8 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         # The first calls allocate and load kernels: keep that out of the graphs (twice, the first time).
         warmups = windows if self.graphs else [windows[0], *windows]
+        saved = self.slots.clone()
+        self.slots.fill_(self.scratch)  # the warm-up steps and the capture write no sequence's cache
         with torch.cuda.stream(stream), torch.no_grad():
             for w in warmups:
                 self.pos.zero_()
@@ -92,6 +104,7 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         for w in windows:
             self.graphs[w] = self._capture_one(w)
+        self.slots.copy_(saved)
         sync(self.device)
 
     def _capture_one(self, window: int) -> Any:
@@ -102,6 +115,7 @@ class DecodeGraphs:
         self.pos.zero_()
         with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
             self._step(window)
+        self.graph_logits[window] = self.logits
         self._pool = graph.pool()
         if self.pdl["on"]:
             from trtbuild.backends.torch import pdl
@@ -116,10 +130,13 @@ class DecodeGraphs:
         return graph
 
     def start(self, first: Any, prompt_len: int) -> None:
-        """Seed the loop with prefill's token for position prompt_len - 1."""
+        """Seed the loop with prefill's token for position prompt_len - 1, every row in its own cache row."""
+        import torch
+
         self.tok.copy_(first[:, None])
+        self.slots.copy_(torch.arange(self.batch, device=self.device))
         self.pos.fill_(prompt_len - 1)
-        self.out.index_copy_(1, self.pos, self.tok)
+        self.out.scatter_(1, self.pos, self.tok)
         self.pos.fill_(prompt_len)
         self.next_pos = prompt_len
 
@@ -128,6 +145,26 @@ class DecodeGraphs:
         graph = self.graphs.get(window)
         if graph is not None:
             graph.replay()
+            self.logits = self.graph_logits[window]
         else:  # the CPU, or a window not prepared (correct, only slower)
             self._step(window)
         self.next_pos += 1
+
+    def run(self, tokens: Any, positions: Any, slots: Any, last: int) -> tuple[Any, Any]:
+        """One step of any rows: `tokens`, `positions` (the position of each token fed) and `slots` are (B,)
+        int64 tensors on the device, padding rows included (the caller points them at the scratch row);
+        `last` the largest position among them. Returns the greedy tokens (B,) and the logits (B, V), both
+        the graph's buffers (read them before the next step)."""
+        window = self.window_for(last)
+        if self.capturable and window not in self.graphs:
+            self._capture([window])
+        self.tok.copy_(tokens[:, None])
+        self.pos.copy_(positions[:, None])
+        self.slots.copy_(slots)
+        graph = self.graphs.get(window)
+        if graph is not None:
+            graph.replay()
+            self.logits = self.graph_logits[window]
+        else:
+            self._step(window)
+        return self.tok[:, 0], self.logits

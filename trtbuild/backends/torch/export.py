@@ -66,9 +66,10 @@ def model_bytes(model: Any) -> int:
 
 
 def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: str, example_len: int = 2) -> Any:
-    """The prompt step: batch and prompt length dynamic. Example sizes of 2 avoid export's 0/1
-    specialization (a dimension with max 1 stays static). Inductor tunes the graph's kernels at the
-    example sizes; `example_len` lets benchmarks/probe.py compare other lengths."""
+    """The prompt step: batch and prompt length dynamic; inputs tokens (B, T), positions (T,) and the cache
+    row of each prompt (B,). Example sizes of 2 avoid export's 0/1 specialization (a dimension with max 1
+    stays static). Inductor tunes the graph's kernels at the example sizes; `example_len` lets
+    benchmarks/probe.py compare other lengths."""
     import torch
     from torch.export import Dim
 
@@ -80,15 +81,16 @@ def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: 
     with torch.no_grad():
         return torch.export.export(Step(model, from_start=True),
                                    (torch.zeros(ex_b, ex_t, dtype=torch.long, device=device),
-                                    torch.arange(ex_t, device=device)),
-                                   dynamic_shapes=({0: batch, 1: seq}, {0: seq}),
+                                    torch.arange(ex_t, device=device), torch.arange(ex_b, device=device)),
+                                   dynamic_shapes=({0: batch, 1: seq}, {0: seq}, {0: batch}),
                                    # guards export cannot prove become runtime asserts, not failures
                                    prefer_deferred_runtime_asserts_over_guards=True)
 
 
 def export_decode(model: Any, batch: int, max_seq_len: int, device: str) -> Any:
-    """The decode step at one batch size: static batch, and one dynamic dimension, the number of
-    cache slots attended over (the runtime picks the smallest window that covers the position)."""
+    """The decode step at one batch size: inputs the tokens (B, 1), each row's position (B, 1), each row's
+    cache row (B,) and the span of cache slots attended over. Static batch, and one dynamic dimension, the
+    span (the runtime picks the smallest window that covers every row's position)."""
     import torch
     from torch.export import Dim
 
@@ -98,7 +100,8 @@ def export_decode(model: Any, batch: int, max_seq_len: int, device: str) -> Any:
     with torch.no_grad():
         return torch.export.export(Step(model, from_start=False),
                                    (torch.zeros(batch, 1, dtype=torch.long, device=device),
-                                    torch.ones(1, dtype=torch.long, device=device),
+                                    torch.ones(batch, 1, dtype=torch.long, device=device),
+                                    torch.arange(batch, device=device),
                                     torch.arange(max_seq_len, device=device)),
-                                   dynamic_shapes=(None, None, window),
+                                   dynamic_shapes=(None, None, None, window),
                                    prefer_deferred_runtime_asserts_over_guards=True)

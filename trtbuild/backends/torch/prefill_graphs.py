@@ -50,7 +50,8 @@ class _Captured:
     tokens: Any  # the static input the replay reads: each prompt is copied into its first columns
     positions: Any  # 0..t-1, then the padding's position; the graph reads it at its address
     filled: int  # the prompt length `positions` holds now
-    out: Any  # the static output the replay writes (greedy token ids)
+    slots: Any  # the cache row of each prompt, copied in before each replay
+    out: Any  # the static outputs the replay writes: (greedy token ids, logits)
 
 
 class PrefillGraphs:
@@ -84,7 +85,7 @@ class PrefillGraphs:
     def _key(self, tokens: Any) -> tuple[int, int]:
         return tokens.shape[0], graph_length(tokens.shape[1], self.longest)
 
-    def prepare(self, tokens: Any, positions: Any) -> None:
+    def prepare(self, tokens: Any, positions: Any, slots: Any) -> None:
         """Capture the graph for this prompt's padded shape if there is none; before the timed prefill. The
         warm-up call and the capture write the cache's first slots, which the prefill then overwrites."""
         if not self.capturable:
@@ -97,16 +98,16 @@ class PrefillGraphs:
 
         before = torch.cuda.memory_reserved(self.device)
         static, pos = tokens.new_zeros(key), positions.new_empty(key[1])  # pos: all of it written by _fill
-        captured = _Captured(None, static, pos, -1, None)
-        self._fill(captured, tokens, positions)
+        captured = _Captured(None, static, pos, -1, slots.clone(), None)
+        self._fill(captured, tokens, positions, slots)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():  # allocations and kernel loads stay out of the graph
-            self.package(static, pos)
+            self.package(static, pos, captured.slots)
         torch.cuda.current_stream().wait_stream(stream)
         captured.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured.graph, pool=self._pool), torch.no_grad():
-            captured.out = self.package(static, pos)
+            captured.out = self.package(static, pos, captured.slots)
         self._pool = captured.graph.pool()
         sync(self.device)
         self.reserved_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
@@ -114,25 +115,27 @@ class PrefillGraphs:
         while len(self.graphs) > self.limit:
             self.graphs.popitem(last=False)
 
-    def _fill(self, captured: _Captured, tokens: Any, positions: Any) -> None:
-        """Copy the prompt into the graph's input; its positions only where the prompt length changed
-        (padding rows keep whatever tokens were there: they are ignored, and any id is in range)."""
+    def _fill(self, captured: _Captured, tokens: Any, positions: Any, slots: Any) -> None:
+        """Copy the prompt and its cache rows into the graph's input; its positions only where the prompt
+        length changed (padding rows keep whatever tokens were there: they are ignored, and any id is in range)."""
         t = tokens.shape[1]
         captured.tokens[:, :t].copy_(tokens)
+        captured.slots.copy_(slots)
         if captured.filled != t:
             captured.positions[:t].copy_(positions)
             captured.positions[t:].fill_(self.pad_position)
             captured.filled = t
 
-    def __call__(self, tokens: Any, positions: Any) -> Any:
-        """The prefill's greedy tokens: a replay where `prepare` captured this padded shape, else a direct
-        call with the prompt as it is. Positions are always 0..t-1 (generate's)."""
+    def __call__(self, tokens: Any, positions: Any, slots: Any) -> Any:
+        """The prefill's (greedy tokens (B, 1), logits (B, V)) for prompts written into cache rows `slots`: a
+        replay where `prepare` captured this padded shape, else a direct call with the prompt as it is.
+        Positions are always 0..t-1."""
         key = self._key(tokens)
         captured = self.graphs.get(key)
         self.last = None if captured is None else (tokens.shape[1], key[1])
         if captured is None:
-            return self.package(tokens, positions)
-        self._fill(captured, tokens, positions)
+            return self.package(tokens, positions, slots)
+        self._fill(captured, tokens, positions, slots)
         captured.graph.replay()
         return captured.out
 

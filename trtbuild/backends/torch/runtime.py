@@ -3,6 +3,12 @@
 Each decode bucket runs through `decode_graphs.DecodeGraphs` (one captured graph a cache window), the
 prefill through `prefill_graphs.PrefillGraphs` (captured only where asked for). The packages are loaded
 with `run_single_threaded=True`; without it capture fails and poisons the process.
+
+Two ways to drive it: `generate` (a batch of same-length prompts, greedy, timed: `trtbuild run` and the
+benchmark) and the slot API a scheduler uses (`prefill` one prompt into a cache row, `decode` any set of
+rows each at its own position, `release`), with sampling (trtbuild/sampling.py) on the logits the graphs
+return. Both use the one cache: a `generate` call uses rows 0..bucket-1, so it must not run while slots
+are in use.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from trtbuild.backends import Generation
 from trtbuild.backends.torch.decode_graphs import DecodeGraphs
 from trtbuild.backends.torch.prefill_graphs import PrefillGraphs, prefill_graph_limit
 from trtbuild.errors import InputError, TrtbuildError
+from trtbuild.sampling import GREEDY, Sampling, sample
 from trtbuild.timing import StepClock, sync
 
 
@@ -39,6 +46,13 @@ class TorchEngine:
         self.pdl_allowed = os.environ.get("TRTBUILD_PDL", "1") != "0"
         self.prefill_graph_limit = prefill_graph_limit()  # 0: the prefill is called, not replayed (prefill_graphs.py)
         self._prefill: PrefillGraphs | None = None
+        self.max_input_len: int = self.spec["max_input_len"]
+        self.max_seq_len: int = self.spec["max_seq_len"]
+        self.vocab_size: int = int(self.spec["hf_config"]["vocab_size"])
+        # the slot API's bookkeeping, on the host: each busy row's prompt and generated tokens (the penalties'
+        # inputs; a row without a penalty keeps them too, at the cost of a list append a step)
+        self._prompts: dict[int, list[int]] = {}
+        self._generated: dict[int, list[int]] = {}
 
     def __enter__(self) -> "TorchEngine":
         import torch
@@ -140,16 +154,15 @@ class TorchEngine:
         rows = input_ids + [input_ids[0]] * (bucket - n)  # padding rows compute and are dropped
         tokens = torch.tensor(rows, dtype=torch.long, device=self.device).contiguous()
         positions = torch.arange(t, device=self.device)
+        slots = torch.arange(bucket, device=self.device)
         decoder = self._decoder(bucket)
         decoder.prepare(t, t + max_new_tokens - 1)  # graph capture, before the prefill and untimed
-        if self._prefill is None:
-            self._prefill = PrefillGraphs(self._packages["prefill"], self.device, self.prefill_graph_limit,
-                                          s["max_input_len"], s["max_seq_len"])
-        self._prefill.prepare(tokens, positions)  # the same for the prefill's graph, where asked for
+        prefill = self._prefill_graphs()
+        prefill.prepare(tokens, positions, slots)  # the same for the prefill's graph, where asked for
         clock = StepClock(self.device)
         with torch.no_grad():
             clock.mark()
-            first = self._prefill(tokens, positions)[:, 0]  # the graphs return greedy tokens
+            first = prefill(tokens, positions, slots)[0][:, 0]  # the graphs return greedy tokens (and logits)
             decoder.start(first, t)
             clock.mark()
             for _ in range(max_new_tokens - 1):
@@ -166,8 +179,91 @@ class TorchEngine:
         if bucket not in self._decoders:
             name = f"decode_b{bucket}"
             self._decoders[bucket] = DecodeGraphs(self._packages[name], bucket, self.spec["max_seq_len"], self.device,
-                                              pdl_mode(self.spec["graphs"][name], self.device, self.pdl_allowed))
+                                                  pdl_mode(self.spec["graphs"][name], self.device, self.pdl_allowed),
+                                                  scratch=self.max_batch_size)
         return self._decoders[bucket]
+
+    def _prefill_graphs(self) -> PrefillGraphs:
+        if self._prefill is None:
+            self._prefill = PrefillGraphs(self._packages["prefill"], self.device, self.prefill_graph_limit,
+                                          self.max_input_len, self.max_seq_len)
+        return self._prefill
+
+    def prefill(self, slot: int, prompt: list[int], sampling: Sampling = GREEDY) -> int:
+        """Write the prompt's KV into cache row `slot` (positions 0..len-1); return the first generated token."""
+        import torch
+
+        if not 0 <= slot < self.max_batch_size:
+            raise InputError(f"slot {slot} is not a cache row of this engine (0..{self.max_batch_size - 1})")
+        if not 0 < len(prompt) <= self.max_input_len or len(prompt) >= self.max_seq_len:
+            raise InputError(f"a prompt of {len(prompt)} tokens does not fit the engine (1 to max_input_len "
+                             f"{self.max_input_len}, below max_seq_len {self.max_seq_len})")
+        if any(not 0 <= tok < self.vocab_size for tok in prompt):
+            raise InputError(f"prompt: token ids must be in [0, {self.vocab_size})")
+        sampling.checked()
+        t = len(prompt)
+        tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        positions = torch.arange(t, device=self.device)
+        slots = torch.tensor([slot], dtype=torch.long, device=self.device)
+        graphs = self._prefill_graphs()
+        with torch.no_grad():
+            graphs.prepare(tokens, positions, slots)
+            greedy, logits = graphs(tokens, positions, slots)
+            self._prompts[slot], self._generated[slot] = list(prompt), []
+            token = int(greedy[0, 0]) if sampling.greedy else int(self._sample(logits, [slot], [t - 1], [sampling])[0])
+        self._generated[slot].append(token)
+        return token
+
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int], sampling: list[Sampling]) -> list[int]:
+        """One decode step for these rows (any subset of slots, any order, each at its own position, the
+        position of the token being fed); return the next token of each row. Runs the smallest batch bucket
+        that holds len(slots); its other rows are padding, in the scratch cache row."""
+        import torch
+
+        n = len(slots)
+        if not n or len(tokens) != n or len(positions) != n or len(sampling) != n:
+            raise InputError(f"decode: expected as many tokens, positions and samplings as slots ({n}), got "
+                             f"{len(tokens)}, {len(positions)} and {len(sampling)}")
+        if len(set(slots)) != n or any(not 0 <= s < self.max_batch_size for s in slots):
+            raise InputError(f"decode: slots must be distinct cache rows 0..{self.max_batch_size - 1}, got {slots}")
+        if any(not 0 < p < self.max_seq_len for p in positions):
+            raise InputError(f"decode: positions must be in [1, max_seq_len {self.max_seq_len}), got {positions}")
+        if any(not 0 <= tok < self.vocab_size for tok in tokens):
+            raise InputError(f"decode: token ids must be in [0, {self.vocab_size})")
+        bucket = self.bucket_for(n)
+        pad = bucket - n
+        rows = torch.tensor([list(tokens) + [0] * pad, list(positions) + [0] * pad,
+                             list(slots) + [self.max_batch_size] * pad], dtype=torch.long).to(self.device)
+        with torch.no_grad():
+            greedy, logits = self._decoder(bucket).run(rows[0], rows[1], rows[2], max(positions))
+            if all(s.greedy for s in sampling):
+                out = greedy[:n].tolist()
+            else:
+                picked = self._sample(logits[:n], slots, positions, sampling)
+                keep = torch.tensor([s.greedy for s in sampling], device=self.device)
+                out = torch.where(keep, greedy[:n], picked).tolist()
+        for slot, tok in zip(slots, out):
+            self._generated.setdefault(slot, []).append(tok)
+        return out
+
+    def release(self, slot: int) -> None:
+        """The row is free (cheap; no device work: its next prefill overwrites what a step reads)."""
+        self._prompts.pop(slot, None)
+        self._generated.pop(slot, None)
+
+    def _sample(self, logits: Any, slots: list[int], positions: list[int], params: list[Sampling]) -> Any:
+        for p in params:
+            p.checked()
+        generated = [self._generated.get(s, []) for s in slots]
+        seen = [self._prompts.get(s, []) + g for s, g in zip(slots, generated)]
+        return sample(logits, params, positions, seen, generated)
+
+    def capture_all(self) -> None:
+        """Capture every decode graph of every bucket now (CUDA), so that no step of a server pays a capture;
+        safe while slots are in use (a capture writes only the scratch row). Nothing on the CPU."""
+        for b in self.buckets:
+            decoder = self._decoder(b)
+            decoder.prepare(0, self.max_seq_len)
 
     def launch_report(self) -> dict[str, Any]:
         """How each captured decode graph launches its kernels: PDL (with the edge counts of the last
@@ -243,7 +339,8 @@ class _Model:
         self.runner.update_constant_buffer({k: consts[f] for k, f in self.names.items()}, False, True, True)
 
     def __call__(self, *inputs: Any) -> Any:
-        return self.runner.run([t.contiguous() for t in inputs])[0]
+        """The graph's outputs: (greedy token ids (B, 1), logits (B, V))."""
+        return tuple(self.runner.run([t.contiguous() for t in inputs]))
 
 
 def pdl_mode(graph: dict[str, Any], device: str, allowed: bool = True) -> dict[str, Any]:
