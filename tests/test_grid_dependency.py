@@ -171,51 +171,6 @@ def test_the_wait_comes_before_every_memory_access_and_keeps_the_vector_loads(ho
         assert memory_ops(with_wait) == memory_ops(without), kernel.__name__  # e.g. v4 loads stay v4
 
 
-def test_the_chain_probes_kernels_compile_for_hopper_with_their_waits_and_barrier(hopper_target: None) -> None:
-    """benchmarks/chain_probe.py on sm_90, before any device time goes to it: the step kernel waits before
-    its load; the persistent kernel's barrier is one thread's release add and its acquire spin, between
-    block-wide barriers, with the steps' loads and stores past L1 (not coherent across SMs)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import chain_probe
-
-    step = ptx(chain_probe._chain_link, dict(x_ptr=torch.zeros(4, 16), y_ptr=torch.zeros(4, 16), programs=4, BLOCK=256,
-                                             PDL=True))
-    wait = next(i for i, line in enumerate(step) if line.startswith("griddepcontrol.wait"))
-    assert wait < min(i for i, line in enumerate(step) if memory_ops([line]))
-    count = torch.zeros(1, dtype=torch.int32)
-    persistent = ptx(chain_probe._chain_persistent, dict(buf_ptr=torch.zeros(2, 4, 16), count_ptr=count, programs=4, links=3,
-                                                         BLOCK=256))
-    text = "\n".join(persistent)
-    assert "atom.global.gpu.release.add" in text and "ld.global.gpu.acquire" in text and "bar.sync" in text
-    assert set(memory_ops(persistent)) == {"ld.global.cg.v2.b32", "st.global.cg.v2.b32", "ld.global.gpu.acquire.b32"}
-    # the GEMV chain: launched per link with the wait first; in one launch with the barrier
-    bf = torch.bfloat16
-    gemv = dict(w_ptr=torch.zeros(2, 64, 64, dtype=bf), x_ptr=torch.zeros(3, 64, dtype=bf), count_ptr=count, programs=4,
-                first=0, links=2, N=64, BLOCK_N=16, BLOCK_K=32)
-    waiting = ptx(chain_probe._gemv, gemv | {"PDL": True, "BARRIER": False})
-    wait = next(i for i, line in enumerate(waiting) if line.startswith("griddepcontrol.wait"))
-    assert wait < min(i for i, line in enumerate(waiting) if memory_ops([line]))
-    barrier = "\n".join(ptx(chain_probe._gemv, gemv | {"PDL": False, "BARRIER": True}))
-    assert "atom.global.gpu.release.add" in barrier and "ld.global.gpu.acquire" in barrier and "griddepcontrol" not in barrier
-    # --prefetch-kb: the L2 prefetches of the program's own rows are issued before the wait, every load after it
-    early = ptx(chain_probe._gemv, gemv | {"PDL": True, "BARRIER": False, "PREFETCH": 4})
-    prefetches = [i for i, line in enumerate(early) if line.startswith("cp.async.bulk.prefetch.L2.global")]
-    waits = [i for i, line in enumerate(early) if line.startswith("griddepcontrol.wait")]
-    assert prefetches and waits and min(prefetches) < min(waits)
-    assert max(waits) < min(i for i, line in enumerate(early) if memory_ops([line]))
-    assert memory_ops(early) == memory_ops(waiting)  # the loads keep their width (the wait's zero stays 16-aligned)
-    # --barrier-prefetch-kb: between a program's arrival (the release add) and its wait (the acquire spin)
-    between = ptx(chain_probe._gemv, gemv | {"PDL": False, "BARRIER": True, "PREFETCH": 4})
-    arrive = [i for i, line in enumerate(between) if "atom.global.gpu.release.add" in line]
-    fetch = [i for i, line in enumerate(between) if line.startswith("cp.async.bulk.prefetch.L2.global")]
-    spin = [i for i, line in enumerate(between) if "ld.global.gpu.acquire" in line]
-    assert arrive and fetch and spin and min(arrive) < min(fetch) and max(fetch) < min(spin)
-    assert memory_ops(between) == memory_ops(barrier.splitlines())
-
-
 @pytest.mark.parametrize("kernel_name", ["_decode_attention_partial", "_decode_attention_merge"])
 def test_reading_early_moves_only_what_no_kernel_of_the_step_writes_before_the_wait(hopper_target: None,
                                                                                      kernel_name: str) -> None:

@@ -1,6 +1,6 @@
 """trtbuild's Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1), against the
 model's own ATen code. Skipped where Triton is not installed (CI's CPU torch does not bring it; the H200
-runs the compiled kernels in tests/test_gpu.py and benchmarks/attention_probe.py). fp32 throughout: the
+runs the compiled kernels in tests/test_gpu.py and benchmarks/probes/attention_probe.py). fp32 throughout: the
 interpreter's bf16 dot is not reliable."""
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def benchmark_module(name: str) -> ModuleType:
-    """One of benchmarks/'s scripts, imported as a module (they are scripts, not a package)."""
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
+    """One of benchmarks/probes/'s scripts, imported as a module (they are scripts, not a package)."""
+    if str(ROOT / "benchmarks" / "probes") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
     return importlib.import_module(name)
 
 
@@ -293,54 +293,9 @@ def test_decode_attention_reads_only_the_slices_it_wrote(monkeypatch: pytest.Mon
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("links", [1, 4, 7])
-def test_the_chain_probe_checks_its_steps_against_what_they_compute(links: int) -> None:
-    """benchmarks/chain_probe.py judges each case by `expected` before timing it: the step kernel run
-    `links` times (through the interpreter here) must leave exactly that, for odd and even chains."""
-    chain_probe = benchmark_module("chain_probe")
-
-    programs, block = 5, 16
-    start = torch.arange(programs * block, dtype=torch.float32).reshape(programs, block).to(DEVICE)
-    buf = torch.empty(2, programs, block, device=DEVICE)
-    buf[0].copy_(start)
-    got = chain_probe.run_links(buf[0], buf[1], links, pdl=False)
-    assert torch.equal(got, chain_probe.expected(start, links))
-    assert not torch.equal(chain_probe.expected(start, links), chain_probe.expected(start, links + 1))
-
-
-@pytest.mark.parametrize("programs", [1, 3, 0])
-def test_the_chain_probes_gemv_kernel_computes_the_chain_one_launch_per_link(programs: int) -> None:
-    """The probe's GEMV chain kernel, launched once per link (its barrier mode needs every program resident
-    at once, which the interpreter's one-program-at-a-time run never has): every link's output is the
-    fp32 chain's, with programs taking every `programs`-th block of rows (0: one program per block, the
-    engine's grid, which the barrier refuses)."""
-    chain_probe = benchmark_module("chain_probe")
-
-    g = torch.Generator().manual_seed(3)
-    n, links = 32, 3
-    w = (torch.randn(links, n, n, generator=g) * n ** -0.5).to(DEVICE)
-    x = torch.zeros(links + 1, n, device=DEVICE)
-    x[0] = torch.randn(n, generator=g).to(DEVICE)
-    chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), "launch")
-    torch.testing.assert_close(x, chain_probe.reference_gemv(w, x[0]), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="blocks of"):
-        chain_probe.run_gemv(w, x, programs, (12, 16, 4, 1), "launch")
-    # a prefetch needs PDL or the barrier, and a power of two of 4 KB chunks
-    for mode, kb in (("launch", 16), ("launch-pdl", 12)) + ((("barrier", 12),) if programs else ()):
-        with pytest.raises(ValueError, match="prefetch of"):
-            chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), mode, prefetch_kb=kb)
-    if programs == 1:  # one program is all resident even here: the barrier's chain, in one launch
-        x[1:] = 0
-        chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), "barrier", torch.zeros(1, dtype=torch.int32).to(DEVICE))
-        torch.testing.assert_close(x, chain_probe.reference_gemv(w, x[0]), atol=1e-5, rtol=1e-5)
-    if programs == 0:
-        with pytest.raises(ValueError, match="one program per SM"):
-            chain_probe.run_gemv(w, x, programs, (8, 16, 4, 1), "barrier", torch.zeros(1, dtype=torch.int32).to(DEVICE))
-
-
 def test_the_attention_probes_chain_runs_matmul_then_attention_each_way_under_the_pdl_edit(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """benchmarks/attention_probe.py --chain, dry-run through the interpreter before device time goes to it:
+    """benchmarks/probes/attention_probe.py --chain, dry-run through the interpreter before device time goes to it:
     each of its three chains runs (the shapes fit: QKV matmul, attention from its output, the next layer's
     input) and is timed with the PDL edit; the early chain leaves the caches the default one does."""
     attention_probe = benchmark_module("attention_probe")
@@ -374,7 +329,7 @@ def test_the_attention_probes_chain_runs_matmul_then_attention_each_way_under_th
 
 def test_the_matmul_probe_times_extra_configurations_beside_the_builds_and_plans_the_step_with_the_fastest(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """benchmarks/matmul_probe.py's bookkeeping, dry-run on the tiny recipe: the build's candidates (one here)
+    """benchmarks/probes/matmul_probe.py's bookkeeping, dry-run on the tiny recipe: the build's candidates (one here)
     through `select`, then the extra configurations, each launched and judged against ATen: the one-row set
     at batch 1, the other at batch 2;
     under `pdl` every graph timed with the edit `pdl_edges` gives. The stand-in clock makes every timing
@@ -444,3 +399,84 @@ def test_the_matmul_probe_takes_configuration_names_or_wide_and_names_a_bad_one(
     for bad, why in (("n3k2048w4s1", "powers of two"), ("n4k2048w4s1p2", "no split-K"), ("n4x", "configuration name")):
         with pytest.raises(SystemExit, match=why):
             probe.parse_configs(f"n4k1024w4s1,{bad}")
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_decode_attention_serves_each_sequence_at_its_own_position_in_its_own_cache_row(early: bool) -> None:
+    """A ragged batch in one launch: three sequences at positions 0, 40 and 250 in cache rows 2, 0 and 3 (row 1
+    and the rest of each row untouched) give what each gets alone through the model's ATen code: its query and
+    new key rotated by its own rope row, its key and value stored at its own slot of its own row, attention over
+    its own slots 0..pos only."""
+    from trtbuild.kernels.decode_attention import decode_attention_rope
+    from trtbuild.models.llama import LlamaConfig, _cached_attention, rope_and_store, rope_table
+
+    heads, kv_heads, d, n_slots = 8, 2, 16, 300
+    cfg = LlamaConfig(vocab_size=8, hidden_size=heads * d, intermediate_size=8, num_layers=1, num_heads=heads,
+                      num_kv_heads=kv_heads, head_dim=d, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                      tie_word_embeddings=True, qkv_bias=False, o_bias=False, mlp_bias=False)
+    rope = rope_table(cfg, n_slots).to(DEVICE)
+    g = torch.Generator().manual_seed(3)
+    positions, rows = [0, 40, 250], [2, 0, 3]
+    qkv = torch.randn(3, 1, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE)
+    k_cache, v_cache = (torch.randn(5, kv_heads, n_slots, d, generator=g).to(DEVICE) for _ in range(2))
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    wants = []
+    for i, (p, r) in enumerate(zip(positions, rows)):
+        pos, slot = torch.tensor([[p]], device=DEVICE), torch.tensor([r], device=DEVICE)
+        q, _, _ = rope_and_store(qkv[i:i + 1], rope[pos], pos, slot, k_want, v_want, cfg)
+        wants.append(_cached_attention(q.transpose(1, 2), k_want[r:r + 1], v_want[r:r + 1], pos,
+                                       torch.arange(p + 1, device=DEVICE)).transpose(1, 2))
+    got = decode_attention_rope(qkv, rope, k_cache, v_cache, torch.tensor(positions, device=DEVICE), heads, early,
+                                slots=torch.tensor(rows, device=DEVICE))
+    torch.testing.assert_close(k_cache, k_want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(v_cache, v_want, atol=0, rtol=0)
+    torch.testing.assert_close(got, torch.cat(wants), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_without_rope_reads_each_sequence_from_its_own_row_to_its_own_position() -> None:
+    """The attention-only kernel (kernel-unfused) with per-sequence positions and cache rows."""
+    from trtbuild.kernels.decode_attention import decode_attention
+    from trtbuild.models.llama import _cached_attention
+
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, d = 6, 2, 16
+    positions, rows = [7, 130, 0, 64], [1, 4, 0, 2]
+    q = torch.randn(4, 1, heads, d, generator=g).to(DEVICE)
+    k_cache, v_cache = (torch.randn(5, kv_heads, 200, d, generator=g).to(DEVICE) for _ in range(2))
+    got = decode_attention(q, k_cache, v_cache, torch.tensor(positions, device=DEVICE), torch.tensor(rows, device=DEVICE))
+    for i, (p, r) in enumerate(zip(positions, rows)):
+        want = _cached_attention(q[i:i + 1].transpose(1, 2), k_cache[r:r + 1], v_cache[r:r + 1],
+                                 torch.tensor([p], device=DEVICE), torch.arange(p + 1, device=DEVICE)).transpose(1, 2)
+        torch.testing.assert_close(got[i:i + 1], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["kernel", "kernel-unfused"])
+def test_ragged_decode_steps_through_the_kernel_give_the_logits_of_the_aten_model(attention: str) -> None:
+    """Decode steps of sequences at different positions, in cache rows other than their batch index (the slot
+    API's steps), routed through the kernel: the logits of the unrouted model, step after step."""
+    from trtbuild.backends.torch.decode_kernels import routed
+    from trtbuild.models.llama import LlamaConfig, Transformer
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
+                      qkv_bias=False, o_bias=False, mlp_bias=False)
+    torch.manual_seed(0)
+    models = [Transformer(cfg, max_batch_size=3, max_seq_len=24, dtype=torch.float32).to(DEVICE) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    lengths, rows = [3, 9], [2, 0]
+    tokens = []
+    for m in models:
+        last = []
+        for n, r in zip(lengths, rows):
+            prompt = torch.arange(1, n + 1, device=DEVICE)[None] % 64
+            last.append(m(prompt, torch.arange(n, device=DEVICE), from_start=True,
+                          slots=torch.tensor([r], device=DEVICE)).argmax(-1))
+        tokens.append(torch.stack(last))
+    slots = torch.tensor(rows, device=DEVICE)
+    for step in range(4):
+        pos = torch.tensor(lengths, device=DEVICE)[:, None] + step
+        want = models[0](tokens[0], pos, slots=slots)
+        with routed(models[1], {}, attention):
+            got = models[1](tokens[0], pos, slots=slots)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        tokens[0] = want.argmax(-1, keepdim=True)

@@ -1,4 +1,4 @@
-"""benchmarks/startup_probe.py, run here before device time goes to it: its rows come from new
+"""benchmarks/probes/startup_probe.py, run here before device time goes to it: its rows come from new
 processes, its parse of `python -X importtime` and its bytecode census are right."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "probes"))
 import startup_probe  # noqa: E402
 
 
