@@ -38,7 +38,7 @@ class MatmulConfig:
 
 # Candidates per row count. One row: a multiply-and-sum over BLOCK_N weight rows; several: a tensor-core
 # dot with the rows padded to 16 (the padding is masked, never read). Chosen from the H200 probe
-# (benchmarks/matmul_probe.py): narrow blocks give the 4096-row matrices enough programs per SM.
+# (benchmarks/probes/matmul_probe.py): narrow blocks give the 4096-row matrices enough programs per SM.
 # Two and four rows with k steps of 2048: the fastest of 64 one-row configurations at every 1B call site in
 # the H100 probe of 2026-12-05 (0.6-1.8 us a call under the best of the rest; the step's matmuls 1.032 ->
 # 0.967 ms; RESULTS.md, twenty-third session). The build times them beside the others on its own GPU.

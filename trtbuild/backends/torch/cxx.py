@@ -7,7 +7,7 @@ dependencies. Python loads extension modules, and the libstdc++ they need, priva
 libstdc++ is usually not in the global scope at all. On the lent H200 image every graph then crashed
 on load: the locale was built by one copy of those symbols and queried with another's ids, so
 use_facet returned the wrong facet and a virtual call landed in codecvt<char16_t>::do_unshift
-(seen in two builds; benchmarks/AOTI_LOAD_NOTES.md). Which other copy the graph bound
+(seen in two builds; docs/aoti_load.md). Which other copy the graph bound
 to was not established: no library in the global scope exported them (checked there), so it came
 from the graph's own dependencies. The same engines ran with the system libstdc++ first in the
 global scope -- by LD_PRELOAD, and then by `make_global`, with no workaround (8B recipe, H200).
@@ -86,7 +86,7 @@ def check_symbols(graph: str) -> None:
         libs = ", ".join(sorted(set(shadows.values())))
         raise TrtbuildError(
             f"{graph}: this process resolves libstdc++'s locale symbols from {libs}, not libstdc++; the "
-            "compiled graph would crash on load (benchmarks/AOTI_LOAD_NOTES.md)",
+            "compiled graph would crash on load (docs/aoti_load.md)",
             hint="import trtbuild before torch, or start the process with "
                  "LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6)")
 

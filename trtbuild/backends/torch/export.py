@@ -69,7 +69,7 @@ def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: 
     """The prompt step: batch and prompt length dynamic; inputs tokens (B, T), positions (T,) and the cache
     row of each prompt (B,). Example sizes of 2 avoid export's 0/1 specialization (a dimension with max 1
     stays static). Inductor tunes the graph's kernels at the example sizes; `example_len` lets
-    benchmarks/probe.py compare other lengths."""
+    benchmarks/probes/probe.py compare other lengths."""
     import torch
     from torch.export import Dim
 
