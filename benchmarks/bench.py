@@ -104,7 +104,7 @@ def measure_peer(peer: Any, plan: Plan, batches: list[int], vocab: int, out: dic
     The order: decode at the smallest batch, then every prefill length (batch 1), then the larger
     batches. A compiled peer's prefill graph is compiled by its first generation, and each further decode
     batch is a new graph to compile (and autotune): on the 8B shape torch.compile's batch-8 decode graph
-    outlasted a whole 10-minute device call (RESULTS.md, tenth session) and took the prefill rows, which
+    outlasted a whole 10-minute device call (RESULTS.md, 2026-12-04 H200) and took the prefill rows, which
     would have taken seconds, with it."""
     from trtbuild.runner import default_prompt
     from trtbuild.timing import percentiles
@@ -138,7 +138,7 @@ def by_position(generations: list[list[float]], parts: int = 4) -> list[float]:
     A p90 well above the p50 is either a stretch of positions that runs slower (a longer cache to attend
     over, a kernel's grid changing with it) or a tail at any position (the host, the clocks); the 8B
     engine's batch-1 p90 ran 0.3 ms above its p50 on the H200 while batch 8's did not (RESULTS.md,
-    twenty-fourth session), and the percentiles alone cannot tell which."""
+    2026-12-05 H200), and the percentiles alone cannot tell which."""
     shortest = min(len(g) for g in generations)
     bounds = [shortest * i // parts for i in range(parts + 1)]
     return [statistics.median(s for g in generations for s in g[lo:hi])
@@ -182,7 +182,7 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
                    "split-k": ("decode_split_k", "timed", "split-K decode matmul configurations timed too"),
                    "pdl-timing": ("decode_timing", "pdl", "decode matmuls selected in graphs with programmatic edges"),
                    "epilogue": ("decode_fusion", "epilogue", "decode matmul kernel fused with the gating and residual adds"),
-                   # the default before the fifteenth session, for A/B runs against the default epilogue
+                   # the default before 2026-12-04 (epilogue measured then), for A/B runs against the default epilogue
                    "no-epilogue": ("decode_fusion", "none", "decode matmul kernel alone, Inductor's gating and residual adds")}
 
 
@@ -195,8 +195,8 @@ NO_PDL = "no-pdl"
 PREFILL_GRAPHS = "prefill-graphs"
 
 # engine@again: the recipe's own engine (the same entry) measured once more, last: the run's drift. On the
-# H200 one prefill graph measured 48.9 and 51.2 ms one after the other in one run (RESULTS.md, thirteenth
-# session), so a row won by 2% needs this bracket before it is called a lead.
+# H200 one prefill graph measured 48.9 and 51.2 ms one after the other in one run (RESULTS.md, 2026-12-04
+# H200), so a row won by 2% needs this bracket before it is called a lead.
 AGAIN = "again"
 
 # the variants that measure the recipe's own entry, kept after their measurement

@@ -46,7 +46,7 @@ def row(section: str, figure: str, value: Any, expected: str = "", bad: Any = No
     return section, figure, str(value), expected, bool(value) if bad is None and expected == "0" else bool(bad)
 
 def spawn(*args: Any, **env: str) -> subprocess.Popen[str]:
-    # trtbuild's switches come only from the case; a session of its own lets a builder's children be found.
+    # trtbuild's switches come only from the case; a process group of its own lets a builder's children be found.
     base = {k: v for k, v in os.environ.items() if not k.startswith("TRTBUILD_")}
     return subprocess.Popen([sys.executable, "-m", "trtbuild", *map(str, args)], cwd=SRC, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
@@ -170,7 +170,7 @@ def kills(root: Path, a: argparse.Namespace, rng: random.Random, report: dict[st
 
 def corruption(root: Path, a: argparse.Namespace, rng: random.Random, report: dict[str, Any]) -> dict[str, Any]:
     # fresh: the kill round's rebuild, never looked up, so its first use hashes every file; used: an entry the flight
-    # waiters loaded, whose lookups check sizes only (the cost rule), so it gets just a same-size flip.
+    # waiters loaded, whose lookups check sizes only (the store's cost rule), so it gets just a same-size flip.
     k, fl = report["kills"]["rounds"][-1], report["concurrency"]
     sources = {s: (Path(e), Path(rc)) for s, (e, rc) in
                {"fresh": (k["entry"], k["recipe"]), "used": (fl["keys"]["a"]["entry"], fl["recipes"]["a"])}.items() if e}

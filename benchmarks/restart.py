@@ -156,7 +156,7 @@ def measure_restart(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, 
                         lambda: read_with_threads(weights, ctx["device"], threads)))
         readers.append((f"threads_{threads}_preload", {"TRTBUILD_LOAD_THREADS": str(threads), "TRTBUILD_PRELOAD": "1"},
                         None))
-    # --preload-threads: the preload again with other thread counts. On the H200 (2026-12-05, call 54) the
+    # --preload-threads: the preload again with other thread counts. On the H200 (2026-12-05, commit 5637554) the
     # warm 8-thread preload read for 2.32 s during start-up (0.65 s alone) and start-up took 1.1 s longer:
     # fewer threads may contend less with the import they overlap
     others = [n for n in args.preload_threads if threads and n != threads]

@@ -1,4 +1,4 @@
-"""The benchmark issue's targets, checked against one run's report: met or not, with the measured figure.
+"""The project's speed targets (RESULTS.md's first table), checked against one run's report: met or not, with the measured figure.
 
 A verdict is computed only from figures measured in the same run (the floors, peers and restart read
 are all from that report); a target whose figures are missing says so instead of passing.
@@ -47,7 +47,7 @@ def check(rec: dict[str, Any]) -> list[Verdict]:
             r = rec.get("restart", {}).get(cache)
             x = r.get("ratio_to_floor") if r and "error" not in r["engine"] else None
             # the first restart reads the weights with safetensors' loader (TRTBUILD_LOAD_THREADS=0); the
-            # threaded reader, the default for CUDA engines since the eighth session, is reported beside it
+            # threaded reader, the default for CUDA engines since 2026-12-04, is reported beside it
             out.append(_verdict(f"restart ({cache} page cache), safetensors' loader <= {limits['restart']:.1f}x "
                                 "reading the weights",
                                 f"{x:.2f}x" if x is not None else "not measured",
@@ -76,7 +76,7 @@ def _ahead_of_peers(variants: dict[str, Any]) -> list[Verdict]:
     """One verdict per figure the engine and at least one peer both measured: strictly faster than
     every peer (a tie is not a lead), with the closest peer and the margin named. Where the run measured
     the engine again (`engine@again`), a lead no larger than the engine's own drift on that row is
-    unknown, not met: the same graph moved by 5% within one run (RESULTS.md, thirteenth session)."""
+    unknown, not met: the same graph moved by 5% within one run (RESULTS.md, 2026-12-04 H200)."""
     engine = variants.get(ENGINE, {})
     again = variants.get(f"{ENGINE}@again", {})
     # engine@LEVEL is trtbuild itself at another tactics level: an A/B, never a peer to beat
