@@ -217,6 +217,47 @@ def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: 
     serve(session, host=host, port=port, max_queue=max_queue, log_level="warning" if quiet else "info")
 
 
+@main.command("profile")
+@recipe_arg
+@engines_option
+@click.option("--phase", type=click.Choice(["decode", "prefill", "both"]), default="both", show_default=True)
+@click.option("--batch-size", type=int, default=None, help="Rows (default: the recipe's run.batch_size).")
+@click.option("--input-len", type=int, default=None, help="Prompt tokens (default: the recipe's run.input_len).")
+@click.option("--plot", "plot_path", default=None, help="Also write a PNG: roofline and where the step's time goes.")
+@json_option
+def profile_cmd(recipe: str, engines: str | None, phase: str, batch_size: int | None, input_len: int | None,
+                plot_path: str | None, as_json: bool) -> None:
+    """Which kernel is slow, and why: each call site's time, bytes, FLOPs and roofline verdict."""
+    from trtbuild.ceilings import cached
+    from trtbuild.profile import check_shape, profile_engine
+    from trtbuild.profile_report import check_plot_path, plot, print_profile
+    from trtbuild.runner import open_session
+    from trtbuild.store import Store
+
+    r = _load(recipe)
+    b = r.run.batch_size if batch_size is None else batch_size
+    t = r.run.input_len if input_len is None else input_len
+    check_shape(r.shapes, b, t)  # before the engine loads, as for `run`
+    if plot_path is not None:
+        check_plot_path(plot_path)
+    with _progress(as_json) as progress:
+        session = open_session(r, engines, progress=progress)
+    phases = ("prefill", "decode") if phase == "both" else (phase,)
+    with session:
+        # the roofs, measured once a device and kept beside the engines
+        ceilings = cached(session.engine.device, Store(engines).root / "ceilings")
+        result = profile_engine(session, phases, b, t, ceilings)
+    if plot_path is not None:
+        plot(result, plot_path)
+        result["plot"] = plot_path
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        print_profile(result)
+        if plot_path is not None:
+            click.echo(f"plot: {plot_path}")
+
+
 @main.group()
 def cache() -> None:
     """Inspect and manage the engine store."""
