@@ -25,6 +25,8 @@ from trtbuild.backends import BuildJob
 from trtbuild.errors import EngineMissingError, InputError
 from trtbuild.models.source import ResolvedModel, resolve
 from trtbuild.recipe import Recipe
+from trtbuild.fleet import read_through
+from trtbuild.remote import configured_url
 from trtbuild.store import SCHEMA, Entry, Store, key_of
 from trtbuild.tactics import TacticCache
 
@@ -44,6 +46,7 @@ class BuildOutcome:
     quarantined: list[str] = field(default_factory=list)  # corrupt entries this lookup moved aside, and where
     reused: list[str] = field(default_factory=list)  # what a build took from the tactic cache (compiled graphs)
     store: str = ""  # the store's folder and why it is that one (flag, variable or default)
+    fleet: dict[str, Any] = field(default_factory=dict)  # the remote tier: which tier served, pull/push s, a warning
 
     @property
     def key(self) -> str:
@@ -110,9 +113,10 @@ def _resolve(recipe: Recipe, store: Store,
 
 
 def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allow_build: bool = True,
-          full_verify: bool = False, progress: Progress = lambda message: None) -> BuildOutcome:
-    """The engine for `recipe`: a cache hit, or a build published atomically. Raises
-    EngineMissingError on a miss when building is not allowed."""
+          full_verify: bool = False, progress: Progress = lambda message: None,
+          remote: str | None = None) -> BuildOutcome:
+    """The engine for `recipe`: a cache hit, a pull from the remote tier (`remote` or $TRTBUILD_REMOTE), or a
+    build published atomically (and pushed). Raises EngineMissingError on a miss when building is not allowed."""
     t0 = time.perf_counter()
     store = Store(engines)
     # Start-up (importing torch, initializing the device: seconds on a GPU host) is reported on its own,
@@ -129,7 +133,8 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
     if store.quarantined:
         progress(f"corrupt entry {store.quarantined[-1]}; building it again")
     store.record("miss", key=key, name=recipe.name)
-    if not allow_build:
+    fleet_url = configured_url(remote)
+    if not allow_build and fleet_url is None:
         raise _missing(recipe, store, material, key)
     waited: list[str] = []
 
@@ -143,7 +148,21 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
             store.record("hit", key=key, name=recipe.name, saved_s=entry.manifest.get("build", {}).get("total_s"))
             return BuildOutcome(entry, True, lookup_s, 0.0, model, waited_for=waited[0] if waited else None,
                                 startup_s=startup_s, quarantined=list(store.quarantined), store=where)
-        outcome = _build_locked(recipe, store, backend, model, material, key, progress)
+        # The remote tier (fleet.py): pull, or wait for another host's build, or take the lease to build.
+        fleet = read_through(fleet_url, store, key, allow_build=allow_build, progress=progress)
+        if fleet.entry is not None:
+            store.record("pull", key=key, name=recipe.name, pull_s=fleet.pull_s)
+            return BuildOutcome(fleet.entry, True, lookup_s, 0.0, model, startup_s=startup_s, store=where,
+                                fleet=fleet.report("remote"))
+        if not allow_build:
+            raise _missing(recipe, store, material, key, remote_note=fleet.warning or f"not on {fleet_url} either")
+        try:
+            outcome = _build_locked(recipe, store, backend, model, material, key, progress)
+        except BaseException:
+            fleet.write_through(None)  # releases the lease only
+            raise
+        fleet.write_through(outcome.entry, progress)
+        outcome.fleet = fleet.report("built")
         outcome.lookup_s, outcome.startup_s, outcome.store = lookup_s, startup_s, where
         outcome.quarantined = list(store.quarantined)
         return outcome
@@ -199,7 +218,8 @@ def _build_locked(recipe: Recipe, store: Store, backend: backends.Backend, model
     return BuildOutcome(entry, False, 0.0, build_s, model, phases=dict(output.phases), reused=reused)
 
 
-def _missing(recipe: Recipe, store: Store, material: dict[str, Any], key: str) -> EngineMissingError:
+def _missing(recipe: Recipe, store: Store, material: dict[str, Any], key: str,
+             remote_note: str | None = None) -> EngineMissingError:
     """Why there is no engine, in the words a fleet operator needs: corrupt, incompatible, or absent."""
     from trtbuild.housekeeping import incompatibility
 
@@ -210,6 +230,8 @@ def _missing(recipe: Recipe, store: Store, material: dict[str, Any], key: str) -
     other = incompatibility(material, store.entries())
     if other:
         reasons.append(other)
+    if remote_note:
+        reasons.append(remote_note)
     return EngineMissingError(where + "".join(f"; {r}" for r in reasons),
                               hint="building is off (--no-build / TRTBUILD_NO_BUILD); build it first with "
                               f"`trtbuild build {recipe.path or recipe.name}` on this kind of machine")

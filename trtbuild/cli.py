@@ -19,6 +19,11 @@ engines_option = click.option("--engines", type=click.Path(file_okay=False), def
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress lines (a wait for another build still shows).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 recipe_arg = click.argument("recipe", type=click.Path(dir_okay=False))
+remote_option = click.option("--remote", default=None, metavar="s3://BUCKET/PREFIX",
+                             help="Object store behind the local store (default: $TRTBUILD_REMOTE; docs/fleet.md).")
+# `cache ls/verify/prune --remote`: act on the remote; a bare --remote means $TRTBUILD_REMOTE
+remote_target = click.option("--remote", default=None, is_flag=False, flag_value="", metavar="[s3://BUCKET/PREFIX]",
+                             help="Act on the remote tier instead (bare: $TRTBUILD_REMOTE).")
 
 
 class _Main(click.Group):
@@ -111,19 +116,20 @@ def validate(recipes: tuple[str, ...]) -> None:
 @click.option("--verify", is_flag=True, help="Hash every file of a cached engine (sizes are always checked).")
 @json_option
 @quiet_option
-def build_cmd(recipe: str, engines: str | None, verify: bool, as_json: bool, quiet: bool) -> None:
+@remote_option
+def build_cmd(recipe: str, engines: str | None, verify: bool, as_json: bool, quiet: bool, remote: str | None) -> None:
     """Build the recipe's engine, or find it in the store."""
     from trtbuild.builder import build
 
     r = _load(recipe)
     with _progress(as_json or quiet) as progress:
-        outcome = build(r, engines, full_verify=verify, progress=progress)
+        outcome = build(r, engines, full_verify=verify, progress=progress, remote=remote)
     result = {"recipe": r.name, "backend": r.backend,
               "engine": {"key": outcome.key, "path": str(outcome.entry.path), "cache_hit": outcome.cache_hit,
                          "store": outcome.store, "quarantined": outcome.quarantined},
               "startup_s": outcome.startup_s, "lookup_s": outcome.lookup_s, "build_s": outcome.build_s,
               "phases": outcome.phases,
-              "waited_for": outcome.waited_for}
+              "waited_for": outcome.waited_for, "fleet": outcome.fleet}
     if as_json:
         click.echo(json.dumps(result))
         return
@@ -131,6 +137,8 @@ def build_cmd(recipe: str, engines: str | None, verify: bool, as_json: bool, qui
     for damaged in outcome.quarantined:
         click.echo(f"corrupt entry {damaged}")
     click.echo(f"{r.name}: {state}\n  key   {outcome.key}\n  path  {outcome.entry.path}\n  store {outcome.store}")
+    if outcome.fleet.get("url"):
+        click.echo(f"  remote {_fleet_line(outcome.fleet)}")
     for name, seconds in outcome.phases.items():
         click.echo(f"  {name:<16} {seconds:8.2f} s")
 
@@ -160,9 +168,10 @@ def _parse_ids(text: str | None) -> list[list[int]] | None:
 @click.option("--verify", is_flag=True, help="Hash every engine file before loading (sizes are always checked).")
 @json_option
 @quiet_option
+@remote_option
 def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | None, input_len: int | None,
             output_len: int | None, prompt_ids: str | None, prompt_text: str | None, iterations: int,
-            verify: bool, as_json: bool, quiet: bool) -> None:
+            verify: bool, as_json: bool, quiet: bool, remote: str | None) -> None:
     """Find (or build) the engine, run it, and report every phase."""
     from trtbuild.report import print_table
     from trtbuild.runner import check_run_shape, open_session, run_report
@@ -186,7 +195,7 @@ def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | 
         given = {"batch_size": len(ids), "input_len": len(ids[0])} if ids else {}
         check_run_shape(r, **(shape | given), iterations=iterations, prompt="--prompt-ids" if ids else None)
     with _progress(as_json or quiet) as progress:
-        session = open_session(r, engines, build=not no_build, progress=progress, verify=verify)
+        session = open_session(r, engines, build=not no_build, progress=progress, verify=verify, remote=remote)
     with session:
         report = run_report(session, **shape, iterations=iterations, prompt_ids=ids, prompt_text=prompt_text)
     if as_json:
@@ -204,8 +213,9 @@ def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | 
 @click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
               help="Requests that may wait for a row; beyond it a request is answered 429 with Retry-After.")
 @quiet_option
+@remote_option
 def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: bool, max_queue: int,
-              quiet: bool) -> None:
+              quiet: bool, remote: str | None) -> None:
     """Serve the recipe's engine over an OpenAI-compatible HTTP API, with continuous batching."""
     from trtbuild.runner import open_session
     from trtbuild.serve import require, serve
@@ -213,7 +223,7 @@ def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: 
     require()  # before a build of minutes, not after
     r = _load(recipe)
     with _progress(quiet) as progress:
-        session = open_session(r, engines, build=not no_build, progress=progress)
+        session = open_session(r, engines, build=not no_build, progress=progress, remote=remote)
     serve(session, host=host, port=port, max_queue=max_queue, log_level="warning" if quiet else "info")
 
 
@@ -278,9 +288,13 @@ def _size(n: float) -> str:
 @cache.command("ls")
 @engines_option
 @json_option
-def cache_ls(engines: str | None, as_json: bool) -> None:
+@remote_target
+def cache_ls(engines: str | None, as_json: bool, remote: str | None) -> None:
     """List engines: name, backend, precision, size, created, last used, key prefix."""
     from trtbuild.store import Store
+
+    if remote is not None:
+        return _remote_ls(remote, as_json)
 
     store = Store(engines)
     entries = store.entries()
@@ -387,13 +401,18 @@ def cache_unpin(ref: str, engines: str | None) -> None:
 @click.option("--max-size", default=None, help="Keep the store under this size, e.g. 50G (LRU first).")
 @click.option("--older-than", default=None, help="Remove entries unused for this long, e.g. 30d.")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
-def cache_prune(engines: str | None, max_size: str | None, older_than: str | None, dry_run: bool) -> None:
+@remote_target
+def cache_prune(engines: str | None, max_size: str | None, older_than: str | None, dry_run: bool,
+                remote: str | None) -> None:
     """Remove quarantined entries (oldest first), then least recently used ones; pinned and in-use entries stay."""
     from trtbuild.housekeeping import parse_age, parse_size, plan_prune
     from trtbuild.store import Store
 
     if max_size is None and older_than is None:
         raise InputError("cache prune: give --max-size and/or --older-than")
+    if remote is not None:
+        return _remote_prune(remote, parse_size(max_size) if max_size else None,
+                             parse_age(older_than) if older_than else None, dry_run)
     store = Store(engines)
     plan = plan_prune(store, parse_size(max_size) if max_size else None, parse_age(older_than) if older_than else None)
     verb = "would remove" if dry_run else "removed"
@@ -456,13 +475,16 @@ def cache_stats(engines: str | None, as_json: bool) -> None:
 @click.argument("refs", nargs=-1)
 @click.option("--all", "all_", is_flag=True, help="Verify every entry.")
 @engines_option
-def cache_verify(refs: tuple[str, ...], all_: bool, engines: str | None) -> None:
+@remote_target
+def cache_verify(refs: tuple[str, ...], all_: bool, engines: str | None, remote: str | None) -> None:
     """Check every file's size and sha256 against the manifest; corrupt entries are quarantined."""
     from trtbuild.store import Store, verify
 
     store = Store(engines)
     if not refs and not all_:
         raise InputError("cache verify: name entries or pass --all")
+    if remote is not None:
+        return _remote_verify(remote, refs, all_)
     entries = store.entries() if all_ else [store.find(r) for r in refs]
     bad = 0
     for entry in entries:
@@ -489,6 +511,7 @@ def doctor() -> None:
     click.echo(f"dependencies: {'ok' if not missing else f'{len(missing)} missing (pip install trtbuild again)'}")
     store = Store()
     click.echo(f"store: {store.root} ({store.origin})")
+    click.echo(f"remote: {_doctor_remote(store)}")
     for name in backends.REGISTRY:
         ok, reason = backends.availability(name)
         click.echo(f"{name:<13} {'available' if ok else 'unavailable'}: {reason}")
@@ -540,3 +563,151 @@ def _missing_dependencies() -> list[tuple[str, str]]:
 
 def _normalize(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
+
+
+# -- the remote tier (remote.py, fleet.py): cache push/pull, and the remote side of cache ls/verify/prune and doctor -------
+def _open_remote(url: str | None) -> Any:
+    from trtbuild.remote import ENV_URL, Remote, configured_url
+
+    chosen = configured_url(url or None)
+    if chosen is None:
+        raise InputError(f"no remote: pass --remote s3://BUCKET/PREFIX or set {ENV_URL}")
+    return Remote(chosen)
+
+
+def _fleet_line(fleet: dict[str, Any]) -> str:
+    what = {"remote": f"pulled in {fleet.get('pull_s', 0.0):.2f} s", "built": f"pushed in {fleet.get('push_s', 0.0):.2f} s",
+            "local": "not needed (local hit)"}.get(fleet.get("tier", "local"), "")
+    return f"{fleet['url']}: {what}" + (f"; {fleet['warning']}" if fleet.get("warning") else "")
+
+
+@cache.command("push")
+@click.argument("ref", required=False)
+@engines_option
+@remote_option
+@click.option("--tactics", is_flag=True, help="Push the tactic caches too (alone when no REF is given).")
+def cache_push(ref: str | None, engines: str | None, remote: str | None, tactics: bool) -> None:
+    """Upload an entry (every file hashed first) and, with --tactics, the tactic caches, to the remote tier."""
+    from trtbuild.fleet import push_tactics
+    from trtbuild.store import Store, verify
+
+    if ref is None and not tactics:
+        raise InputError("cache push: name an entry, or pass --tactics")
+    store, rem = Store(engines), _open_remote(remote)
+    if ref is not None:
+        entry = store.find(ref)
+        if problems := verify(entry, full=True):  # never spread a damaged entry to the fleet
+            raise TrtbuildError(f"{entry.path.name} is corrupt here ({'; '.join(problems)}); not pushed",
+                                hint=f"`trtbuild cache verify {entry.key[:12]}` moves it to quarantine")
+        with _progress(False) as progress:
+            pushed = rem.push(entry, progress)
+        click.echo(f"{'pushed' if pushed else 'already on the remote:'} {entry.path.name} -> {rem.url}")
+    if tactics:
+        click.echo(f"tactics: {push_tactics(rem, store)} file(s) pushed to {rem.url}")
+
+
+@cache.command("pull")
+@click.argument("ref", required=False)
+@engines_option
+@remote_option
+@click.option("--tactics", is_flag=True, help="Pull the tactic caches too (alone when no REF is given).")
+def cache_pull(ref: str | None, engines: str | None, remote: str | None, tactics: bool) -> None:
+    """Download an entry (REF: a remote entry's name or key prefix, or a recipe file, whose key is computed
+    here) into the local store, every file's sha256 checked; never builds."""
+    from pathlib import Path
+
+    from trtbuild.fleet import pull_tactics
+    from trtbuild.store import Store
+
+    if ref is None and not tactics:
+        raise InputError("cache pull: name an entry or a recipe, or pass --tactics")
+    store, rem = Store(engines), _open_remote(remote)
+    if ref is not None and Path(ref).is_file():
+        from trtbuild.builder import build
+
+        with _progress(False) as progress:
+            outcome = build(_load(ref), engines, allow_build=False, progress=progress, remote=rem.url)
+        how = "pulled" if outcome.fleet.get("tier") == "remote" else "already here:"
+        click.echo(f"{how} {outcome.entry.path.name} ({_fleet_line(outcome.fleet)})" if how == "pulled"
+                   else f"{how} {outcome.entry.path}")
+    elif ref is not None:
+        manifest = rem.find(ref)
+        if (entry := store.lookup(manifest["key"])) is not None:
+            click.echo(f"already here: {entry.path}")
+        else:
+            with _progress(False) as progress:
+                entry = rem.pull(store, manifest["key"], progress)
+            click.echo(f"pulled {entry.path.name} from {rem.url}")
+    if tactics:
+        click.echo(f"tactics: {pull_tactics(rem, store)} file(s) pulled from {rem.url}")
+
+
+def _remote_ls(url: str, as_json: bool) -> None:
+    rem = _open_remote(url)
+    rows = [{"name": m["name"], "backend": m.get("backend"), "precision": m.get("precision"),
+             "size": sum(int(f["size"]) for f in m["files"].values()), "created": m.get("created"),
+             "pushed_by": m.get("remote", {}).get("host"), "key": m["key"]} for m in rem.entries()]
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    if not rows:
+        click.echo(f"no engines on {rem.url}")
+        return
+    click.echo(f"{'NAME':<24} {'BACKEND':<13} {'PREC':<6} {'SIZE':>9}  {'CREATED':<16}  {'PUSHED BY':<20}  KEY")
+    for r in rows:
+        click.echo(f"{r['name']:<24} {r['backend'] or '-':<13} {r['precision'] or '-':<6} {_size(r['size']):>9}  "
+                   f"{_when(r['created']):<16}  {str(r['pushed_by'] or '-'):<20}  {r['key'][:16]}")
+
+
+def _remote_verify(url: str, refs: tuple[str, ...], all_: bool) -> None:
+    rem = _open_remote(url)
+    bad = 0
+    for m in rem.entries() if all_ else [rem.find(r) for r in refs]:
+        label = f"{m['name']}-{m['key'][:16]}"
+        if problems := rem.verify(m["key"]):
+            bad += 1
+            rem.quarantine(m["key"], "; ".join(problems))
+            click.echo(f"CORRUPT {label}: {'; '.join(problems)} (moved to quarantine on {rem.url})")
+        else:
+            click.echo(f"ok      {label}")
+    if bad:
+        sys.exit(1)
+
+
+def _remote_prune(url: str, max_size: int | None, older_than: float | None, dry_run: bool) -> None:
+    from trtbuild.fleet import plan_prune
+
+    rem = _open_remote(url)
+    plan = plan_prune(rem, max_size, older_than)
+    verb = "would remove" if dry_run else "removed"
+    for m in plan.remove:
+        if not dry_run:
+            rem.remove(m["key"])
+        click.echo(f"{verb} {m['name']}-{m['key'][:16]} from {rem.url}")
+    for prefix in plan.orphans:
+        if not dry_run:
+            rem.remove_prefix(prefix)
+        click.echo(f"{verb} {prefix} (a push that never wrote its manifest)")
+    for m, why in plan.kept:
+        click.echo(f"kept   {m['name']}-{m['key'][:16]} ({why})")
+    click.echo(f"remote: {_size(plan.size_before)} -> {_size(plan.size_after)}")
+
+
+def _doctor_remote(store: Any) -> str:
+    """The remote tier: configured or not, reachable or why not, and the last pull this store made."""
+    from trtbuild.remote import ENV_URL, Remote, configured_url
+
+    url = configured_url(None)
+    if url is None:
+        return f"not configured ({ENV_URL} or --remote)"
+    try:
+        state = f"{url}: reachable, {len(Remote(url).keys())} entries"
+    except TrtbuildError as exc:
+        state = f"{url}: {exc}"
+    pulls = []
+    with contextlib.suppress(OSError, ValueError):
+        pulls = [e for line in store.stats_file.read_text().splitlines() if (e := json.loads(line)).get("event") == "pull"]
+    if pulls:
+        state += (f"; last pull: {pulls[-1].get('name')} in {pulls[-1].get('pull_s', 0.0):.2f} s "
+                  f"({_when(pulls[-1].get('time'))})")
+    return state

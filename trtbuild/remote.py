@@ -143,7 +143,7 @@ class Remote:
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code in ("PreconditionFailed", "412") or status == 412:
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict") or status == 412:
                 raise PreconditionFailed(what) from None
             if code in ("NoSuchKey", "404", "NotFound") or status == 404 and code != "NoSuchBucket":
                 return None
@@ -291,11 +291,15 @@ class Remote:
             self.transfer(jobs, total, _meter(progress, f"pushing {entry.name} to {self.url}", total))
             manifest = {k: v for k, v in entry.manifest.items() if k not in ("verified", "last_used", "pulled")}
             manifest["remote"] = {"objects": push_id, "host": socket.gethostname(), "pushed": time.time()}
-            try:
-                self.put_json(self.manifest_name(key), manifest, if_none_match=True)
-            except PreconditionFailed:
-                self.remove_prefix(base)  # another host published this key first: its entry stands
-                return False
+            for attempt in (1, 2):
+                try:
+                    self.put_json(self.manifest_name(key), manifest, if_none_match=True)
+                    break
+                except PreconditionFailed:
+                    # S3 answers 409 to a write racing a delete of the same name: then nothing stands, try again
+                    if attempt == 2 or self.head(self.manifest_name(key)) is not None:
+                        self.remove_prefix(base)  # another host published this key first: its entry stands
+                        return False
             # Verify after write: a server that ignored If-None-Match lets the last writer win; keep objects only then.
             now = self.manifest(key)
             if now is None or now.get("remote", {}).get("objects") != push_id:

@@ -140,11 +140,12 @@ class Session:
 
 
 def open_session(recipe: Recipe, engines: str | os.PathLike[str] | None = None, build: bool = True,
-                 progress: Progress = lambda message: None, verify: bool = False) -> Session:
-    """Find (or build) the engine and return a Session; enter it to load the engine."""
+                 progress: Progress = lambda message: None, verify: bool = False,
+                 remote: str | None = None) -> Session:
+    """Find (or pull from `remote`, or build) the engine and return a Session; enter it to load the engine."""
     allow = build and not no_build_from_env()
     _read_ahead(recipe, Store(engines))
-    outcome = _build(recipe, engines, allow_build=allow, full_verify=verify, progress=progress)
+    outcome = _build(recipe, engines, allow_build=allow, full_verify=verify, progress=progress, remote=remote)
     return Session(recipe, outcome, engines, allow_build=allow, progress=progress)
 
 
@@ -223,7 +224,8 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
         "device": session.engine.device,
         "engine": {"key": outcome.key, "path": str(outcome.entry.path), "cache_hit": outcome.cache_hit,
                    "store": outcome.store, "quarantined": list(outcome.quarantined),
-                   "graphs_reused": list(outcome.reused)},
+                   "graphs_reused": list(outcome.reused),
+                   "tier": outcome.fleet.get("tier", "local"), "fleet": dict(outcome.fleet)},
         "shape": {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "iterations": iterations},
         "phases": {**{k: session.phases.get(k, 0.0) for k in ("startup_s", "lookup_s", "build_s", "load_s", "warmup_s")},
                    "prefill_s": ttft["p50"], "decode_s": decode_s, "end_to_end_s": end_to_end},
