@@ -11,7 +11,6 @@ is full, 503 while loading or draining. SIGTERM (or Ctrl-C) stops accepting, let
 then exits.
 """
 
-from __future__ import annotations
 
 import asyncio
 import json
@@ -78,6 +77,9 @@ def _models() -> tuple[type, type]:
         frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
         repetition_penalty: float = Field(1.0, gt=0.0)
         user: str | None = None
+        # vLLM's extensions, for clients that count tokens (benchmarks) and models without a tokenizer
+        ignore_eos: bool = False
+        return_token_ids: bool = False
 
     class Completion(Common):
         prompt: str | list[str] | list[int] | list[list[int]]
@@ -201,7 +203,8 @@ class Server:
         stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
         if stops and not self.text.can_detokenize:
             raise ApiError(400, "stop: stop strings need the model's tokenizer, which this engine lacks", param="stop")
-        stop_ids = frozenset(self.text.eos_ids) | frozenset(params.stop_token_ids or [])
+        eos = frozenset() if params.ignore_eos else frozenset(self.text.eos_ids)
+        stop_ids = eos | frozenset(params.stop_token_ids or [])
         out = []
         for p, prompt in enumerate(prompts):
             room = engine.max_seq_len - len(prompt)
@@ -349,25 +352,29 @@ def create_app(server: Server) -> Any:
         server.submit(reqs)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         usage = {"prompt_tokens": sum(len(r.prompt) for r in reqs[::params.n])}
+        # token ids in the choices: asked for, or the only output of a model without a tokenizer
+        ids = params.return_token_ids or not server.text.can_detokenize
         if params.stream:
             include_usage = bool((params.stream_options or {}).get("include_usage"))
-            return StreamingResponse(_stream(reqs, events, rid, chat, usage, include_usage),
+            return StreamingResponse(_stream(reqs, events, rid, chat, usage, include_usage, ids),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _collect(request, reqs, events, rid, chat, usage)
+        return await _collect(request, reqs, events, rid, chat, usage, ids)
 
-    def _chunk(rid: str, chat: bool, index: int, text: str | None, finish: str | None,
-               role: bool = False) -> dict[str, Any]:
+    def _chunk(rid: str, chat: bool, index: int, text: str | None, finish: str | None, role: bool = False,
+               token_ids: list[int] | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = ({"role": "assistant", "content": ""} if role else
                                      {} if text is None else {"content": text})
             choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": server.name, "choices": [choice]}
 
     async def _stream(reqs: list[Request], events: asyncio.Queue[tuple[int, Event]], rid: str, chat: bool,
-                      usage: dict[str, int], include_usage: bool) -> AsyncIterator[str]:
+                      usage: dict[str, int], include_usage: bool, ids: bool) -> AsyncIterator[str]:
         left = len(reqs)
         try:
             if chat:
@@ -378,8 +385,10 @@ def create_app(server: Server) -> Any:
                 if ev.finish == "error":
                     yield _sse(ApiError(500, ev.error or "generation failed", "server_error").body())
                     break
-                if ev.text or ev.finish:
-                    yield _sse(_chunk(rid, chat, index, ev.text if ev.text else None, _reason(ev.finish)))
+                if ev.text or ev.finish or (ids and ev.token is not None):
+                    token_ids = ([] if ev.token is None else [ev.token]) if ids else None
+                    text = ev.text if ev.text or ids else None
+                    yield _sse(_chunk(rid, chat, index, text, _reason(ev.finish), token_ids=token_ids))
                 if ev.finish:
                     left -= 1
             if include_usage and not left:
@@ -395,8 +404,9 @@ def create_app(server: Server) -> Any:
                     server.scheduler.cancel(r)  # type: ignore[union-attr]
 
     async def _collect(request: HttpRequest, reqs: list[Request], events: asyncio.Queue[tuple[int, Event]],
-                       rid: str, chat: bool, usage: dict[str, int]) -> Any:
+                       rid: str, chat: bool, usage: dict[str, int], ids: bool) -> Any:
         texts = [""] * len(reqs)
+        tokens: list[list[int]] = [[] for _ in reqs]
         finishes: list[str | None] = [None] * len(reqs)
         left = len(reqs)
         try:
@@ -408,6 +418,8 @@ def create_app(server: Server) -> Any:
                         return Response(status_code=499)
                     continue
                 texts[index] += ev.text
+                if ev.token is not None:
+                    tokens[index].append(ev.token)
                 if ev.finish:
                     if ev.finish == "error":
                         raise ApiError(500, ev.error or "generation failed", "server_error")
@@ -424,6 +436,9 @@ def create_app(server: Server) -> Any:
         else:
             choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": _reason(f)}
                        for i, (t, f) in enumerate(zip(texts, finishes))]
+        if ids:
+            for choice, row in zip(choices, tokens):
+                choice["token_ids"] = row
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": server.name, "choices": choices,
                 "usage": usage | {"completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done}}
