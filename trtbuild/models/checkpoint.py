@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 
 from trtbuild.errors import InputError
+from trtbuild.models.families import ARCHITECTURES, FAMILIES, refused_fields
+from trtbuild.models.family_weights import convert_family, family_shapes
 from trtbuild.models.llama import LlamaConfig, rope_frequencies
 
 WEIGHT_INDEX = "model.safetensors.index.json"
@@ -29,6 +31,9 @@ def hf_parameter_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
     for i in range(cfg.num_layers):
         a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
+        if cfg.model_type not in ("llama", "mistral", "qwen2"):  # the other families' tensors (family_shapes)
+            shapes.update(family_shapes(cfg, i))
+            continue
         shapes[a + "q_proj.weight"] = (cfg.num_heads * hd, d)
         shapes[a + "k_proj.weight"] = (cfg.num_kv_heads * hd, d)
         shapes[a + "v_proj.weight"] = (cfg.num_kv_heads * hd, d)
@@ -64,8 +69,11 @@ def read_config(folder: Path) -> tuple[dict[str, Any], LlamaConfig]:
     if not isinstance(raw, dict):
         raise InputError(f"{path}: expected a JSON object")
     model_type = raw.get("model_type")
-    if model_type not in ("llama", "mistral", "qwen2"):
-        raise InputError(f"{path}: model_type: {model_type!r} is not supported (llama, mistral, qwen2 are)")
+    if model_type not in FAMILIES:
+        raise InputError(f"{path}: model_type: {model_type!r} is not supported ({', '.join(FAMILIES)} are)")
+    refused = refused_fields(raw)
+    if refused:
+        raise InputError(f"{path}: " + "; ".join(refused))
     try:
         cfg = LlamaConfig.from_hf(raw)
     except KeyError as exc:
@@ -80,6 +88,9 @@ def read_config(folder: Path) -> tuple[dict[str, Any], LlamaConfig]:
         raise InputError(f"{path}: rope_scaling: {exc}") from None
     if cfg.num_heads % cfg.num_kv_heads:
         raise InputError(f"{path}: num_key_value_heads: {cfg.num_kv_heads} does not divide num_attention_heads {cfg.num_heads}")
+    if cfg.num_experts and not 0 < cfg.experts_per_token <= cfg.num_experts:
+        raise InputError(f"{path}: num_experts_per_tok: {cfg.experts_per_token} must be between 1 and the "
+                         f"{cfg.num_experts} experts")
     return raw, cfg
 
 
@@ -138,7 +149,8 @@ def write_synthetic(folder: Path, config: dict[str, Any], seed: int) -> None:
     """
     from safetensors.torch import save_file
 
-    raw = {"architectures": ["LlamaForCausalLM"], "torch_dtype": "float32", **config}
+    raw = {"architectures": [ARCHITECTURES.get(config.get("model_type", "llama"), "LlamaForCausalLM")],
+           "torch_dtype": "float32", **config}
     cfg = LlamaConfig.from_hf(raw)
     dtype = DTYPES.get(raw["torch_dtype"])
     if dtype is None:
@@ -146,8 +158,8 @@ def write_synthetic(folder: Path, config: dict[str, Any], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, Tensor] = {}
     for name, shape in hf_parameter_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape, dtype=dtype)
+        if name.endswith("norm.weight"):  # a unit gain: stored as 0 where the family stores gain - 1 (Gemma)
+            tensors[name] = torch.full(shape, 0.0 if cfg.unit_offset_norms else 1.0, dtype=dtype)
         elif name.endswith(".bias"):
             tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
         else:
@@ -163,6 +175,8 @@ def convert_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, 
     out: dict[str, Tensor] = {"tok_embeddings.weight": hf["model.embed_tokens.weight"],
                               "norm.weight": hf["model.norm.weight"]}
     out["output.weight"] = hf["model.embed_tokens.weight"] if cfg.tie_word_embeddings else hf["lm_head.weight"]
+    if cfg.model_type not in ("llama", "mistral", "qwen2"):
+        return convert_family(hf, cfg, out)
     for i in range(cfg.num_layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         o = f"layers.{i}."

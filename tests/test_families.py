@@ -1,0 +1,186 @@
+"""The families beyond Llama (Qwen3, Phi-3, Gemma 2 and 3, Mixtral, Qwen3-MoE) against transformers' own
+classes: tiny random models (odd sizes, GQA, tied and untied embeddings, several layers, local and global
+layers both present), saved with `save_pretrained` and read back by trtbuild's loader. fp32 on the CPU:
+logits within fp32 tolerance at every position and greedy tokens identical to `generate`, for prompts and
+generations that cross the sliding windows. `test_compiled_*` does the same through a compiled package.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from torch import Tensor
+
+from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
+from trtbuild.models.llama import Transformer
+
+ATOL = RTOL = 1e-4
+BATCH, PROMPT_LEN, DECODE_STEPS = 2, 11, 14
+MAX_SEQ_LEN = 32
+WINDOW = 5  # shorter than the prompt: local layers drop keys both in the prompt and while decoding
+
+COMMON: dict[str, Any] = dict(hidden_size=48, intermediate_size=72, num_hidden_layers=4, num_attention_heads=6,
+                              num_key_value_heads=2, vocab_size=101, max_position_embeddings=64,
+                              tie_word_embeddings=False, rms_norm_eps=1e-6)
+LOCAL_GLOBAL = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0,
+            # original length 16 < PROMPT_LEN + DECODE_STEPS: the decode steps past it use the long factors
+            "short_factor": [1.0 + 0.1 * i for i in range(4)], "long_factor": [1.5 + 0.5 * i for i in range(4)],
+            "original_max_position_embeddings": 16}
+
+# name -> (config class, model class, config fields)
+CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 10, "rope_theta": 1e6}),
+    "qwen3-tied-mqa": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8, "num_key_value_heads": 1,
+                                                           "tie_word_embeddings": True}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "phi3-longrope-window": ("Phi3Config", "Phi3ForCausalLM", {
+        "hidden_size": 48, "num_attention_heads": 6, "pad_token_id": 0, "original_max_position_embeddings": 16,
+        "rope_parameters": LONGROPE, "sliding_window": WINDOW}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 12, "query_pre_attn_scalar": 20, "sliding_window": WINDOW, "layer_types": LOCAL_GLOBAL,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gemma3-softcap-untied": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": WINDOW, "layer_types": LOCAL_GLOBAL,
+        "final_logit_softcapping": 3.0, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 8, "query_pre_attn_scalar": 16, "sliding_window": WINDOW, "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+        "eos_token_id": 2}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 5, "num_experts_per_tok": 2,
+                                                        "num_hidden_layers": 2}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 10, "num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 20,
+        "norm_topk_prob": False, "mlp_only_layers": [0], "num_hidden_layers": 3}),
+    "qwen3-moe-normed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+        "norm_topk_prob": True, "num_hidden_layers": 2, "tie_word_embeddings": True}),
+}
+
+
+def hf_model(name: str) -> Any:
+    config_cls, model_cls, fields = CASES[name]
+    config = getattr(transformers, config_cls)(**{**COMMON, **fields})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    _randomize(model)
+    return model
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module) -> None:
+    """Every parameter random and O(1) logits (HF's init would leave norm gains untested); routers spread
+    wide, so that the choice of experts is far from a tie."""
+    gen = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen) + (0.0 if "gemma" in type(model).__name__.lower() else 1.0))
+        elif "embed_tokens" in name:
+            p.copy_(torch.randn(p.shape, generator=gen))
+        elif name.endswith("gate.weight") and p.dim() == 2 and p.shape[0] < 10:  # a router
+            p.copy_(3 * torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+
+def ours(folder: Path, max_seq_len: int = MAX_SEQ_LEN) -> Transformer:
+    _, cfg = read_config(folder)
+    model = Transformer(cfg, max_batch_size=BATCH, max_seq_len=max_seq_len, dtype=torch.float32)
+    model.load_state_dict(convert_hf_state_dict(load_weights(folder, cfg, torch.float32), cfg), strict=True)
+    return model.eval()
+
+
+def prompts(vocab: int = 101) -> Tensor:
+    return torch.randint(3, vocab, (BATCH, PROMPT_LEN), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.fixture(params=list(CASES), scope="module")
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    hf = hf_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf, folder
+
+
+@torch.no_grad()
+def hf_generate(hf: Any, tokens: Tensor, steps: int = DECODE_STEPS) -> Any:
+    return hf.generate(input_ids=tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=steps,
+                       min_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                       pad_token_id=0)
+
+
+def longrope(hf: Any) -> bool:
+    return (hf.config.rope_parameters or {}).get("rope_type") == "longrope"
+
+
+@torch.no_grad()
+def hf_reference(hf: Any, tokens: Tensor, steps: int = DECODE_STEPS) -> tuple[list[Tensor], list[list[int]]]:
+    """transformers' greedy logits of each step and its tokens: `generate`'s, but for LongRoPE, where generate
+    recomputes the whole cache with the long factors once the sequence outgrows
+    original_max_position_embeddings (Phi3ForCausalLM.prepare_inputs_for_generation) and trtbuild keeps
+    the cached keys and rotates each new position with its own factors (docs/models.md): there, a decode
+    loop of transformers' model over its own cache, which does what trtbuild does."""
+    if not longrope(hf):
+        out = hf_generate(hf, tokens, steps)
+        return list(out.logits), out.sequences[:, tokens.shape[1]:].tolist()
+    from transformers import DynamicCache
+
+    out = hf(input_ids=tokens, past_key_values=DynamicCache(config=hf.config), use_cache=True)
+    logits, chosen = [], []
+    for step in range(steps):
+        logits.append(out.logits[:, -1])
+        chosen.append(out.logits[:, -1].argmax(-1, keepdim=True))
+        pos = tokens.shape[1] + step
+        out = hf(input_ids=chosen[-1], past_key_values=out.past_key_values, use_cache=True,
+                 position_ids=torch.full((tokens.shape[0], 1), pos))
+    return logits, torch.cat(chosen, dim=1).tolist()
+
+
+def test_longrope_generation_matches_generate_up_to_the_original_length(tmp_path: Path) -> None:
+    """Below original_max_position_embeddings LongRoPE uses its short factors in both, so generate's
+    tokens are trtbuild's until the sequence outgrows that length."""
+    hf = hf_model("phi3-longrope-window")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    tokens = prompts()
+    steps = 16 - PROMPT_LEN + 1  # the last step's logits come from position 15, the last short one
+    out = hf_generate(hf, tokens, steps)
+    want, _ = hf_reference(hf, tokens, steps)
+    for a, b in zip(out.logits, want, strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("from_start", [False, True])
+@torch.no_grad()
+def test_prompt_logits_match_at_every_position(pair: tuple[Any, Path], from_start: bool) -> None:
+    hf, folder = pair
+    tokens = prompts()
+    got = ours(folder)(tokens, torch.arange(PROMPT_LEN), all_logits=True, from_start=from_start)
+    want = hf(input_ids=tokens, use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    assert want.abs().max() > 1.0  # the comparison is not between near-zero numbers
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+@torch.no_grad()
+def test_greedy_tokens_and_logits_match_generate(pair: tuple[Any, Path], windowed: bool) -> None:
+    """Prefill, then one decode step at a time over the static cache (`windowed`: each step attends over
+    exactly the filled slots, as the engine's tightest decode graph does)."""
+    hf, folder = pair
+    model = ours(folder)
+    tokens = prompts()
+    want_logits, want_tokens = hf_reference(hf, tokens)
+    last = model(tokens, torch.arange(PROMPT_LEN), from_start=True)
+    mine = []
+    for step, want in enumerate(want_logits):
+        torch.testing.assert_close(last, want, atol=ATOL, rtol=RTOL, msg=lambda m, step=step: f"decode step {step}: {m}")
+        nxt = last.argmax(-1, keepdim=True)
+        mine.append(nxt)
+        pos = PROMPT_LEN + step
+        last = model(nxt, torch.tensor([pos]), span=torch.arange(pos + 1) if windowed else None)
+    assert torch.cat(mine, dim=1).tolist() == want_tokens

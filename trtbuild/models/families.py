@@ -1,0 +1,153 @@
+"""The model families trtbuild builds, and what each one's config.json asks of the shared decoder.
+
+Every family is the Llama decoder (models/llama.py) with a few config-driven features switched on:
+- qwen3: RMSNorm over each head's query and key before rope (`qk_norm`).
+- phi3: the checkpoint fuses q/k/v and gate/up (the engine's own layout); longrope scaling.
+- gemma2, gemma3_text: norms after attention and the MLP too (`sandwich_norms`), RMSNorm gains stored as
+  (1 + weight), embeddings scaled by sqrt(hidden_size), GELU-tanh gating, a query scale from
+  `query_pre_attn_scalar`, sliding-window layers between global ones (Gemma 3 with a rope base of their
+  own), logit soft-capping where the config has it.
+- mixtral, qwen3_moe: a mixture of experts in place of the MLP (models/moe.py).
+
+`family_fields` turns a raw config into the extra `LlamaConfig` fields; `refused_fields` names every field
+whose value would change the model in a way trtbuild does not implement, so that it is refused at
+`trtbuild validate` instead of silently ignored. No torch here: recipe and checkpoint reading use it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+GEMMA = ("gemma2", "gemma3_text")
+MOE = ("mixtral", "qwen3_moe")
+# The activations each family's MLP may use, as config.json names them.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Fields the loader reads in some family but that only a family that implements them may carry.
+_FAMILY_ONLY = {"query_pre_attn_scalar": GEMMA, "final_logit_softcapping": GEMMA, "attn_logit_softcapping": GEMMA,
+                "rope_local_base_freq": ("gemma3_text",)}
+
+
+def family_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `LlamaConfig` fields beyond Llama's that `cfg` (a raw config.json) sets; raises KeyError,
+    TypeError or ValueError for the loader to report."""
+    kind = cfg.get("model_type", "llama")
+    layers = int(cfg["num_hidden_layers"])
+    out: dict[str, Any] = {"model_type": kind}
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    out["hidden_act"] = ACTIVATIONS.get(act, act)
+    if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
+        out["qk_norm"] = True
+    if kind in GEMMA:
+        out["sandwich_norms"] = True
+        out["unit_offset_norms"] = True
+        out["embed_scale"] = math.sqrt(int(cfg["hidden_size"]))
+        out["attn_scale"] = float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5
+        # Gemma 3 has the field but transformers' Gemma 3 never applies it (refused_fields refuses a value)
+        out["attn_softcap"] = _positive_or_none(cfg.get("attn_logit_softcapping")) if kind == "gemma2" else None
+        out["final_softcap"] = _positive_or_none(cfg.get("final_logit_softcapping"))
+    out["layer_windows"] = _layer_windows(cfg, kind, layers)
+    if kind == "gemma3_text":
+        local = _local_rope(cfg)
+        if local is not None:
+            out["local_rope_theta"], out["local_rope_scaling"] = local
+    if kind in MOE:
+        experts = cfg.get("num_local_experts") if kind == "mixtral" else cfg.get("num_experts", cfg.get("num_local_experts"))
+        out["num_experts"] = int(experts)  # type: ignore[arg-type]  # None raises TypeError, reported as a wrong value
+        out["experts_per_token"] = int(cfg.get("num_experts_per_tok", 2))
+        # Mixtral always renormalizes the chosen experts' weights; Qwen3-MoE when norm_topk_prob says so.
+        out["norm_topk_prob"] = kind == "mixtral" or bool(cfg.get("norm_topk_prob", False))
+        out["moe_intermediate_size"] = int(cfg["moe_intermediate_size"]) if kind == "qwen3_moe" \
+            else int(cfg["intermediate_size"])
+        only = set(cfg.get("mlp_only_layers") or [])
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        out["moe_layers"] = tuple(i not in only and (i + 1) % step == 0 for i in range(layers))
+    return out
+
+
+def _positive_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _layer_windows(cfg: dict[str, Any], kind: str, layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: attends to every earlier position), as the family's HF code decides."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return ()
+    types = cfg.get("layer_types")
+    if kind in ("mistral", "phi3", "mixtral"):  # one window for every layer, whenever the config has one
+        return (int(window),) * layers
+    if kind in GEMMA and not types:  # older configs: every `sliding_window_pattern`-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 2)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    if kind in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        return ()
+    if not types:
+        return ()
+    if len(types) != layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
+
+
+def _local_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None] | None:
+    """Gemma 3's sliding layers' rope (theta, scaling): from rope_parameters keyed by layer type
+    (transformers 5) or rope_local_base_freq (older configs, where rope_scaling is the global layers')."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        local = params["sliding_attention"]
+        scaling = None if local.get("rope_type", "default") == "default" else dict(local)
+        return float(local.get("rope_theta", 10000.0)), scaling
+    if "rope_local_base_freq" in cfg:
+        return float(cfg["rope_local_base_freq"]), None
+    return 10000.0, None
+
+
+def global_rope(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The rope parameters of the (global) layers: rope_parameters keyed by layer type carry them under
+    full_attention; otherwise rope_scaling or rope_parameters themselves."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        return dict(params["full_attention"])
+    scaling = cfg.get("rope_scaling") or params
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        # longrope's attention factor depends on these two top-level fields (transformers' _compute_longrope_parameters)
+        scaling = {"original_max_position_embeddings": cfg.get("original_max_position_embeddings"),
+                   "max_position_embeddings": cfg.get("max_position_embeddings"), **scaling, "rope_type": "longrope"}
+    return dict(scaling) if isinstance(scaling, dict) else None
+
+
+def refused_fields(cfg: dict[str, Any]) -> list[str]:
+    """`field: why` for each field of a raw config.json whose value trtbuild cannot honour."""
+    kind = cfg.get("model_type")
+    problems = []
+    act_field = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
+    act = cfg.get(act_field, "silu")
+    allowed = ("gelu_pytorch_tanh",) if kind in GEMMA else ("silu",)
+    if act is not None and act not in allowed:
+        problems.append(f"{act_field}: {act!r} is not supported for {kind} ({', '.join(allowed)} is)")
+    for name, families in _FAMILY_ONLY.items():
+        if cfg.get(name) is not None and kind not in families:
+            problems.append(f"{name}: not part of the {kind} model trtbuild builds")
+    if kind == "gemma3_text" and cfg.get("attn_logit_softcapping") is not None:
+        problems.append("attn_logit_softcapping: Gemma 3 does not cap its attention scores (transformers ignores "
+                        "the field); set it to null")
+    if cfg.get("use_bidirectional_attention"):
+        problems.append("use_bidirectional_attention: only causal attention is supported")
+    for name in ("partial_rotary_factor",):
+        value = cfg.get(name, (global_rope(cfg) or {}).get(name, 1.0))
+        if value not in (None, 1, 1.0):
+            problems.append(f"{name}: {value} is not supported (rope over the whole head only)")
+    if cfg.get("quantization_config"):
+        problems.append("quantization_config: pre-quantized checkpoints are not supported")
+    types = cfg.get("layer_types")
+    if types is not None and not set(types) <= {"full_attention", "sliding_attention"}:
+        problems.append(f"layer_types: {sorted(set(types) - {'full_attention', 'sliding_attention'})} are not supported")
+    if kind in MOE and cfg.get("shared_expert_intermediate_size"):
+        problems.append("shared_expert_intermediate_size: shared experts are not supported")
+    return problems
