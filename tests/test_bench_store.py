@@ -238,7 +238,7 @@ def test_a_failed_restart_is_never_averaged_away() -> None:
 
 
 def test_a_short_prompts_floor_is_the_time_to_read_the_weights_and_a_long_ones_its_flops() -> None:
-    """At Llama-3.1-8B's dimensions and the H200's measured rates (call 70), 128 tokens are bound by reading
+    """At Llama-3.1-8B's dimensions and the H200's measured rates (2026-12-05), 128 tokens are bound by reading
     15 GB of weights (3.5 ms), not by their 1.8 TFLOP (2.3 ms); 2048 tokens by their FLOPs. The table says
     which, so a prefill-128 ratio is read against the right roof."""
     import yaml

@@ -122,7 +122,7 @@ def test_a_run_report_sets_the_builds_matmul_timings_against_the_step(built: dic
 def test_the_prefill_row_names_the_roof_that_binds_it(monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """A short prompt's time to first token is bound by reading the weights, not by its FLOPs: at 8B on the
-    H200 (call 70), 128 tokens took 5.9 ms, 0.3 PFLOP/s (31% of peak) but 2.6 TB/s (53%). The report says
+    H200 (2026-12-05), 128 tokens took 5.9 ms, 0.3 PFLOP/s (31% of peak) but 2.6 TB/s (53%). The report says
     so, where FLOP/s alone would call it a third of the way to the roof; 2048 tokens are compute-bound."""
     from trtbuild.backends import Generation
     from trtbuild.report import print_table

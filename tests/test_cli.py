@@ -105,7 +105,7 @@ def test_a_full_disk_while_writing_the_weights_is_a_clear_error_and_leaves_no_en
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """safetensors reports a full disk as SafetensorError("... (os error 28)"), not OSError: the build
     says what ran out and where, in one line without a traceback, exits non-zero, and the store holds
-    neither an entry nor a build folder (an 8B build on the H200 hit this, tenth session)."""
+    neither an entry nor a build folder (an 8B build on the H200 hit this, 2026-12-04)."""
     import safetensors.torch
     from safetensors import SafetensorError
 

@@ -18,7 +18,7 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]  # the GPU decode
 
 def test_a_bf16_tie_taken_the_other_way_is_eager_and_a_far_token_is_not(tmp_path: Path) -> None:
     """The tiny bf16 model of tests/test_gpu.py: its third token is a bf16 tie (14 and 31). The H200's
-    fused kernels (eighth and fourteenth sessions) produced [26, 18, 31, 43], the fp32 model's tokens;
+    fused kernels (H200, 2026-12-04) produced [26, 18, 31, 43], the fp32 model's tokens;
     that passes, and a token whose logit is 0.17 below the best does not."""
     recipe = load_recipe(write_recipe(tmp_path, tiny_recipe_doc(precision="bf16")))
     folder = resolve(recipe.model, tmp_path / "store").materialize()

@@ -70,7 +70,7 @@ def test_the_engine_code_digest_covers_the_model_and_build_code() -> None:
 @pytest.mark.parametrize("backend", ["torch", "tensorrt", "tensorrt-llm"])
 def test_every_module_a_backend_builds_with_is_in_the_engine_key(backend: str) -> None:
     """Each trtbuild.backends module a backend imports at its top level (its build-time plans, graph
-    compiling and caching) is hashed into the key: before the tenth session only the backend's own
+    compiling and caching) is hashed into the key: when only the backend's own
     module was, so a change to, say, how decode kernels are chosen would have reused engines built
     the old way. Runtime-only modules, imported lazily by load(), stay out."""
     import ast
@@ -101,7 +101,7 @@ def test_every_module_a_backend_builds_with_is_in_the_engine_key(backend: str) -
 def test_environment_that_changes_what_compiles_is_in_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               name: str, value: str, counts: bool) -> None:
     """Inductor and Triton read options from the environment, and TRTBUILD_INDUCTOR_PDL=0 leaves the PDL wait
-    out of Inductor's decode kernels: each is a different engine. On the H200 (2026-12-04, call 39) a build
+    out of Inductor's decode kernels: each is a different engine. On the H200 (2026-12-04) a build
     with TRTBUILD_INDUCTOR_PDL=0 got the key of the build without, so the second of the two would have
     loaded the first's engine. Cache folders and thread counts change nothing compiled and stay out."""
     for k in [k for k in os.environ if k.startswith(("TORCHINDUCTOR_", "TRITON_", "TRTBUILD_INDUCTOR"))]:

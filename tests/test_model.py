@@ -247,7 +247,7 @@ def test_decode_fusion_is_never_for_a_linear_with_a_bias() -> None:
 
 
 def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_kernel_alone() -> None:
-    """The plan's choice per call site, from the selection's timings (µs; numbers of the H200's eighth session),
+    """The plan's choice per call site, from the selection's timings (µs; numbers the H200 measured on 2026-12-04),
     with the time of one call the way chosen (what the run report adds up)."""
     from trtbuild.backends.torch.decode_kernels import pick as pick_timed
 
@@ -274,7 +274,7 @@ def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_
     # a call site without fusion: cuBLAS or the kernel, as timed
     assert pick(timings("none", "cublas", 18.06, None, plain=18.38), None, "auto") == ("cublas", "none", 18.06)
     assert pick(timings("none", "cublas", 1.0, None, broken="failed: x"), None, "kernel") == (None, "none", None)
-    # 8B gate/up at batch 1 with the norm's gain folded (sixteenth session): the norm inside costs ~7 us, so
+    # 8B gate/up at batch 1 with the norm's gain folded (H200, 2026-12-04): the norm inside costs ~7 us, so
     # the kernel with the gating alone and Inductor's norm (56.57 + 59.26 - 57.61 = 58.22) beats cuBLAS +
     # Inductor (59.26), the fused kernel (63.67) and the plain kernel + Inductor (57.72 + 59.26 - 55.49)
     up = timings("rms_gate", "cublas", 55.49, 59.26, fused=63.67)
@@ -292,7 +292,7 @@ def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_
 
 
 def test_the_h200s_8b_timings_route_every_fused_call_site_to_the_fused_kernel() -> None:
-    """The plan's choices from the 8B selection the H200 measured in call 53 (tests/golden), paired the way
+    """The plan's choices from the 8B selection the H200 measured on 2026-12-05 (tests/golden), paired the way
     matmul_plan pairs them (each fused call site with the plain timing of its shape). That build put the
     plain kernel + Inductor's gating at gate/up for batch 1, because cuBLAS + the gating timed faster than
     cuBLAS alone there; the step took one kernel more a layer and 0.18 ms more. With Inductor's share never
@@ -476,7 +476,7 @@ def test_pdl_timing_is_refused_with_the_reason_where_pdl_cannot_run(monkeypatch:
 def test_the_kernels_inline_assembly_has_no_escaped_line_breaks() -> None:
     """AOTInductor writes each user kernel's source into a file of its own for its autotuning subprocess,
     and an assembly string's `\\n` became a real line break there: the file no longer parsed (the
-    seventeenth session's L2-prefetch kernel failed so on the H200, before any token). Instructions in
+    L2-prefetch kernel of 2026-12-04 failed so on the H200, before any token). Instructions in
     one inline_asm_elementwise string are joined with `;` instead."""
     import ast
 

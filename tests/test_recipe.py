@@ -260,7 +260,7 @@ def test_backend_checks_its_own_options() -> None:
 
 def test_a_torch_recipe_without_options_builds_with_each_options_default() -> None:
     """What a build passes to its plans when the recipe names no option: epilogue fusion since the
-    fifteenth session's 8B measurement (the README's recipe section names these defaults)."""
+    8B measurement of 2026-12-04 (the README's recipe section names these defaults)."""
     from trtbuild.backends.torch.backend import OPTIONS, _option
 
     recipe = parse_recipe(tiny_recipe_doc(), Path("r.yaml"))

@@ -10,7 +10,7 @@ missing engine an error instead of a build (a server restart never compiles).
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from trtbuild.version import __version__  # noqa: E402
 
 # Before anything imports torch: one libstdc++ for every compiled graph (trtbuild/backends/torch/cxx.py).
 from trtbuild.backends.torch.cxx import make_global as _make_global  # noqa: E402

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trtbuild import __version__, backends, fingerprint
+from trtbuild import backends, fingerprint
+from trtbuild.version import __version__
 from trtbuild.backends import BuildJob
 from trtbuild.errors import EngineMissingError, InputError
 from trtbuild.models.source import ResolvedModel, resolve

@@ -65,7 +65,7 @@ def store_origin(engines: str | os.PathLike[str] | None = None) -> tuple[Path, s
     if env := os.environ.get("TRTBUILD_ENGINES"):
         return Path(env).expanduser(), "TRTBUILD_ENGINES"
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
-    return Path(cache) / "trtbuild" / "engines", "default (per user; --engines or TRTBUILD_ENGINES to change)"
+    return Path(cache) / "trtbuild" / "engines", "the per-user default"
 
 
 def default_root(engines: str | os.PathLike[str] | None = None) -> Path:

@@ -117,7 +117,7 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
         # programmatic dependent launch (grid_dependency.py): this kernel's blocks may be scheduled before the
         # previous kernel completes; every address depends on the wait. (Loading the first weight tile before
         # the wait, which no kernel of a step writes, was measured on the H200: no gain at batch 1, 0.12 ms
-        # slower a 1B step at batch 8; RESULTS.md, thirteenth session. Removed.)
+        # slower a 1B step at batch 8; RESULTS.md. Removed.)
         z = wait_for_predecessor()
         x_ptr, w_ptr, y_ptr, g_ptr, r_ptr = x_ptr + z, w_ptr + z, y_ptr + z, g_ptr + z, r_ptr + z
     w_rows = w_ptr + offs_n[:, None] * stride_wn

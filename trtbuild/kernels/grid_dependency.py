@@ -8,7 +8,7 @@ Why not Triton's `gdc_wait` and `gdc_launch_dependents`: they are inline assembl
 Inductor's analysis of a user kernel (which tensors it writes) stops at impure assembly and then
 assumes the kernel writes every tensor it is given. Compiled into a decode graph, that cloned the
 weights for every call and turned the graph's token output into a bf16 tensor (the H200, 2026-12-04,
-call 31). Here each instruction is *pure* assembly tied into the kernel's data flow: the wait returns a
+2026-12-04). Here each instruction is *pure* assembly tied into the kernel's data flow: the wait returns a
 zero the kernel adds to every pointer (nothing is loaded or stored before it), the release passes the
 accumulator through (it comes after the main loop). Neither is removed as dead code, and the analysis
 sees through both.

@@ -41,20 +41,20 @@ class MatmulConfig:
 # (benchmarks/probes/matmul_probe.py): narrow blocks give the 4096-row matrices enough programs per SM.
 # Two and four rows with k steps of 2048: the fastest of 64 one-row configurations at every 1B call site in
 # the H100 probe of 2026-12-05 (0.6-1.8 us a call under the best of the rest; the step's matmuls 1.032 ->
-# 0.967 ms; RESULTS.md, twenty-third session). The build times them beside the others on its own GPU.
+# 0.967 ms; RESULTS.md). The build times them beside the others on its own GPU.
 ONE_ROW = [MatmulConfig(n, k, w, s) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (4,) for s in (1, 3)] + [
     MatmulConfig(n, 1024, 8, s) for n in (16, 32) for s in (1, 3)] + [
     MatmulConfig(n, 2048, 4, s) for n in (2, 4) for s in (1, 3)]
 # A k step of 4096, for rows of at least 4096 only (narrower rows would mask half of every step): the
 # fastest of 64 one-row configurations at the 8B QKV, gate/up and LM head in the H200 probe of 2026-12-05
-# (0.5-7.4 us a call under the build's best; the step's matmuls 3.861 -> 3.757 ms; RESULTS.md, twenty-fourth
-# session). Kept out of narrower rows' lists, so their cached timings stay valid.
+# (0.5-7.4 us a call under the build's best; the step's matmuls 3.861 -> 3.757 ms; RESULTS.md).
+# Kept out of narrower rows' lists, so their cached timings stay valid.
 ONE_ROW_WIDE_K = [MatmulConfig(2, 4096, 4, s) for s in (1, 3)]
 ROWS = [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 4)] + [
     MatmulConfig(64, k, 8, s) for k in (256, 512) for s in (3, 4)]
 # Split-K, for the plain matmul only (a norm needs the whole row, gating and the residual the final sum),
 # timed only with options.decode_split_k timed (on the H200: kept for the 1B down projection at batch 1,
-# −22 µs a step; none kept at 8B; RESULTS.md, fourteenth session).
+# −22 µs a step; none kept at 8B; RESULTS.md).
 # Like every candidate, the build keeps one only where it measured faster, and refuses one whose result
 # differs from ATen's.
 ONE_ROW_SPLIT = [MatmulConfig(n, k, 4, 3, p) for n in (8, 16, 32) for k in (512, 1024) for p in (2, 4)]

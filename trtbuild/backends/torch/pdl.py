@@ -14,7 +14,7 @@ name, and only two families qualify, each only where the engine spec says its ke
 with the wait:
   - trtbuild's own decode kernels (`"trtbuild_wait"`; models/grid_dependency.py), which wait before any
     load or store (a no-op when launched the ordinary way) and let their successor launch after their
-    main loop (released at the top, the successor's blocks held SM slots: RESULTS.md, twelfth session);
+    main loop (released at the top, the successor's blocks held SM slots: RESULTS.md);
   - Inductor's pointwise and reduction kernels (`"pdl"`), compiled with `triton.enable_pdl`, which places
     the wait before the first access to its predecessor's output and signals its successor only after
     that wait (the protocol Inductor's own Python launcher relies on).
@@ -104,8 +104,8 @@ class Driver:
         self._call(name, ctypes.c_void_p(graph), *[None] * len(types), ctypes.byref(n))
         arrays = [(t * n.value)() for t in types]
         # A graph of one kernel (the LM head's timing graph: one matrix) has no edges, and the driver answers
-        # arrays with a count of 0 with CUDA_ERROR_INVALID_VALUE (H100, driver 580; RESULTS.md, twenty-third
-        # session): every candidate of that call site then failed its timing under options.decode_timing pdl.
+        # arrays with a count of 0 with CUDA_ERROR_INVALID_VALUE (H100, driver 580; RESULTS.md):
+        # every candidate of that call site then failed its timing under options.decode_timing pdl.
         if n.value:
             self._call(name, ctypes.c_void_p(graph), *arrays, ctypes.byref(n))
         return n.value, arrays

@@ -26,7 +26,7 @@ from trtbuild.errors import TrtbuildError
 PREFILL_ATTENTION_MODES = ("auto", "sdpa", "cudnn")
 OPTIONS = {"prefill_attention": PREFILL_ATTENTION_MODES}
 # auto takes cuDNN's kernel only when it measures at least this much faster: on the H200 (torch 2.11,
-# cuDNN 9.19; RESULTS.md, tenth session) the two ran within 1-5% of each other at Llama-3 shapes, either
+# cuDNN 9.19; RESULTS.md) the two ran within 1-5% of each other at Llama-3 shapes, either
 # ahead, and a tie should keep the kernel SDPA itself would pick rather than follow the timing's noise.
 MARGIN = 0.03
 

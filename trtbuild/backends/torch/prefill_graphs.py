@@ -1,7 +1,7 @@
 """Captured prefill graphs: a short prompt's first token without the host launching every kernel.
 
 Why: a prefill of 128 tokens is bound by reading the weights once (bench.py's floors), yet on the H100
-the 1B engine took 2.8 ms for it against a 0.84 ms floor (RESULTS.md, twenty-fifth session, call 71),
+the 1B engine took 2.8 ms for it against a 0.84 ms floor (RESULTS.md, H100, 2026-12-05),
 and on the H200 1.66 ms against ~0.6. A 1B layer's weights arrive in ~20 us, while the host launches
 its dozen kernels one by one through AOTInductor's runner: the GPU waits on the host. The decode steps
 never had that wait (each is one graph replay, decode_graphs.DecodeGraphs); this gives the prefill the
@@ -16,7 +16,7 @@ the first token may then go the other way, as between batch sizes).
 
 Off by default (`TRTBUILD_PREFILL_GRAPHS=N` keeps up to N graphs, least recently used dropped first):
 its exact-length form (one graph per prompt length, before padding) has run on an H100 only, with the
-test models (its GPU test passed, and a tiny model's prefill took 56-64% less time, RESULTS.md call 73);
+test models (its GPU test passed, and a tiny model's prefill took 56-64% less time, RESULTS.md, H100, 2026-12-05);
 the padded form has not run on a GPU yet, nor either at 1B or 8B; each graph keeps memory (the report gives
 what the captures added to torch's reserved memory), and a failed capture poisons the process
 (shared/reference's H200 notes). Each graph is captured before the prefill it serves, outside the timed

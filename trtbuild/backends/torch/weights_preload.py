@@ -1,8 +1,8 @@
 """Reading a cached engine's weights onto the GPU while the process is still importing torch.
 
 Why: a restart of the 8B engine from a warm page cache spent 4.0-4.7 s starting up (mostly importing
-torch, on one core) and then 1.31 s loading the weights, against 0.60 s to read them (H200, tenth
-session). The read needs no torch: the CUDA driver's own API (libcuda, which ships with the driver and
+torch, on one core) and then 1.31 s loading the weights, against 0.60 s to read them (H200, 2026-12-04).
+The read needs no torch: the CUDA driver's own API (libcuda, which ships with the driver and
 loads in milliseconds) can allocate device memory and copy into it. So before torch is imported,
 `runner.open_session` lets the backend start this module on the entry the store guesses the key will
 select (the newest of the recipe's name), and other cores read its weights.safetensors into device

@@ -186,7 +186,7 @@ def _read_group_cuda(path: Path, jobs: list[Job], device: str, chunk_bytes: int)
         os.close(fd)
 
 
-DEFAULT_LOAD_THREADS = 8  # what the H200 measurements used (RESULTS.md, seventh session)
+DEFAULT_LOAD_THREADS = 8  # what the H200 measurements used (RESULTS.md, H200)
 
 
 def load_threads(device: str) -> int:
