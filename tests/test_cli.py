@@ -76,7 +76,8 @@ def test_cache_commands_on_an_empty_store(engine_store: Path) -> None:
     shown = runner.invoke(main, ["cache", "show", "nothing"])
     assert shown.exit_code == 2 and "no engine matches 'nothing'" in shown.output
     stats = runner.invoke(main, ["cache", "stats", "--json"])
-    assert json.loads(stats.output) == {"hits": 0, "misses": 0, "builds": 0, "build_s": 0.0, "build_s_saved": 0.0}
+    assert json.loads(stats.output) == {"hits": 0, "misses": 0, "builds": 0, "build_s": 0.0, "build_s_saved": 0.0,
+                                        "entries": 0, "entries_bytes": 0, "quarantined": 0, "quarantine_bytes": 0}
     prune = runner.invoke(main, ["cache", "prune", "--max-size", "lots"])
     assert prune.exit_code == 2 and "--max-size: expected a size" in prune.output
 
