@@ -54,7 +54,7 @@ def attention_args(pdl: bool, early: bool = False) -> tuple[dict[str, Any], dict
     kc, pos = torch.zeros(1, 2, 48, 16, dtype=bf), torch.zeros(1, dtype=torch.long)
     o, ml = torch.zeros(2, 4, 16, 16), torch.zeros(2, 4, 16, 2)
     partial = dict(q_ptr=torch.zeros(1, 1, 128, dtype=bf), rope_ptr=torch.zeros(48, 8, 2), k_ptr=kc, v_ptr=kc.clone(),
-                   pos_ptr=pos, o_ptr=o, ml_ptr=ml, KV=2, stride_qb=128, stride_qh=16, stride_kb=1536, stride_kh=768,
+                   pos_ptr=pos, slot_ptr=pos.clone(), o_ptr=o, ml_ptr=ml, KV=2, stride_qb=128, stride_qh=16, stride_kb=1536, stride_kh=768,
                    stride_ks=16, stride_vb=1536, stride_vh=768, stride_vs=16, REP=2, BLOCK_R=16, D=16, BLOCK_S=32,
                    SPLITS=4, SCALE=0.25, ROPE=True, PDL=pdl, EARLY=early)
     merge = dict(o_ptr=o, ml_ptr=ml, y_ptr=torch.zeros(1, 1, 4, 16, dtype=bf), pos_ptr=pos, KV=2, stride_yb=64,
@@ -174,8 +174,8 @@ def test_the_wait_comes_before_every_memory_access_and_keeps_the_vector_loads(ho
 @pytest.mark.parametrize("kernel_name", ["_decode_attention_partial", "_decode_attention_merge"])
 def test_reading_early_moves_only_what_no_kernel_of_the_step_writes_before_the_wait(hopper_target: None,
                                                                                      kernel_name: str) -> None:
-    """options.decode_attention kernel-early: before its wait a launch reads only the position, the rope
-    table and the cache (slots written by earlier steps), and writes nothing; every read of what the
+    """options.decode_attention kernel-early: before its wait a launch reads only the position, the cache row,
+    the rope table and the cache (slots written by earlier steps), and writes nothing; every read of what the
     predecessor writes (the QKV output, the partials) and every store comes after it."""
     from trtbuild.kernels import decode_attention as da
 
@@ -192,7 +192,7 @@ def test_reading_early_moves_only_what_no_kernel_of_the_step_writes_before_the_w
     early = [(op, params) for i, op, params in found if i < wait]
     assert early and all(op.startswith("ld.") and "wait" not in params for op, params in early)
     assert set().union(*(params for _, params in early)) == (
-        {"pos_ptr", "rope_ptr", "k_ptr", "v_ptr"} if kernel_name.endswith("partial") else {"pos_ptr"})
+        {"pos_ptr", "slot_ptr", "rope_ptr", "k_ptr", "v_ptr"} if kernel_name.endswith("partial") else {"pos_ptr"})
     late = {"q_ptr", "o_ptr", "ml_ptr", "y_ptr"}
     assert {"o_ptr", "ml_ptr"} <= set().union(*(params for _, _, params in found))  # the pass sees them
     # after the wait in the code and tied to it by data, so no compiler may move them above it

@@ -9,7 +9,9 @@ query heads stacked, so grouped-query attention reads each cached row once) and 
 filled slots, and keeps an online softmax. The second merges the slices' partial results.
 
 The filled length is read from the position tensor on the device, not from the graph's shapes: the
-kernel reads exactly slots 0..pos, whatever window the runtime captured the step for.
+kernel reads exactly slots 0..pos, whatever window the runtime captured the step for. Every sequence has
+its own position and its own cache row (`pos[b]`, `slots[b]`): a batch of sequences of different lengths,
+in any rows of the cache, is one launch, each program reading only its own sequence's filled slots.
 
 Registered as two custom ops, which AOTInductor compiles into the decode packages:
 `trtbuild::decode_attention_rope` (the default) takes the QKV projection's output as it is and also
@@ -82,7 +84,7 @@ def _rotate(ptr, cos, sin, d, HALF: tl.constexpr, mask):
 
 
 @triton.jit
-def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr, KV,
+def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, o_ptr, ml_ptr, KV,
                               stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                               REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
                               SPLITS: tl.constexpr, SCALE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
@@ -91,13 +93,14 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_
     tl.static_assert(ROPE or not EARLY)
     if PDL and not EARLY:  # may start before the QKV projection completes (grid_dependency.py): every address waits for it
         z = wait_for_predecessor()
-        q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_ptr = (q_ptr + z, rope_ptr + z, k_ptr + z, v_ptr + z,
-                                                                 pos_ptr + z, o_ptr + z, ml_ptr + z)
+        q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, o_ptr, ml_ptr = (
+            q_ptr + z, rope_ptr + z, k_ptr + z, v_ptr + z, pos_ptr + z, slot_ptr + z, o_ptr + z, ml_ptr + z)
     bkv = tl.program_id(0)  # sequence * KV + KV head
     split = tl.program_id(1)
     b = bkv // KV
     kv = bkv % KV
-    pos = tl.load(pos_ptr)
+    pos = tl.load(pos_ptr + b)  # this sequence's position, and below its row of the cache
+    row_c = tl.load(slot_ptr + b)
     filled = pos + 1  # slots 0..pos, the step's own included
     per = _slice_len(filled, SPLITS, BLOCK_S)
     start = split * per
@@ -105,15 +108,15 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_
     r = tl.arange(0, BLOCK_R)
     d = tl.arange(0, D)
     r_mask = r < REP
-    k_base = k_ptr + b * stride_kb + kv * stride_kh
-    v_base = v_ptr + b * stride_vb + kv * stride_vh
+    k_base = k_ptr + row_c * stride_kb + kv * stride_kh
+    v_base = v_ptr + row_c * stride_vb + kv * stride_vh
     if ROPE:
         j = d % (D // 2)
         cos = tl.load(rope_ptr + pos * D + 2 * j)
         sin = tl.load(rope_ptr + pos * D + 2 * j + 1)
     if EARLY:
-        # Before the wait, what no kernel of this step writes: the position (advanced after the previous
-        # step's last kernel), the rope table, and the slice's first tile of cached slots before pos
+        # Before the wait, what no kernel of this step writes: the position and the cache row (set after the
+        # previous step's last kernel), the rope table, and the slice's first tile of cached slots before pos
         # (written by earlier steps; slot pos is this kernel's own). Their round trips then overlap the
         # QKV projection's tail instead of following it; only the QKV output is read after the wait.
         first = start + tl.arange(0, BLOCK_S)
@@ -138,8 +141,8 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, ml_
         tl.store(k_base + pos * stride_ks + d, new_k, mask=(d < D) & owner)
         tl.store(v_base + pos * stride_vs + d, new_v, mask=(d < D) & owner)
         # The loop reads only slots before pos. Selecting the register copy for slot pos inside it
-        # (a where on every loaded tile of K and V, the eighth session's design) made the loop
-        # stream the cache slower: on the H200 (RESULTS.md, tenth session) 52.6 against 39.4 us a
+        # (a where on every loaded tile of K and V, an earlier design) made the loop
+        # stream the cache slower: on the H200 (RESULTS.md) 52.6 against 39.4 us a
         # layer for the kernel without rope at 8B shapes, batch 8, position 4000.
         loop_end = tl.minimum(end, pos)
     else:
@@ -208,7 +211,7 @@ def _decode_attention_merge(o_ptr, ml_ptr, y_ptr, pos_ptr, KV, stride_yb, stride
     pid = tl.program_id(0)  # sequence * heads + head
     b = pid // (KV * REP)
     h = pid % (KV * REP)
-    filled = tl.load(pos_ptr) + 1
+    filled = tl.load(pos_ptr + b) + 1
     if PDL and EARLY:  # the position before the wait (no kernel of this step writes it), the partials after
         z = wait_for_predecessor()
         o_ptr, ml_ptr, y_ptr = o_ptr + z, ml_ptr + z, y_ptr + z
@@ -229,16 +232,18 @@ def _decode_attention_merge(o_ptr, ml_ptr, y_ptr, pos_ptr, KV, stride_yb, stride
 
 
 def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache: Tensor, v_cache: Tensor,
-         pos: Tensor, heads: int, early: bool = False) -> Tensor:
-    """q: [B, 1, H, D] after rope, or with `rope` the QKV projection's output [B, 1, (H + 2 KV) D]. `early`
-    (with `rope` only): the kernels read what no kernel of the step writes before their PDL waits."""
+         pos: Tensor, slots: Tensor, heads: int, early: bool = False) -> Tensor:
+    """q: [B, 1, H, D] after rope, or with `rope` the QKV projection's output [B, 1, (H + 2 KV) D]; pos and
+    slots [B] (each sequence's position and cache row, contiguous). `early` (with `rope` only): the kernels
+    read what no kernel of the step writes before their PDL waits."""
     b, t = q.shape[:2]
     kv, d = k_cache.shape[1], k_cache.shape[3]
     width = (heads + 2 * kv) * d if rope is not None else d
     if (t != 1 or q.shape[-1] != width or q.stride(-1) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1
-            or heads % kv):
-        raise ValueError(f"decode_attention takes q [B, 1, H, D] or QKV [B, 1, (H + 2 KV) D] and caches "
-                         f"[B', KV, S, D] with contiguous rows, got {tuple(q.shape)}, {tuple(k_cache.shape)}")
+            or heads % kv or pos.shape != (b,) or slots.shape != (b,) or pos.stride(0) != 1 or slots.stride(0) != 1):
+        raise ValueError(f"decode_attention takes q [B, 1, H, D] or QKV [B, 1, (H + 2 KV) D], caches "
+                         f"[B', KV, S, D] with contiguous rows and contiguous pos and slots [B], got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(pos.shape)}, {tuple(slots.shape)}")
     rep, splits = heads // kv, num_splits(b, kv)
     pdl = waits_on(q.device)
     block_r = max(16, triton.next_power_of_2(rep))
@@ -248,7 +253,7 @@ def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache
     stride_qh = d if rope is not None else q.stride(2)
     # Without ROPE, pos stands in for the table's pointer (a compile-time flag keeps it from being read).
     partial[(b * kv, splits)](  # type: ignore[index]
-        q, rope if rope is not None else pos, k_cache, v_cache, pos, o, ml, kv,
+        q, rope if rope is not None else pos, k_cache, v_cache, pos, slots, o, ml, kv,
         q.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         # the scale a compile-time constant: AOTInductor passes a float argument as fp64, which would
@@ -261,39 +266,50 @@ def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache
     return y
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> Tensor:
-    """Attention of q [B, 1, H, D] (after rope) at position pos[0] over the caches [B' >= B, KV, S, D],
-    reading slots 0..pos[0] of the first B sequences. Returns [B, 1, H, D]. An eager launch."""
-    return _run(_decode_attention_partial, _decode_attention_merge, q, None, k_cache, v_cache, pos, q.shape[2])
+def _rows(b: int, pos: Tensor, slots: Tensor | None) -> tuple[Tensor, Tensor]:
+    """An eager call's positions and cache rows as the kernels take them: one position for every sequence
+    ((1,) or a scalar) made one a sequence, and no slots meaning rows 0..B-1."""
+    pos = pos.reshape(-1).expand(b).contiguous() if pos.numel() == 1 else pos.reshape(b).contiguous()
+    return pos, torch.arange(b, device=pos.device) if slots is None else slots.reshape(b).contiguous()
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, slots: Tensor | None = None) -> Tensor:
+    """Attention of q [B, 1, H, D] (after rope) at positions pos (one for all, or [B]) over the caches
+    [B', KV, S, D], reading slots 0..pos[b] of cache row slots[b] (default: rows 0..B-1). Returns
+    [B, 1, H, D]. An eager launch."""
+    pos, slots = _rows(q.shape[0], pos, slots)
+    return _run(_decode_attention_partial, _decode_attention_merge, q, None, k_cache, v_cache, pos, slots, q.shape[2])
 
 
 def decode_attention_rope(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                          heads: int, early: bool = False) -> Tensor:
-    """The same from the QKV projection's output [B, 1, (H + 2 KV) D]: rotates the query and the new key by
-    rope[pos[0]] (the model's (max_seq_len, D/2, 2) table), stores the new key and value in the caches
-    at slot pos[0], then attends. Returns [B, 1, H, D]. An eager launch; `early` as in `_run`."""
-    return _run(_decode_attention_partial, _decode_attention_merge, qkv, rope, k_cache, v_cache, pos, heads, early)
+                          heads: int, early: bool = False, slots: Tensor | None = None) -> Tensor:
+    """The same from the QKV projection's output [B, 1, (H + 2 KV) D]: rotates each sequence's query and new
+    key by rope[pos[b]] (the model's (max_seq_len, D/2, 2) table), stores the new key and value in cache
+    row slots[b] at slot pos[b], then attends. Returns [B, 1, H, D]. An eager launch; `early` as in `_run`."""
+    pos, slots = _rows(qkv.shape[0], pos, slots)
+    return _run(_decode_attention_partial, _decode_attention_merge, qkv, rope, k_cache, v_cache, pos, slots, heads,
+                early)
 
 
 @triton_op("trtbuild::decode_attention", mutates_args=())
-def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor) -> Tensor:
-    """The kernel as a custom op, attention only (options.decode_attention: kernel-unfused)."""
+def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, slots: Tensor) -> Tensor:
+    """The kernel as a custom op, attention only (options.decode_attention: kernel-unfused); pos and slots [B]."""
     return _run(wrap_triton(_decode_attention_partial), wrap_triton(_decode_attention_merge), q, None, k_cache, v_cache,
-                pos, q.shape[2])
+                pos, slots, q.shape[2])
 
 
 @triton_op("trtbuild::decode_attention_rope", mutates_args=("k_cache", "v_cache"))
 def decode_attention_rope_op(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                             heads: int) -> Tensor:
+                             slots: Tensor, heads: int) -> Tensor:
     """The kernel as a custom op with rope and the cache writes: what the decode graphs call by default."""
     return _run(wrap_triton(_decode_attention_partial), wrap_triton(_decode_attention_merge), qkv, rope, k_cache, v_cache,
-                pos, heads)
+                pos, slots, heads)
 
 
 @triton_op("trtbuild::decode_attention_rope_early", mutates_args=("k_cache", "v_cache"))
 def decode_attention_rope_early_op(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                                   heads: int) -> Tensor:
-    """The same, reading the position, the rope row and each slice's first cached tile before the PDL wait
-    (options.decode_attention: kernel-early)."""
+                                   slots: Tensor, heads: int) -> Tensor:
+    """The same, reading the position, the cache row, the rope row and each slice's first cached tile before
+    the PDL wait (options.decode_attention: kernel-early)."""
     return _run(wrap_triton(_decode_attention_partial), wrap_triton(_decode_attention_merge), qkv, rope, k_cache, v_cache,
-                pos, heads, early=True)
+                pos, slots, heads, early=True)

@@ -172,6 +172,7 @@ def apply_rope(x: Tensor, table: Tensor) -> Tensor:
     batch), in the half-split layout Hugging Face uses."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
+    table = table if table.dim() == 4 else table[None]  # (T, D/2, 2): one set of positions
     cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
@@ -341,7 +342,7 @@ class Attention(nn.Module):
 
             op = (decode_attention.decode_attention_rope_early_op if self.decode_kernel == "kernel-early"
                   else decode_attention.decode_attention_rope_op)
-            y = op(qkv, rope, k_cache, v_cache, pos.reshape(b), slots, c.num_heads)
+            y = op(qkv, rope, k_cache, v_cache, pos.expand(b, 1).reshape(b).contiguous(), slots, c.num_heads)
             return self.wo(y.reshape(b, t, q_size), residual=residual)
         if c.local_rope_theta is not None:
             table = table[..., 2 * self.rope_pair:2 * self.rope_pair + 2]
@@ -357,7 +358,7 @@ class Attention(nn.Module):
             from trtbuild.kernels.decode_attention import decode_attention_op  # needs Triton: CUDA builds only
 
             # reads slots 0..pos of its rows of the whole cache buffer itself, so the window (span) is not needed
-            y = decode_attention_op(q_rows, k_cache, v_cache, pos.reshape(b), slots)
+            y = decode_attention_op(q_rows, k_cache, v_cache, pos.expand(b, 1).reshape(b).contiguous(), slots)
             return self.wo(y.reshape(b, t, q_size), residual=residual)
         else:
             # the window first, then the sequences' rows: the gather copies only the slots attended over
@@ -425,6 +426,7 @@ def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span
     families' (models/families.py).
     """
     b, h, t, d = q.shape
+    pos = pos if pos.dim() == 2 else pos[None, :]  # (T,): one set of positions for every sequence
     if span is None:
         span = torch.arange(keys.shape[2], device=q.device)
     keys, values = keys[:, :, : span.shape[0]], values[:, :, : span.shape[0]]
@@ -602,7 +604,7 @@ def greedy_token(logits: Tensor) -> Tensor:
     """argmax(logits, -1, keepdim=True) in two reductions: the maximum of each chunk of 2048 logits, then
     of the chunks. Inductor compiles one argmax over a row as one program per row: at batch 1 a single
     program walked the 128K vocabulary, 29.5 us of a 1.1 ms 1B decode step on the H200 (RESULTS.md,
-    eighth session). Chunked, the first reduction has a program per chunk. Same index as argmax, ties
+    H200). Chunked, the first reduction has a program per chunk. Same index as argmax, ties
     included: the first chunk holding the maximum, the first index inside it."""
     b, v = logits.shape
     chunks = -(-v // ARGMAX_CHUNK)
