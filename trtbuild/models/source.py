@@ -27,7 +27,8 @@ from trtbuild.recipe import ModelSpec
 from trtbuild.tactics import write_atomic
 
 SYNTHETIC_GENERATOR = 1  # bump when write_synthetic's output for a (config, seed) changes
-HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
+# chat_template.jinja: where newer checkpoints keep the chat template (trtbuild/generate.py reads it first)
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "chat_template.jinja"]
 RACY_NS = 2_000_000_000  # files changed more recently than this are not memoized
 
 
