@@ -21,7 +21,8 @@ from trtbuild.errors import InputError, RecipeError
 
 BACKENDS = ("torch", "tensorrt-llm", "tensorrt")
 PRECISIONS = {
-    "torch": ("fp32", "fp16", "bf16"),
+    # fp8, int8_wo, int4_wo: quantized weights, bf16 activations (models/quantize.py, docs/quantization.md)
+    "torch": ("fp32", "fp16", "bf16", "fp8", "int8_wo", "int4_wo"),
     "tensorrt-llm": ("fp16", "bf16", "fp8", "int8_wo", "int4_wo", "int4_awq"),
     # "onnx": keep the ONNX file's own types (a strongly typed network; the only choice on TensorRT 11)
     "tensorrt": ("fp32", "fp16", "bf16", "fp8", "int8", "onnx"),

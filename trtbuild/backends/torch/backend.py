@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import BuildJob, BuildOutput
-from trtbuild.backends.torch import compile_workers, decode_kernels, graph_cache, prefill_attention
+from trtbuild.backends.torch import compile_workers, decode_kernels, graph_cache, prefill_attention, quantized
 from trtbuild.backends.torch.inductor import DTYPE_NAMES, inductor_caches, inductor_configs, kernels_wait, record_autotuning
 from trtbuild.backends.torch.export import bucket, export_graph, model_bytes, place_model
 from trtbuild import fingerprint
@@ -33,7 +33,7 @@ from trtbuild import fingerprint
 WEIGHTS = "weights.safetensors"
 ENGINE_JSON = "engine.json"
 # Every recipe option this backend takes, with its modes (the first is the default).
-OPTIONS = decode_kernels.OPTIONS | prefill_attention.OPTIONS
+OPTIONS = decode_kernels.OPTIONS | prefill_attention.OPTIONS | quantized.OPTIONS
 
 
 def _option(recipe: Any, name: str) -> str:
@@ -46,7 +46,8 @@ class TorchAOTIBackend:
     name = "torch"
     build_modules = ("trtbuild.backends.torch.export", "trtbuild.backends.torch.inductor",
                      "trtbuild.backends.torch.decode_kernels", "trtbuild.backends.torch.prefill_attention",
-                     "trtbuild.backends.torch.graph_cache", "trtbuild.backends.torch.compile_workers")
+                     "trtbuild.backends.torch.graph_cache", "trtbuild.backends.torch.compile_workers",
+                     "trtbuild.backends.torch.quantized")
 
     def check(self, recipe: Any) -> list[str]:
         problems = [f"options.{k}: unknown option for backend torch (known: {', '.join(OPTIONS)})"
@@ -59,7 +60,7 @@ class TorchAOTIBackend:
                             "level none turns off; use level default, or decode_matmul auto/cublas")
         if recipe.model.kind == "onnx":
             problems.append("model.source: the torch backend takes a Hugging Face model, not ONNX")
-        return problems
+        return problems + quantized.check(recipe)
 
     def toolchain(self) -> dict[str, str]:
         import torch
@@ -103,8 +104,16 @@ class TorchAOTIBackend:
         t = time.perf_counter()
         folder = job.model.materialize()
         raw, cfg = read_config(folder)
-        state = convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg)
+        quantizing = recipe.precision in quantized.QUANTIZED_PRECISIONS
+        # a quantized engine is quantized from the checkpoint's own numbers (fp32 on the CPU; on a GPU, bf16)
+        source_dtype = torch.float32 if quantizing and device == "cpu" else dtype
+        state = convert_hf_state_dict(load_weights(folder, cfg, source_dtype), cfg)
         phases["load_weights_s"] = time.perf_counter() - t
+        quant: dict[str, Any] | None = None
+        if quantizing:
+            job.progress(f"quantizing the weights to {recipe.precision}")
+            state, quant = quantized.quantize_weights(state, cfg, recipe, job.model.tokenizer, device, job.progress)
+            phases["quantize_s"] = quant["seconds"]
 
         # decode_fusion fused: the norms' gains go into the weights (on the device, before they are
         # stored), so the decode kernels doing a norm read no gain; every graph runs on those weights.
@@ -194,6 +203,7 @@ class TorchAOTIBackend:
             "buckets": list(shapes.batch_buckets),
             "tied_output": cfg.tie_word_embeddings,
             "norm_gains_folded": fold,
+            "quantization": quant,
             "graphs": {name: {k: v for k, v in g.items()} for name, g in graphs.items()},
         }
         (job.workdir / ENGINE_JSON).write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")

@@ -183,7 +183,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from trtbuild.backends.torch import decode_kernels, export, graph_cache, inductor
+    from trtbuild.models.calibrate import empty_quantized
     from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes, read_config
+    from trtbuild.models.quantize import FORMATS
 
     _, cfg = read_config(Path(spec["folder"]))
     dtype = getattr(torch, inductor.DTYPE_NAMES[spec["precision"]])
@@ -192,8 +194,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     # Uninitialized weights, on the CPU like the build's own, through the same placement: what a graph
     # compiles to does not depend on the values, and the export must match the build's to the byte.
     hf = {k: torch.empty(shape, dtype=dtype) for k, shape in hf_parameter_shapes(cfg).items()}
-    model = export.place_model(cfg, shapes, dtype, spec["device"], convert_hf_state_dict(hf, cfg),
-                                   spec.get("fold_norms", False))
+    state = convert_hf_state_dict(hf, cfg)
+    if spec["precision"] in FORMATS:  # quantized: the stored buffers' shapes and dtypes, not the dense weight's
+        state = empty_quantized(state, FORMATS[spec["precision"]])
+    model = export.place_model(cfg, shapes, dtype, spec["device"], state, spec.get("fold_norms", False))
+    del state
     del hf
     matmuls: dict[decode_kernels.MatmulKey, Any] = {}
     if spec["matmuls"]:

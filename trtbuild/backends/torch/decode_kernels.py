@@ -118,7 +118,7 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     edit = pdl_edges(device) if timing_mode == "pdl" else None
     by_shape: dict[MatmulKey, list[Any]] = {}
     for mod in model.modules():
-        if isinstance(mod, Linear):
+        if isinstance(mod, Linear) and mod.quant is None:  # quantized Linears: `route_quantized`
             same = by_shape.setdefault((mod.out_features, mod.in_features, fusion_of(mod, fusion_mode)), [])
             if all(w is not mod.weight for w in same):  # a tied LM head is the embedding, counted once
                 same.append(mod.weight)

@@ -6,7 +6,9 @@ with trtbuild's kernels routed in as the build's plans say. The build process an
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from trtbuild.backends.torch import decode_kernels, prefill_attention
@@ -24,6 +26,11 @@ def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str,
     # would cost an 8B model 32 GB of random fp32 weights on the GPU (and seconds) for nothing.
     with torch.device("meta"):
         model = Transformer(cfg, shapes.max_batch_size, shapes.max_seq_len, dtype)
+    from trtbuild.models.quantize import format_of
+
+    for name, mod in model.named_modules():  # a quantized engine's weights (models/calibrate.py)
+        if f"{name}.qweight" in state:
+            mod.hold_quantized(format_of(state[f"{name}.qweight"]))
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
     with torch.device(device):
         model.rope = rope_table(cfg, shapes.max_seq_len)
@@ -44,7 +51,7 @@ def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[
     the decode kernels routed as planned."""
     t = time.perf_counter()
     if name == "prefill":
-        with prefill_attention.routed(model, prefill_kernel):
+        with prefill_attention.routed(model, prefill_kernel), fp8_prefill(model, device):
             ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
         return {"batch": "dynamic", "program": ep, "prefill_attention": prefill_kernel,
                 "export_s": time.perf_counter() - t}
@@ -53,6 +60,20 @@ def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[
     return {"batch": bucket(name), "program": ep, "window": "dynamic",
             "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
             "attention": attention, "export_s": time.perf_counter() - t}
+
+
+@contextlib.contextmanager
+def fp8_prefill(model: Any, device: str) -> Iterator[None]:
+    """While the prefill graph is exported on CUDA, its fp8 Linears multiply in fp8 on the tensor cores
+    (`Linear.fp8_prefill`); on the CPU they dequantize (no fp8 matmul there)."""
+    linears = [m for m in model.modules() if getattr(m, "quant", None) == "fp8"] if device.startswith("cuda") else []
+    for m in linears:
+        m.fp8_prefill = True
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.fp8_prefill  # back to the class's default
 
 
 def bucket(graph: str) -> int:

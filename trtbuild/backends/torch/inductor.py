@@ -10,7 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# precision -> the dtype the graphs compute in; the quantized precisions' weights are stored smaller
+# (models/quantize.py) and their activations, KV cache, embeddings and LM head are bf16
+DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
+               "fp8": "bfloat16", "int8_wo": "bfloat16", "int4_wo": "bfloat16"}
 
 
 def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str, Any]:

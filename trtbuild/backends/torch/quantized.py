@@ -1,0 +1,69 @@
+"""The torch backend's side of quantized engines (precisions fp8, int8_wo, int4_wo): the recipe option
+that picks int4's method, the checks of what does not combine with them, and the build step that turns
+the checkpoint's dense weights into the stored ones (`models/calibrate.py`, `models/quantize.py`).
+
+What changes the numbers is in the key: the precision and options.int4_method are recipe fields, and the
+formats, group sizes, calibration text and GPTQ's settings are model code, whose digest keys every engine.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+# options.int4_method: gptq (the default) = GPTQ calibrated on `calibration_text.TEXT`; rtn = round to
+# nearest per group, the baseline (+50% perplexity on SmolLM2-135M, docs/quantization.md).
+INT4_METHODS = ("gptq", "rtn")
+OPTIONS = {"int4_method": INT4_METHODS}
+QUANTIZED_PRECISIONS = ("fp8", "int8_wo", "int4_wo")
+CALIBRATION_WINDOW = 512  # tokens a calibration prompt holds; fixed, so that the shapes do not change the weights
+
+
+def check(recipe: Any) -> list[str]:
+    """What a recipe asks of quantization that cannot be built."""
+    problems = []
+    quantized = recipe.precision in QUANTIZED_PRECISIONS
+    if "int4_method" in recipe.options and recipe.precision != "int4_wo":
+        problems.append(f"options.int4_method: only for precision int4_wo, not {recipe.precision}")
+    if quantized and recipe.options.get("decode_fusion") == "fused":
+        problems.append(f"options.decode_fusion: 'fused' folds the norms' gains into dense weights, which a "
+                        f"{recipe.precision} engine stores quantized; use epilogue or none")
+    return problems
+
+
+def quantize_weights(state: dict[str, Any], cfg: Any, recipe: Any, tokenizer: Any, device: str,
+                     progress: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint's dense `state` (the model's layout) as a quantized engine stores it, and what to
+    record of how: round to nearest for fp8 and int8, GPTQ or round to nearest for int4. The tensors
+    left dense are cast to bf16, the compute dtype."""
+    import torch
+
+    from trtbuild.backends.torch.export import place_model
+    from trtbuild.models import calibrate
+    from trtbuild.models.quantize import FORMATS, group_size
+
+    fmt = FORMATS[recipe.precision]
+    method = recipe.options.get("int4_method", INT4_METHODS[0]) if fmt == "int4" else "rtn"
+    t = time.perf_counter()
+    names = calibrate.quantized_names(state)
+    record: dict[str, Any] = {"format": fmt, "method": method, "linears": len(names),
+                              "not_quantized": "embeddings, LM head, norms, biases"}
+    if fmt == "int4":
+        record["group_sizes"] = sorted({group_size(state[n + ".weight"].shape[1]) for n in names})
+    if method == "gptq":
+        tokens = calibrate.calibration_tokens(tokenizer, cfg.vocab_size, CALIBRATION_WINDOW).to(device)
+        shapes = SimpleNamespace(max_batch_size=tokens.shape[0], max_input_len=tokens.shape[1],
+                                 max_seq_len=tokens.shape[1])
+        model = place_model(cfg, shapes, state["tok_embeddings.weight"].dtype, device, dict(state))
+        quantized = calibrate.gptq_state(model, tokens, progress)
+        del model
+        state = {k: v for k, v in state.items() if k.removesuffix(".weight") not in names} | quantized
+        record["calibration"] = {"text": "calibration_text.TEXT (Apache License 2.0)", "tokens": tokens.numel(),
+                                 "tokenizer": "tokenizer.json" if tokenizer is not None else "bytes"}
+    else:
+        state = calibrate.rtn_state(state, fmt)
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() and v.dtype == torch.float32 and not
+                 k.endswith(".scale") else v).cpu() for k, v in state.items()}
+    record["seconds"] = round(time.perf_counter() - t, 2)
+    return state, record

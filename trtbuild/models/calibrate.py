@@ -1,0 +1,173 @@
+"""Quantizing a model's weights at build time: round to nearest, or GPTQ for int4.
+
+`quantize_state` turns a dense state dict (the model's fused layout) into the stored form of a quantized
+engine: every Linear of the decoder layers (`QUANTIZED`) becomes `quantize.py`'s buffers; the embedding
+table and the LM head stay in the compute dtype (the LM head's error lands directly on every logit, and a
+tied head is the embedding table itself).
+
+fp8 and int8 are round-to-nearest per output channel: on SmolLM2-135M that costs +1.6% and +0.5% of
+perplexity, within their budgets. Round-to-nearest int4 costs +27-31%, so int4 is calibrated by GPTQ
+(Frantar et al., 2022): each weight column is rounded in turn and the error it leaves is spread over the
+columns not yet rounded, in proportion to the inverse Hessian H = X^T X of the layer's inputs on the
+calibration text, so that the layer's output on that text, not its weights, stays close. GPTQ was chosen
+over AWQ's activation-aware scales because its result is stored in exactly the round-to-nearest format
+(AWQ needs a per-input-channel scale folded into the previous op or kept as one more buffer), so the
+decode kernel and the CPU graphs are the same for both methods.
+
+Layers are calibrated in order, each on the outputs of the layers before it as already quantized
+(the standard sequential GPTQ): one pass of the embeddings, then two passes of each layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trtbuild.models import quantize
+
+QUANTIZED = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
+METHODS = ("gptq", "rtn")  # int4's; fp8 and int8 are always round to nearest
+GPTQ_BLOCK = 128  # columns updated together (a multiple of every int4 group)
+GPTQ_DAMP = 0.01  # share of H's mean diagonal added to it, for a well-conditioned inverse
+
+
+def quantized_names(state: dict[str, Tensor]) -> list[str]:
+    """The Linear modules of `state` (the model's layout) a quantized engine stores quantized."""
+    return [k.removesuffix(".weight") for k in state
+            if k.startswith("layers.") and k.removesuffix(".weight").endswith(QUANTIZED) and k.endswith(".weight")]
+
+
+def empty_quantized(state: dict[str, Tensor], fmt: str) -> dict[str, Tensor]:
+    """`state` with each quantized Linear's weight replaced by uninitialized buffers of format `fmt`: what a
+    compile worker exports from (a graph does not depend on the weights' values, only their shapes)."""
+    out = dict(state)
+    for name in quantized_names(state):
+        n, k = out.pop(name + ".weight").shape
+        for buf, (shape, dtype) in quantize.stored_shapes(fmt, n, k).items():
+            out[f"{name}.{buf}"] = torch.empty(shape, dtype=dtype)
+    return out
+
+
+def rtn_state(state: dict[str, Tensor], fmt: str) -> dict[str, Tensor]:
+    """Round-to-nearest of every quantized Linear (per channel for fp8/int8, per group for int4)."""
+    out = dict(state)
+    for name in quantized_names(state):
+        w = out.pop(name + ".weight")
+        out.update({f"{name}.{k}": v.cpu() for k, v in quantize.quantize(fmt, w).items()})
+    return out
+
+
+def calibration_tokens(tokenizer: Path | None, vocab_size: int, window: int, text: str | None = None) -> Tensor:
+    """(windows, window) token ids of the calibration text (`calibration_text.TEXT` unless given): through
+    the model's tokenizer.json when it has one, else the text's bytes modulo the vocabulary (a synthetic
+    model, whose random weights make any calibration as good as another)."""
+    if text is None:
+        from trtbuild.models.calibration_text import TEXT
+
+        text = TEXT
+    if tokenizer is not None:
+        from tokenizers import Tokenizer
+
+        ids = Tokenizer.from_file(str(tokenizer)).encode(text).ids
+    else:
+        ids = [b % vocab_size for b in text.encode()]
+    window = min(window, len(ids))
+    n = len(ids) // window
+    return torch.tensor(ids[: n * window], dtype=torch.long).view(n, window)
+
+
+@torch.no_grad()
+def gptq_state(model: Any, tokens: Tensor, progress: Callable[[str], None] = lambda m: None) -> dict[str, Tensor]:
+    """GPTQ int4 of `model`'s decoder Linears, calibrated on `tokens` (B, T) run as B prompts. `model` is a
+    dense `llama.Transformer` with at least B cache rows and T slots; its weights are overwritten with the
+    dequantized result as it goes (each layer must see its predecessors quantized). Returns the quantized
+    Linears' buffers by state-dict name, on the CPU."""
+    layers = list(model.layers)
+    calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+    def keep(i: int) -> Callable[..., None]:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            calls[i] = (args, kwargs)
+        return hook
+
+    # One pass through the dense model records every layer's arguments (rope rows, positions, caches...);
+    # only the hidden state (the first) changes once earlier layers are quantized.
+    handles = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    try:
+        model(tokens, positions, all_logits=True, from_start=True)
+    finally:
+        for h in handles:
+            h.remove()
+    x = calls[0][0][0]
+    out: dict[str, Tensor] = {}
+    for i, layer in enumerate(layers):
+        args, kwargs = calls[i]
+        linears = {name: m for name, m in layer.named_modules() if name.endswith(QUANTIZED)}
+        hessians = {name: torch.zeros(m.in_features, m.in_features, device=x.device) for name, m in linears.items()}
+        counts = dict.fromkeys(linears, 0)
+
+        def gather(name: str) -> Callable[..., None]:
+            def hook(module: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
+                inp = a[0]
+                norm = kw.get("norm")
+                if norm is not None:  # the Linear applies its call site's norm itself: H is of what it multiplies
+                    inp = norm(inp)
+                rows = inp.reshape(-1, inp.shape[-1]).float()
+                hessians[name] += rows.T @ rows
+                counts[name] += rows.shape[0]
+            return hook
+
+        handles = [m.register_forward_pre_hook(gather(n), with_kwargs=True) for n, m in linears.items()]
+        try:
+            layer(x, *args[1:], **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        for name, m in linears.items():
+            stored = gptq_int4(m.weight, hessians[name] * (2.0 / counts[name]))
+            m.weight.copy_(quantize.dequantize("int4", stored["qweight"], stored["scale"], stored["zero"], m.weight.dtype))
+            out.update({f"layers.{i}.{name}.{k}": v.cpu() for k, v in stored.items()})
+        x = layer(x, *args[1:], **kwargs)
+        progress(f"GPTQ: layer {i + 1} of {len(layers)} quantized")
+    return out
+
+
+def gptq_int4(w: Tensor, hessian: Tensor, group: int | None = None) -> dict[str, Tensor]:
+    """One weight (N, K) in int4 groups by GPTQ under the input Hessian (K, K); `quantize_int4`'s format.
+    The group's scale and zero are set from the group's columns as they stand when its first column is
+    reached (already corrected for the error of the groups before it)."""
+    n, k = w.shape
+    group = group or quantize.group_size(k)
+    W = w.float().clone()
+    H = hessian.float().clone()
+    dead = torch.diag(H) == 0  # inputs never seen: their weights do not matter
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += torch.eye(k, device=H.device) * (GPTQ_DAMP * torch.diag(H).mean())
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    codes = torch.zeros(n, k, dtype=torch.uint8, device=W.device)
+    scales = torch.zeros(n, k // group, device=W.device)
+    zeros = torch.zeros(n, k // group, device=W.device)
+    for i1 in range(0, k, GPTQ_BLOCK):
+        i2 = min(i1 + GPTQ_BLOCK, k)
+        W1, E1, Hinv1 = W[:, i1:i2].clone(), torch.zeros(n, i2 - i1, device=W.device), Hinv[i1:i2, i1:i2]
+        s = z = W1[:, :1]  # set at the first column, a group boundary
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group == 0:
+                s, z = quantize.int4_params(W1[:, i:i + group], group)
+                scales[:, col // group], zeros[:, col // group] = s[:, 0], z[:, 0]
+            wcol = W1[:, i:i + 1]
+            q = torch.round(wcol / s + z).clamp(0, 15)
+            codes[:, col] = q[:, 0].to(torch.uint8)
+            err = (wcol - (q - z) * s) / Hinv1[i, i]
+            W1[:, i:] -= err * Hinv1[i:i + 1, i:]
+            E1[:, i:i + 1] = err
+        W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
+    return {"qweight": quantize.pack_int4(codes, group), "scale": scales.to(torch.bfloat16),
+            "zero": zeros.to(torch.bfloat16)}
