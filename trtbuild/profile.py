@@ -14,6 +14,7 @@ shapes and host path, the compiled graph swapped for the module it was exported 
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 from collections import Counter
@@ -209,6 +210,8 @@ def _collect(fn: Any, reps: int, device: str) -> tuple[list[list[Op]], list[floa
     from trtbuild.timing import StepClock, sync
 
     cuda = device.startswith("cuda")
+    if not cuda:  # kineto's lines at every profiler start and stop, on stderr; on a GPU its CUPTI warnings matter
+        os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     clock = StepClock(device)
     sync(device)
