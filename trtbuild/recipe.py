@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 
 from trtbuild import registry
 from trtbuild.errors import InputError, RecipeError
+from trtbuild.parallel import tp_problems
 
 BACKENDS = ("torch", "tensorrt-llm", "tensorrt")
 PRECISIONS = {
@@ -81,6 +83,11 @@ class RunDefaults:
 
 
 @dataclass(frozen=True)
+class Parallel:
+    tp: int = 1  # tensor-parallel ranks (GPUs of one host; processes on the CPU): docs/parallel.md
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     model: ModelSpec
@@ -90,6 +97,7 @@ class Recipe:
     tactics_level: str
     run: RunDefaults
     options: dict[str, Any] = field(default_factory=dict)  # backend-specific, checked by the backend
+    parallel: Parallel = field(default_factory=Parallel)
     path: Path | None = None  # the YAML file, for messages and relative paths
 
     def build_document(self) -> dict[str, Any]:
@@ -102,6 +110,8 @@ class Recipe:
         doc = _plain(dataclasses.asdict(self))
         for excluded in ("name", "run", "path"):
             doc.pop(excluded)
+        if self.parallel == Parallel():
+            doc.pop("parallel")  # one rank: the key of every engine built before the field existed
         doc["model"].pop("path")
         if self.model.kind in ("local", "onnx"):
             doc["model"].pop("source")  # where the folder lives is not what it holds
@@ -191,7 +201,8 @@ def load_recipe(path: str | Path) -> Recipe:
 def parse_recipe(doc: Any, path: Path) -> Recipe:
     """Validate an already-parsed document as the recipe file `path`."""
     c = _Checker()
-    top = c.mapping(doc, "", ("name", "model", "backend", "precision", "shapes", "tactics", "run", "options"),
+    top = c.mapping(doc, "", ("name", "model", "backend", "precision", "shapes", "tactics", "run", "options",
+                              "parallel"),
                     required=("name", "model", "shapes"))
 
     name = top.get("name")
@@ -211,6 +222,7 @@ def parse_recipe(doc: Any, path: Path) -> Recipe:
     level = c.choice(tactics.get("level", "default"), "tactics.level", TACTIC_LEVELS)
 
     run = _run(c, top.get("run", {}), shapes)
+    parallel_ = _parallel(c, top.get("parallel", {}), model, backend)
     options = top.get("options", {})
     if not isinstance(options, dict):
         c.add("options", f"expected a mapping, got {_type_name(options)}")
@@ -229,7 +241,7 @@ def parse_recipe(doc: Any, path: Path) -> Recipe:
         raise RecipeError(str(path), c.problems)
     assert name and model and backend and precision and shapes and level and run  # all checked above
     recipe = Recipe(name=name, model=model, backend=backend, precision=precision, shapes=shapes,
-                    tactics_level=level, run=run, options=dict(options), path=path)
+                    tactics_level=level, run=run, options=dict(options), parallel=parallel_, path=path)
     problems = registry.check_recipe(recipe)  # the backend validates its own fields
     if problems:
         raise RecipeError(str(path), problems)
@@ -381,6 +393,36 @@ def _shapes(c: _Checker, value: Any) -> Shapes | None:
     if mb is None or mi is None or ms is None or buckets is None:
         return None
     return Shapes(max_batch_size=mb, max_input_len=mi, max_seq_len=ms, batch_buckets=buckets)
+
+
+def _parallel(c: _Checker, value: Any, model: ModelSpec | None, backend: str | None) -> Parallel:
+    """`parallel: {tp: N}`: tp must split the model's attention heads, KV heads and MLP evenly, checked here
+    where the config is at hand (a synthetic model's, a local folder's config.json); a hub model's at build."""
+    p = c.mapping(value, "parallel", ("tp",))
+    tp = c.integer(p.get("tp", 1), "parallel.tp") if "tp" in p else 1
+    if tp is None or tp == 1:
+        return Parallel()
+    if backend == "tensorrt":
+        c.add("parallel.tp", "backend tensorrt builds one plan for one GPU; use torch or tensorrt-llm for tp > 1")
+    cfg: Any = None
+    source = "model.config"
+    if model is not None and model.kind == "synthetic":
+        cfg = model.config
+    elif model is not None and model.kind == "local" and model.path is not None:
+        source = str(model.path / "config.json")
+        try:
+            cfg = json.loads((model.path / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            cfg = None  # the build reports the unreadable config.json
+    if isinstance(cfg, dict):
+        heads = cfg.get("num_attention_heads")
+        kv = cfg.get("num_key_value_heads") or heads
+        mlp = cfg.get("intermediate_size")
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (heads, kv, mlp)):
+            for problem in tp_problems(heads, kv, mlp, tp, source):
+                field, _, message = problem.partition(": ")
+                c.add(field, message)
+    return Parallel(tp=tp)
 
 
 def _run(c: _Checker, value: Any, shapes: Shapes | None) -> RunDefaults | None:

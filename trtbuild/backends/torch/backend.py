@@ -47,7 +47,8 @@ class TorchAOTIBackend:
     build_modules = ("trtbuild.backends.torch.export", "trtbuild.backends.torch.inductor",
                      "trtbuild.backends.torch.decode_kernels", "trtbuild.backends.torch.prefill_attention",
                      "trtbuild.backends.torch.graph_cache", "trtbuild.backends.torch.compile_workers",
-                     "trtbuild.backends.torch.quantized")
+                     "trtbuild.backends.torch.quantized", "trtbuild.backends.torch.tensor_parallel",
+                     "trtbuild.parallel")
 
     def check(self, recipe: Any) -> list[str]:
         problems = [f"options.{k}: unknown option for backend torch (known: {', '.join(OPTIONS)})"
@@ -60,6 +61,9 @@ class TorchAOTIBackend:
                             "level none turns off; use level default, or decode_matmul auto/cublas")
         if recipe.model.kind == "onnx":
             problems.append("model.source: the torch backend takes a Hugging Face model, not ONNX")
+        if recipe.parallel.tp > 1 and recipe.precision in quantized.QUANTIZED_PRECISIONS:
+            problems.append(f"parallel.tp: precision {recipe.precision} is not split across ranks yet; "
+                            "use fp32, fp16 or bf16 with tp > 1")
         return problems + quantized.check(recipe)
 
     def toolchain(self) -> dict[str, str]:
@@ -99,6 +103,10 @@ class TorchAOTIBackend:
         recipe, shapes = job.recipe, job.recipe.shapes
         dtype = getattr(torch, DTYPE_NAMES[recipe.precision])
         device = "cuda" if job.device.get("kind") == "cuda" else "cpu"
+        if recipe.parallel.tp > 1:  # one set of graphs with collectives, a shard of the weights a rank
+            from trtbuild.backends.torch import tensor_parallel
+
+            return tensor_parallel.build(job, dtype, device, save_weights)
         phases: dict[str, float] = {}
 
         t = time.perf_counter()
@@ -219,6 +227,10 @@ class TorchAOTIBackend:
     def load(self, entry: Path, manifest: dict[str, Any]) -> Any:
         from trtbuild.backends.torch.runtime import TorchEngine
 
+        if (entry / "rank0").is_dir():  # a tensor-parallel entry (tensor_parallel.py): one process a rank
+            from trtbuild.backends.torch.tp_runtime import TensorParallelEngine
+
+            return TensorParallelEngine(entry)
         return TorchEngine(entry)
 
     def preload(self, entry: Path, manifest: dict[str, Any]) -> list[Path]:
