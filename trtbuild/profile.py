@@ -201,8 +201,9 @@ def check_shape(shapes: Any, batch_size: int, input_len: int) -> None:
 
 
 # -- collecting ----------------------------------------------------------------------------------------------
-def _collect(fn: Any, reps: int, device: str) -> tuple[list[list[Op]], list[float]]:
-    """Run `fn` `reps` times under torch.profiler: the ops of each run, in order, and each run's wall time."""
+def _collect(fn: Any, reps: int, device: str) -> tuple[list[list[Op]], list[float], str]:
+    """Run `fn` `reps` times under torch.profiler: the ops of each run, in order, each run's wall time, and a
+    note where the runs could not be told apart."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -228,12 +229,17 @@ def _collect(fn: Any, reps: int, device: str) -> tuple[list[list[Op]], list[floa
         kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
         ops = [Op(e.name, e.time_range.elapsed_us()) for e in kernels]
         per, rest = divmod(len(ops), reps)
-        runs = [ops[i * per:(i + 1) * per] for i in range(reps)] if not rest else [ops]
-        return runs, walls if not rest else [sum(walls)]
+        if rest:  # not the same kernels every run: the table is of all runs together, as one
+            return [ops], [sum(walls)], f"{len(ops)} kernels in {reps} runs, not the same each run: all runs as one"
+        return [ops[i * per:(i + 1) * per] for i in range(reps)], walls, ""
     marks = sorted((e for e in events if e.name == _MARK), key=lambda e: e.time_range.start)
     runs = [[Op(c.name, c.time_range.elapsed_us()) for c in sorted(m.cpu_children, key=lambda c: c.time_range.start)]
             for m in marks]
-    return runs, walls
+    return runs, walls, ""
+
+
+def _noted(phase: dict[str, Any], note: str) -> dict[str, Any]:
+    return phase | {"note": "; ".join(n for n in (phase["note"], note) if n)}
 
 
 class _EagerRunner:
@@ -277,7 +283,9 @@ def profile_engine(session: Any, phases: tuple[str, ...], batch_size: int, input
     prompts = [[(7 * i + r) % cfg.vocab_size for i in range(input_len)] for r in range(batch_size)]
     elem = engine._consts["model.tok_embeddings.weight"].element_size()
     session.warmup(batch_size, input_len, steps + 1)
-    timed = [engine.generate(prompts, steps + 1) for _ in range(3)]  # as `run` times it, unprofiled
+    # as `run` times it, unprofiled: medians over dozens of steps, robust to a stray slow one (a busy CPU)
+    new = max(steps + 1, min(33, engine.spec["max_seq_len"] - input_len))
+    timed = [engine.generate(prompts, new) for _ in range(2)]
     result: dict[str, Any] = {"recipe": session.recipe.name, "backend": session.recipe.backend, "device": device,
                               "engine": {"key": session.outcome.key, "path": str(session.outcome.entry.path)},
                               "ceilings": ceilings, "method": ("kernels on the device (torch.profiler, CUPTI), decode through its CUDA "
@@ -293,9 +301,9 @@ def profile_engine(session: Any, phases: tuple[str, ...], batch_size: int, input
             engine._packages[name].runner = runner
     try:
         if "prefill" in phases:
-            runs, walls = _collect(lambda: engine.generate(prompts, 1), PREFILLS, device)
+            runs, walls, note = _collect(lambda: engine.generate(prompts, 1), PREFILLS, device)
             sites = call_sites(cfg, bucket, input_len, 0, elem)
-            phase = table(runs, statistics.median(walls), sites, cfg.num_layers, ceilings)
+            phase = _noted(table(runs, statistics.median(walls), sites, cfg.num_layers, ceilings), note)
             result["phases"]["prefill"] = {"batch_size": batch_size, "bucket": bucket, "tokens": input_len,
                                            "runs": len(runs),
                                            "engine_step_s": statistics.median(g.prefill_s for g in timed), **phase}
@@ -303,9 +311,20 @@ def profile_engine(session: Any, phases: tuple[str, ...], batch_size: int, input
             decoder = engine._decoder(bucket)
             engine.generate(prompts, steps + 1)  # the cache filled to the prompt, the windows captured
             decoder.start(torch.zeros(bucket, dtype=torch.long, device=device), input_len)
-            runs, walls = _collect(decoder.step, steps, device)
+            runs, walls, note = _collect(decoder.step, steps, device)
+            if device.startswith("cuda") and not any(runs):
+                # A driver or CUPTI that reports nothing inside graph replays: the same step, its kernels launched
+                # one by one from the host (DecodeGraphs.step runs a step eagerly where it has no graph).
+                graphs, decoder.graphs = decoder.graphs, {}
+                try:
+                    decoder.start(torch.zeros(bucket, dtype=torch.long, device=device), input_len)
+                    runs, walls, note = _collect(decoder.step, steps, device)
+                finally:
+                    decoder.graphs = graphs
+                note = "; ".join(n for n in (note, "the profiler saw no kernel inside the CUDA graphs: the step's "
+                                             "kernels were launched eagerly (no graph, no programmatic launch)") if n)
             sites = call_sites(cfg, bucket, 1, input_len + (steps - 1) / 2, elem)
-            phase = table(runs, statistics.median(walls), sites, cfg.num_layers, ceilings)
+            phase = _noted(table(runs, statistics.median(walls), sites, cfg.num_layers, ceilings), note)
             result["phases"]["decode"] = {"batch_size": batch_size, "bucket": bucket, "prompt_len": input_len,
                                           "runs": len(runs), "engine_step_s":
                                           statistics.median(s for g in timed for s in g.decode_step_s), **phase}
