@@ -693,6 +693,43 @@ def _remote_prune(url: str, max_size: int | None, older_than: float | None, dry_
     click.echo(f"remote: {_size(plan.size_before)} -> {_size(plan.size_after)}")
 
 
+@main.command("eval")
+@recipe_arg
+@click.option("--text", "text_file", required=True, type=click.Path(dir_okay=False),
+              help="A text file (UTF-8); its perplexity is measured in windows of the engine's max_seq_len.")
+@click.option("--against", default=None, type=click.Path(dir_okay=False),
+              help="Another recipe: greedy-token agreement with its engine on prompts from the text, and the "
+                   "largest logit difference.")
+@engines_option
+@click.option("--no-build", is_flag=True, help="Never build; a missing engine is an error.")
+@json_option
+@quiet_option
+def eval_cmd(recipe: str, text_file: str, against: str | None, engines: str | None, no_build: bool,
+             as_json: bool, quiet: bool) -> None:
+    """Quality of an engine: perplexity over a text, and agreement with another engine (docs/quantization.md)."""
+    from pathlib import Path
+
+    from trtbuild.evaluate import evaluate
+
+    r, other = _load(recipe), (_load(against) if against else None)
+    if not Path(text_file).is_file():
+        raise InputError(f"{text_file}: --text: file not found")
+    with _progress(as_json or quiet) as progress:
+        result = evaluate(r, Path(text_file), engines, other, build=not no_build, progress=progress)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"{result['recipe']} ({result['precision']}): perplexity {result['perplexity']:.4f} over "
+               f"{result['tokens_scored']} tokens of {result['text']} ({result['windows']} windows of "
+               f"{result['window']}, tokens from {result['tokens_from']})")
+    if "against" in result:
+        a = result["against"]
+        click.echo(f"against {a['recipe']} ({a['precision']}): greedy tokens agree {a['greedy_agreement']:.1%} "
+                   f"({a['prompts']} prompts of {a['prompt_len']}, {a['new_tokens']} new tokens each); "
+                   f"teacher-forced {a['teacher_forced_agreement']:.1%}; largest logit difference "
+                   f"{a['max_logit_diff']:.4f}")
+
+
 def _doctor_remote(store: Any) -> str:
     """The remote tier: configured or not, reachable or why not, and the last pull this store made."""
     from trtbuild.remote import ENV_URL, Remote, configured_url

@@ -1,0 +1,252 @@
+"""Quantized weights: formats and round trips, GPTQ against round to nearest, the model's quantized Linear,
+recipes and keys, the build step, and `trtbuild eval` (perplexity and agreement) on tiny models."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trtbuild.errors import RecipeError
+from trtbuild.models import calibrate, quantize
+from trtbuild.recipe import load_recipe
+
+from .conftest import TINY_CONFIG, make_hf_folder, read_json_line, run_cli, tiny_recipe_doc, write_recipe
+
+
+def _weight(n: int = 48, k: int = 256, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # rows of very different magnitudes: per-channel scales must follow them
+    return torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n)[:, None]
+
+
+@pytest.mark.parametrize("k, group", [(256, 128), (576, 64), (1536, 128), (96, 32)])
+def test_int4_group_is_the_largest_of_128_64_32_dividing_the_width(k: int, group: int) -> None:
+    assert quantize.group_size(k) == group
+    assert quantize.stored_shapes("int4", 8, k)["scale"][0] == (8, k // group)
+
+
+def test_a_width_no_group_divides_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize.group_size(48)
+
+
+def test_int4_packing_is_split_halves_within_each_group_and_inverts() -> None:
+    q = torch.randint(0, 16, (3, 128), dtype=torch.uint8)
+    packed = quantize.pack_int4(q, 64)
+    assert packed.shape == (3, 64) and packed.dtype == torch.uint8
+    # byte i of a group: column i in the low nibble, column i + 32 in the high one
+    assert int(packed[1, 5]) == int(q[1, 5]) | (int(q[1, 37]) << 4)
+    assert int(packed[2, 32 + 7]) == int(q[2, 64 + 7]) | (int(q[2, 64 + 32 + 7]) << 4)
+    assert torch.equal(quantize.unpack_int4(packed, 64), q)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_round_trip_error_is_within_half_a_step_of_each_format(fmt: str) -> None:
+    w = _weight()
+    stored = quantize.quantize(fmt, w)
+    back = quantize.dequantize(fmt, stored["qweight"], stored["scale"], stored.get("zero"), torch.float32)
+    err = (back - w).abs()
+    if fmt == "int8":
+        assert stored["qweight"].dtype == torch.int8 and stored["scale"].shape == (48,)
+        assert (err <= stored["scale"][:, None] / 2 + 1e-7).all()
+    elif fmt == "fp8":
+        # e4m3 keeps 3 mantissa bits: half a step is 1/16 of the magnitude (normal range)
+        assert stored["qweight"].dtype == torch.float8_e4m3fn
+        normal = w.abs() > stored["scale"][:, None] * 2 ** -6
+        assert (err[normal] <= w.abs()[normal] / 16 + 1e-7).all()
+        assert (w.abs().amax(1) / stored["scale"] - 448).abs().max() < 1e-3  # each row's largest maps to 448
+    else:
+        scale = stored["scale"].float().repeat_interleave(128, dim=1)
+        assert stored["qweight"].shape == (48, 128) and stored["scale"].dtype == torch.bfloat16
+        assert (err <= scale / 2 * 1.02 + 1e-6).all()  # half a step, plus the bf16 rounding of the zero
+    # a wrong dequantization (scales ignored) would be far off: the check is not vacuous
+    assert not torch.allclose(stored["qweight"].float() if fmt != "int4" else back * 2, w, atol=1e-3)
+
+
+def test_int4_reference_matches_a_direct_computation() -> None:
+    w = _weight(8, 64)
+    stored = quantize.quantize_int4(w, 32)
+    q = quantize.unpack_int4(stored["qweight"], 32).float().view(8, 2, 32)
+    direct = ((q - stored["zero"].float()[..., None]) * stored["scale"].float()[..., None]).view(8, 64)
+    assert torch.equal(quantize.dequantize("int4", stored["qweight"], stored["scale"], stored["zero"], torch.float32),
+                       direct)
+    assert q.min() == 0 and q.max() == 15  # min/max per group: the extremes use the whole range
+
+
+def test_gptq_keeps_a_layers_output_closer_than_round_to_nearest() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 128, generator=g)
+    # correlated inputs with a few large channels, as a real layer's are
+    x = torch.randn(1024, 128, generator=g) @ (torch.eye(128) + 0.3 * torch.randn(128, 128, generator=g))
+    x[:, :4] *= 8
+    stored = calibrate.gptq_int4(w, x.T @ x)
+    rtn = quantize.quantize_int4(w)
+    out = {name: quantize.dequantize("int4", s["qweight"], s["scale"], s["zero"], torch.float32)
+           for name, s in (("gptq", stored), ("rtn", rtn))}
+    err = {name: float((x @ (d - w).T).pow(2).mean()) for name, d in out.items()}
+    assert err["gptq"] < 0.7 * err["rtn"], err
+    assert stored["qweight"].shape == rtn["qweight"].shape and stored["zero"].dtype == torch.bfloat16
+
+
+def test_a_quantized_linear_holds_the_small_tensors_and_computes_with_their_dequantization() -> None:
+    from trtbuild.models.llama import Linear
+
+    w = _weight(48, 64)
+    for fmt in ("fp8", "int8", "int4"):
+        lin = Linear(64, 48, bias=True)
+        bias = lin.bias.detach().clone()
+        stored = quantize.quantize(fmt, w)
+        lin.hold_quantized(fmt)
+        assert "weight" not in dict(lin.named_parameters())
+        lin.load_state_dict(stored | {"bias": bias}, assign=True)
+        assert set(lin.state_dict()) == {"bias", *stored}
+        x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+        ref = F.linear(x, quantize.dequantize(fmt, stored["qweight"], stored["scale"], stored.get("zero"),
+                                              torch.bfloat16), bias.to(torch.bfloat16))
+        with torch.no_grad():
+            assert torch.equal(lin(x.float()), F.linear(x.float(), lin.dense_weight(torch.float32), bias))
+            lin.bias.data = lin.bias.data.to(torch.bfloat16)
+            assert torch.allclose(lin(x).float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_rtn_state_quantizes_the_layers_linears_only() -> None:
+    state = {"tok_embeddings.weight": torch.randn(128, 32), "output.weight": torch.randn(128, 32),
+             "layers.0.attention.wqkv.weight": torch.randn(64, 32), "layers.0.attention.wo.weight": torch.randn(32, 32),
+             "layers.0.feed_forward.w13.weight": torch.randn(128, 32),
+             "layers.0.feed_forward.w2.weight": torch.randn(32, 64), "layers.0.attention_norm.weight": torch.ones(32)}
+    out = calibrate.rtn_state(state, "int4")
+    assert "output.weight" in out and "tok_embeddings.weight" in out and "layers.0.attention_norm.weight" in out
+    for name in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2"):
+        assert f"layers.0.{name}.weight" not in out
+        assert {f"layers.0.{name}.{b}" for b in ("qweight", "scale", "zero")} <= set(out)
+
+
+def _recipe(tmp_path: Path, name: str = "recipe.yaml", **overrides: Any) -> Any:
+    return load_recipe(write_recipe(tmp_path, tiny_recipe_doc(**overrides), name))
+
+
+def test_quantized_precisions_validate_for_the_torch_backend(tmp_path: Path) -> None:
+    for precision in ("fp8", "int8_wo", "int4_wo"):
+        assert _recipe(tmp_path, precision=precision).precision == precision
+    assert _recipe(tmp_path, precision="int4_wo", options={"int4_method": "rtn"}).options["int4_method"] == "rtn"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"precision": "fp8", "options": {"int4_method": "rtn"}}, "options.int4_method: only for precision int4_wo"),
+    ({"precision": "int4_wo", "options": {"int4_method": "awq"}}, "options.int4_method: expected one of gptq, rtn"),
+    ({"precision": "int8_wo", "options": {"decode_fusion": "fused"}}, "options.decode_fusion: 'fused'"),
+    ({"precision": "int3_wo"}, "precision: expected one of"),
+])
+def test_quantization_options_that_cannot_build_are_named(tmp_path: Path, overrides: dict[str, Any],
+                                                          message: str) -> None:
+    with pytest.raises(RecipeError, match=message.replace("(", r"\(")):
+        _recipe(tmp_path, **overrides)
+
+
+def test_keys_differ_by_precision_and_by_int4_method(tmp_path: Path, engine_store: Path) -> None:
+    from trtbuild import backends
+    from trtbuild.builder import key_material
+    from trtbuild.models.source import resolve
+    from trtbuild.store import key_of
+
+    def key(**overrides: Any) -> tuple[str, dict[str, Any]]:
+        r = _recipe(tmp_path, **overrides)
+        material = key_material(r, resolve(r.model, engine_store), backends.get("torch"), {"torch": "x"})
+        return key_of(material), material
+
+    keys = {p: key(precision=p)[0] for p in ("fp32", "bf16", "fp8", "int8_wo", "int4_wo")}
+    assert len(set(keys.values())) == 5
+    rtn, material = key(precision="int4_wo", options={"int4_method": "rtn"})
+    assert rtn != keys["int4_wo"] and material["recipe"]["options"] == {"int4_method": "rtn"}
+    # the quantization code (formats, GPTQ, the calibration text) is part of the engine-code digest
+    from trtbuild.builder import engine_code_files
+
+    names = {f.name for f in engine_code_files(backends.get("torch"))}
+    assert {"quantize.py", "calibrate.py", "calibration_text.py", "quantized.py"} <= names
+
+
+def _tiny_state(folder: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
+
+    _, cfg = read_config(folder)
+    return cfg, convert_hf_state_dict(load_weights(folder, cfg, torch.float32), cfg)
+
+
+def test_the_build_step_stores_small_tensors_that_the_placed_model_computes_with(tmp_path: Path) -> None:
+    """quantize_weights (GPTQ for int4) -> place_model: the Linears hold the stored tensors, and the model's
+    logits are those of the dense model with the dequantized weights."""
+    from trtbuild.backends.torch.export import place_model
+    from trtbuild.backends.torch.quantized import quantize_weights
+
+    folder = make_hf_folder(tmp_path / "m")
+    cfg, dense = _tiny_state(folder)
+    recipe = SimpleNamespace(precision="int4_wo", options={})
+    state, record = quantize_weights(dict(dense), cfg, recipe, None, "cpu", lambda m: None)
+    assert record["method"] == "gptq" and record["format"] == "int4" and record["calibration"]["tokenizer"] == "bytes"
+    assert state["layers.0.attention.wqkv.qweight"].dtype == torch.uint8
+    assert state["tok_embeddings.weight"].dtype == torch.bfloat16 and "output.weight" in state
+    shapes = SimpleNamespace(max_batch_size=1, max_input_len=8, max_seq_len=16)
+    model = place_model(cfg, shapes, torch.bfloat16, "cpu", state)
+    assert model.layers[0].attention.wqkv.quant == "int4"
+    dq = dict(state)
+    for name in calibrate.quantized_names(dense):
+        dq[name + ".weight"] = quantize.dequantize("int4", dq.pop(name + ".qweight"), dq.pop(name + ".scale"),
+                                                   dq.pop(name + ".zero"), torch.bfloat16)
+    reference = place_model(cfg, shapes, torch.bfloat16, "cpu", dq)
+    tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
+    with torch.no_grad():
+        got = model(tokens, torch.arange(8), all_logits=True, from_start=True)
+        want = reference(tokens, torch.arange(8), all_logits=True, from_start=True)
+    assert torch.equal(got, want)
+
+
+def test_perplexity_is_that_of_transformers_over_the_same_windows(tmp_path: Path) -> None:
+    """evaluate.perplexity against Hugging Face's own loss on the same windows: the eval's arithmetic."""
+    transformers = pytest.importorskip("transformers")
+    from trtbuild.backends.torch.export import place_model
+    from trtbuild.evaluate import perplexity
+
+    folder = make_hf_folder(tmp_path / "m")
+    cfg, state = _tiny_state(folder)
+    ids = [(i * 7 + i // 3) % TINY_CONFIG["vocab_size"] for i in range(100)]
+    model = place_model(cfg, SimpleNamespace(max_batch_size=2, max_input_len=32, max_seq_len=32), torch.float32,
+                        "cpu", state)
+    got = perplexity(model, ids, 32, batch=2)
+    assert got["windows"] == 3 and got["tokens_scored"] == 3 * 31
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    windows = torch.tensor(ids[:96]).view(3, 32)
+    with torch.no_grad():
+        loss = hf(windows, labels=windows).loss  # mean over the 3 x 31 predicted tokens
+    assert math.isclose(got["perplexity"], math.exp(float(loss)), rel_tol=1e-4)
+
+
+@pytest.mark.slow
+def test_eval_command_reports_perplexity_and_agreement_on_tiny_engines(tmp_path: Path) -> None:
+    """`trtbuild eval` in a real process: an int8_wo engine against the fp32 engine of the same weights."""
+    shapes = {"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 32, "batch_buckets": [2]}
+    fp32 = write_recipe(tmp_path, tiny_recipe_doc(name="tiny-fp32", shapes=shapes), "fp32.yaml")
+    int8 = write_recipe(tmp_path, tiny_recipe_doc(name="tiny-int8", precision="int8_wo", shapes=shapes), "int8.yaml")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    store = tmp_path / "engines"
+    proc = run_cli("eval", str(int8), "--text", str(text), "--against", str(fp32), "--engines", str(store), "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = read_json_line(proc.stdout)
+    assert result["precision"] == "int8_wo" and result["tokens_from"] == "bytes"
+    assert result["windows"] == len(text.read_bytes()) // 32 and 1 < result["perplexity"] < 10 * TINY_CONFIG["vocab_size"]
+    a = result["against"]
+    assert a["precision"] == "fp32" and a["prompts"] == 8 and a["prompt_len"] == 16 and a["new_tokens"] == 16
+    assert 0.5 <= a["greedy_agreement"] <= 1 and 0.5 <= a["teacher_forced_agreement"] <= 1
+    assert 0 < a["max_logit_diff"] < 1.0  # int8 per channel on random weights: close, never identical
+    entry = json.loads((Path(result["engine"]) / "engine.json").read_text())
+    assert entry["quantization"]["format"] == "int8" and entry["quantization"]["method"] == "rtn"
+    # a text file that does not exist: one line naming it, no traceback
+    bad = run_cli("eval", str(int8), "--text", str(tmp_path / "missing.txt"), "--engines", str(store))
+    assert bad.returncode != 0 and "missing.txt" in bad.stderr and "Traceback" not in bad.stderr
