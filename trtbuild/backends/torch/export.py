@@ -55,7 +55,7 @@ def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[
             ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
         return {"batch": "dynamic", "program": ep, "prefill_attention": prefill_kernel,
                 "export_s": time.perf_counter() - t}
-    with decode_kernels.routed(model, matmuls, attention):
+    with decode_kernels.routed(model, matmuls, attention), quantized_decode(model, device):
         ep = export_decode(model, bucket(name), shapes.max_seq_len, device)
     return {"batch": bucket(name), "program": ep, "window": "dynamic",
             "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
@@ -74,6 +74,25 @@ def fp8_prefill(model: Any, device: str) -> Iterator[None]:
     finally:
         for m in linears:
             del m.fp8_prefill  # back to the class's default
+
+
+@contextlib.contextmanager
+def quantized_decode(model: Any, device: str) -> Iterator[None]:
+    """While a decode graph is exported on CUDA, each quantized Linear calls trtbuild's quantized decode matmul
+    (`kernels/quant_matmul.py`), which reads the stored bytes; without it the graph would dequantize every weight
+    every step. A fixed configuration per format, not yet timed. On the CPU, and without Triton, they dequantize."""
+    linears = [m for m in model.modules() if getattr(m, "quant", None)] if device.startswith("cuda") else []
+    try:
+        from trtbuild.kernels.quant_matmul import CONFIGS
+    except ImportError:
+        linears = []
+    for m in linears:
+        m.decode_config = CONFIGS[m.quant]
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.decode_config
 
 
 def bucket(graph: str) -> int:

