@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -61,11 +62,29 @@ def measure_ceilings(device: str, plan: Plan) -> dict[str, Any]:
 
 
 # -- floors ---------------------------------------------------------------------------------------------
-def decode_bytes(cfg: Any, elem: int, batch: int, mean_len: float) -> float:
-    """Weights a step must read (the embedding table only when it is also the LM head) + filled KV cache."""
+def decode_bytes(cfg: Any, elem: int, batch: int, mean_len: float, weight_bytes: float | None = None) -> float:
+    """Weights a step must read (the embedding table only when it is also the LM head) + filled KV cache.
+    `weight_bytes`: the weights' own bytes where they are not `elem` each (a quantized engine's stored
+    tensors, scales and zeros included: `stored_weight_bytes`)."""
     weights = cfg.num_parameters() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * mean_len
-    return (weights + kv) * elem
+    return (weights * elem if weight_bytes is None else weight_bytes) + kv * elem
+
+
+def stored_weight_bytes(entry: Path) -> float | None:
+    """A quantized torch engine's weight bytes a decode step reads, from its weights file's header (every
+    tensor but the embedding table, unless it is the LM head too); None for a dense engine."""
+    spec = json.loads((entry / "engine.json").read_text())
+    if not spec.get("quantization"):
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(entry / "weights.safetensors"), framework="pt") as f:
+        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    width = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I8": 1, "U8": 1}
+    return float(sum(math.prod(s) * width[dtypes[k]] for k, s in sizes.items()
+                     if k != "tok_embeddings.weight" or spec["tied_output"]))
 
 
 def prefill_bytes(cfg: Any, elem: int, t: int) -> float:
@@ -426,9 +445,11 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
     ctx = {"recipe": recipe, "device": device, "dtype": dtype, "folder": folder, "plan": plan,
            "vocab": cfg.vocab_size, "entry": outcome.entry.path}
     mean_len = plan.prompt_len + plan.new_tokens / 2
+    stored = stored_weight_bytes(outcome.entry.path)  # a quantized engine's floor is its own bytes
     res["floors"] = {
-        "decode_s": {str(b): decode_bytes(cfg, elem, b, mean_len) / ceilings["copy_Bps"] for b in recipe.shapes.batch_buckets},
-        "decode_bytes": {str(b): decode_bytes(cfg, elem, b, mean_len) for b in recipe.shapes.batch_buckets},
+        "decode_s": {str(b): decode_bytes(cfg, elem, b, mean_len, stored) / ceilings["copy_Bps"]
+                     for b in recipe.shapes.batch_buckets},
+        "decode_bytes": {str(b): decode_bytes(cfg, elem, b, mean_len, stored) for b in recipe.shapes.batch_buckets},
         **prefill_floors(cfg, elem, plan.prefill_lens, ceilings),
         "mean_kv_len": mean_len}
     skipped: dict[str, str] = {}
