@@ -184,3 +184,126 @@ def test_greedy_tokens_and_logits_match_generate(pair: tuple[Any, Path], windowe
         pos = PROMPT_LEN + step
         last = model(nxt, torch.tensor([pos]), span=torch.arange(pos + 1) if windowed else None)
     assert torch.cat(mine, dim=1).tolist() == want_tokens
+
+
+# -- configs: what is read, what is refused --------------------------------------------------------------
+
+
+def test_the_recipe_schema_and_the_loader_know_the_same_families() -> None:
+    from trtbuild.models.families import ARCHITECTURES, FAMILIES
+    from trtbuild.recipe import MODEL_TYPES
+
+    assert MODEL_TYPES == FAMILIES and set(ARCHITECTURES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_parameter_count_matches_transformers(name: str) -> None:
+    from trtbuild.models.llama import LlamaConfig
+
+    hf = hf_model(name)
+    cfg = LlamaConfig.from_hf(hf.config.to_dict())
+    assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
+    if cfg.num_experts:  # one token reads its chosen experts only
+        per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        unread = sum(cfg.moe_layers) * (cfg.num_experts - cfg.experts_per_token) * per_expert
+        assert cfg.num_parameters(active=True) == cfg.num_parameters() - unread
+
+
+def test_a_synthetic_config_left_short_means_to_trtbuild_what_it_means_to_transformers(tmp_path: Path) -> None:
+    """Fields a config leaves out take transformers' defaults of the family (Gemma 3: a 256-wide head, a
+    4096 window on five of every six layers, rope bases 1e6 and 1e4, tied embeddings), in both readers."""
+    from trtbuild.models.checkpoint import write_synthetic
+
+    write_synthetic(tmp_path, {"model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 48,
+                               "num_hidden_layers": 7, "num_attention_heads": 2, "num_key_value_heads": 1,
+                               "vocab_size": 64}, seed=0)
+    _, cfg = read_config(tmp_path)
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert cfg.head_dim == hf.head_dim == 256 and cfg.tie_word_embeddings and hf.tie_word_embeddings
+    assert [w == 4096 for w in cfg.layer_windows] == [t == "sliding_attention" for t in hf.layer_types]
+    assert (cfg.rope_theta, cfg.local_rope_theta) == (1e6, 1e4)
+    assert hf.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert cfg.attn_scale == 256 ** -0.5 and cfg.embed_scale == 32 ** 0.5
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tmp_path)(tokens, torch.arange(7), all_logits=True),
+                                   model(input_ids=tokens, use_cache=False).logits, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("model_type", "gpt_oss", "model_type: 'gpt_oss' is not supported"),
+    ("hidden_act", "gelu", "hidden_act: 'gelu' is not supported for qwen3"),
+    ("partial_rotary_factor", 0.5, "partial_rotary_factor: 0.5 is not supported"),
+    ("quantization_config", {"quant_method": "awq"}, "quantization_config: pre-quantized checkpoints"),
+    ("use_bidirectional_attention", True, "use_bidirectional_attention: only causal attention"),
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping: not part of the qwen3 model"),
+])
+def test_a_field_trtbuild_does_not_implement_is_refused_by_name(tmp_path: Path, field: str, value: Any,
+                                                                message: str) -> None:
+    import json
+
+    from trtbuild.errors import InputError
+
+    hf_model("qwen3").save_pretrained(tmp_path, safe_serialization=True)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, field: value}))
+    with pytest.raises(InputError) as info:
+        read_config(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path / 'config.json'}: {message}")
+
+
+def test_gemma3_attention_softcapping_is_refused_not_ignored(tmp_path: Path) -> None:
+    """transformers' Gemma 3 never caps its attention scores, whatever the field says: a value there is
+    refused, so that no one believes it applied."""
+    import json
+
+    from trtbuild.errors import InputError
+
+    hf_model("gemma3").save_pretrained(tmp_path, safe_serialization=True)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "attn_logit_softcapping": 50.0}))
+    with pytest.raises(InputError, match="attn_logit_softcapping: Gemma 3 does not cap"):
+        read_config(tmp_path)
+
+
+def test_validate_refuses_a_local_folder_with_an_unsupported_field(tmp_path: Path) -> None:
+    import json
+
+    import yaml
+
+    from .conftest import run_cli
+
+    hf_model("phi3").save_pretrained(tmp_path / "model", safe_serialization=True)
+    raw = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**raw, "partial_rotary_factor": 0.75}))
+    doc = {"name": "phi", "model": {"source": "./model"}, "backend": "torch", "precision": "fp32",
+           "shapes": {"max_batch_size": 1, "max_input_len": 8, "max_seq_len": 16}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(doc))
+    proc = run_cli("validate", str(tmp_path / "recipe.yaml"), cwd=tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "partial_rotary_factor: 0.75 is not supported" in proc.stderr
+
+
+@pytest.mark.parametrize("config,problem", [
+    ({"model_type": "mixtral"}, "model.config.num_local_experts: required for mixtral"),
+    ({"model_type": "qwen3_moe", "num_experts": 4}, "model.config.moe_intermediate_size: required for qwen3_moe"),
+    ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5},
+     "model.config.num_experts_per_tok: must be between 1 and num_local_experts (4)"),
+    ({"model_type": "qwen3", "num_experts": 4}, "model.config.num_experts: not a field of qwen3"),
+    ({"model_type": "llama", "query_pre_attn_scalar": 64}, "model.config.query_pre_attn_scalar: not a field of llama"),
+    ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0},
+     "model.config.attn_logit_softcapping: Gemma 3 does not cap"),
+    ({"model_type": "gemma2", "hidden_act": "silu"}, "model.config.hidden_act: gemma2 takes only hidden_activation"),
+    ({"model_type": "gemma3_text", "layer_types": ["full_attention"]}, "model.config.layer_types: expected one of"),
+])
+def test_a_synthetic_recipe_of_a_family_is_checked_field_by_field(config: dict[str, Any], problem: str) -> None:
+    from tests.conftest import tiny_recipe_doc
+    from trtbuild.errors import RecipeError
+    from trtbuild.recipe import parse_recipe
+
+    doc = tiny_recipe_doc()
+    doc["model"]["config"].update(config)
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(doc, Path("recipe.yaml"))
+    assert any(p.startswith(problem) for p in info.value.problems), info.value.problems

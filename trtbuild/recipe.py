@@ -30,7 +30,9 @@ PRECISIONS = {
     "tensorrt": ("fp32", "fp16", "bf16", "fp8", "int8", "onnx"),
 }
 TACTIC_LEVELS = ("none", "default", "max")
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+# the families models/families.py reads (kept equal by a test; the recipe does not import the models)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
+MOE_TYPES = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts"}  # and the field giving the experts' count
 # \Z, not $: "$" also matches before a trailing newline, which would let "tiny\n" through.
 NAME_RE = re.compile(r"^[a-z0-9._-]+\Z")
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*\Z")
@@ -54,6 +56,23 @@ SYNTHETIC_FIELDS: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "max_position_embeddings": (int, False),
     "sliding_window": ((int, type(None)), False),
     "torch_dtype": (str, False),
+    # the other families' fields (models/families.py says what each does)
+    "hidden_act": (str, False),
+    "hidden_activation": (str, False),
+    "query_pre_attn_scalar": ((int, float), False),
+    "attn_logit_softcapping": ((int, float, type(None)), False),
+    "final_logit_softcapping": ((int, float, type(None)), False),
+    "layer_types": (list, False),
+    "sliding_window_pattern": (int, False),
+    "rope_local_base_freq": ((int, float), False),
+    "use_sliding_window": (bool, False),
+    "num_local_experts": (int, False),
+    "num_experts": (int, False),
+    "num_experts_per_tok": (int, False),
+    "moe_intermediate_size": (int, False),
+    "norm_topk_prob": (bool, False),
+    "decoder_sparse_step": (int, False),
+    "mlp_only_layers": (list, False),
 }
 
 
@@ -330,6 +349,7 @@ def _synthetic_config(c: _Checker, value: Any) -> dict[str, Any] | None:
         _rope_scaling(c, cfg["rope_scaling"], f"{where}.rope_scaling")
     if cfg["model_type"] not in MODEL_TYPES:
         c.add(f"{where}.model_type", f"expected one of {', '.join(MODEL_TYPES)}, got {cfg['model_type']!r}")
+    _family_fields(c, cfg, where)
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     kv = cfg.get("num_key_value_heads", heads)
     if "head_dim" not in cfg and hidden % heads:
@@ -341,6 +361,39 @@ def _synthetic_config(c: _Checker, value: Any) -> dict[str, Any] | None:
         c.add(f"{where}.head_dim" if "head_dim" in cfg else f"{where}.hidden_size",
               f"the head dimension {head_dim} must be even for rotary embeddings")
     return dict(cfg)
+
+
+def _family_fields(c: _Checker, cfg: dict[str, Any], where: str) -> None:
+    """What a family needs of its fields, and the values trtbuild implements (models/families.py)."""
+    kind = cfg["model_type"]
+    gemma = kind in ("gemma2", "gemma3_text")
+    act_key = "hidden_activation" if gemma else "hidden_act"
+    allowed = "gelu_pytorch_tanh" if gemma else "silu"
+    for key in ("hidden_act", "hidden_activation"):
+        if key in cfg and (key != act_key or cfg[key] != allowed):
+            c.add(f"{where}.{key}", f"{kind} takes only {act_key}: {allowed}, got {key}: {cfg[key]!r}")
+    if kind in MOE_TYPES:
+        count = MOE_TYPES[kind]
+        if count not in cfg:
+            c.add(f"{where}.{count}", f"required for {kind} (the number of experts)")
+        elif not 0 < cfg.get("num_experts_per_tok", 2) <= cfg[count]:
+            c.add(f"{where}.num_experts_per_tok", f"must be between 1 and {count} ({cfg[count]})")
+        if kind == "qwen3_moe" and "moe_intermediate_size" not in cfg:
+            c.add(f"{where}.moe_intermediate_size", "required for qwen3_moe (each expert's MLP width)")
+    moe_only = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "decoder_sparse_step", "mlp_only_layers")
+    gemma_only = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window_pattern",
+                  "rope_local_base_freq")
+    for key in cfg:
+        if (key in moe_only and kind not in MOE_TYPES) or (key in gemma_only and not gemma):
+            c.add(f"{where}.{key}", f"not a field of {kind}")
+    if kind == "gemma3_text" and cfg.get("attn_logit_softcapping") is not None:
+        c.add(f"{where}.attn_logit_softcapping", "Gemma 3 does not cap its attention scores; leave it out")
+    types = cfg.get("layer_types")
+    if types is not None and (len(types) != cfg["num_hidden_layers"]
+                              or not set(types) <= {"full_attention", "sliding_attention"}):
+        c.add(f"{where}.layer_types", "expected one of full_attention, sliding_attention for each of the "
+              f"{cfg['num_hidden_layers']} layers")
 
 
 ROPE_SCALING_FIELDS = {"default": (), "linear": ("factor",),

@@ -26,11 +26,35 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")
 MOE = ("mixtral", "qwen3_moe")
+# transformers' defaults where they differ from Llama's, for fields a config.json may leave out (a synthetic
+# recipe's config does): trtbuild must read a folder as transformers does.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 4096},
+    "qwen3": {"head_dim": 128},
+    "gemma2": {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "tie_word_embeddings": True, "sliding_window_pattern": 2,
+               "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma3_text": {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "rope_theta": 1e6,
+                    "rope_local_base_freq": 1e4, "tie_word_embeddings": True, "sliding_window_pattern": 6,
+                    "hidden_activation": "gelu_pytorch_tanh"},
+    "mixtral": {"rope_theta": 1e6, "num_experts_per_tok": 2, "num_local_experts": 8},
+    # the count of experts: num_experts on the hub, num_local_experts as transformers 5 saves it (128 if neither)
+    "qwen3_moe": {"num_experts_per_tok": 8, "norm_topk_prob": False, "moe_intermediate_size": 768, "decoder_sparse_step": 1},
+}
 # The activations each family's MLP may use, as config.json names them.
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Fields the loader reads in some family but that only a family that implements them may carry.
 _FAMILY_ONLY = {"query_pre_attn_scalar": GEMMA, "final_logit_softcapping": GEMMA, "attn_logit_softcapping": GEMMA,
                 "rope_local_base_freq": ("gemma3_text",)}
+
+
+def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` with transformers' defaults of its family for the fields it leaves out (`DEFAULTS`). A rope base
+    inside rope_parameters (transformers 5) counts as given."""
+    defaults = dict(DEFAULTS.get(cfg.get("model_type", "llama"), {}))
+    if "rope_parameters" in cfg or "rope_scaling" in cfg:
+        defaults.pop("rope_theta", None)
+    return {**defaults, **cfg}
 
 
 def family_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +71,7 @@ def family_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         out["sandwich_norms"] = True
         out["unit_offset_norms"] = True
         out["embed_scale"] = math.sqrt(int(cfg["hidden_size"]))
-        out["attn_scale"] = float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5
+        out["attn_scale"] = float(cfg["query_pre_attn_scalar"]) ** -0.5
         # Gemma 3 has the field but transformers' Gemma 3 never applies it (refused_fields refuses a value)
         out["attn_softcap"] = _positive_or_none(cfg.get("attn_logit_softcapping")) if kind == "gemma2" else None
         out["final_softcap"] = _positive_or_none(cfg.get("final_logit_softcapping"))
@@ -57,9 +81,9 @@ def family_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         if local is not None:
             out["local_rope_theta"], out["local_rope_scaling"] = local
     if kind in MOE:
-        experts = cfg.get("num_local_experts") if kind == "mixtral" else cfg.get("num_experts", cfg.get("num_local_experts"))
-        out["num_experts"] = int(experts)  # type: ignore[arg-type]  # None raises TypeError, reported as a wrong value
-        out["experts_per_token"] = int(cfg.get("num_experts_per_tok", 2))
+        experts = cfg["num_local_experts"] if kind == "mixtral" else cfg.get("num_experts", cfg.get("num_local_experts", 128))
+        out["num_experts"] = int(experts)
+        out["experts_per_token"] = int(cfg["num_experts_per_tok"])
         # Mixtral always renormalizes the chosen experts' weights; Qwen3-MoE when norm_topk_prob says so.
         out["norm_topk_prob"] = kind == "mixtral" or bool(cfg.get("norm_topk_prob", False))
         out["moe_intermediate_size"] = int(cfg["moe_intermediate_size"]) if kind == "qwen3_moe" \
@@ -83,7 +107,7 @@ def _layer_windows(cfg: dict[str, Any], kind: str, layers: int) -> tuple[int, ..
     if kind in ("mistral", "phi3", "mixtral"):  # one window for every layer, whenever the config has one
         return (int(window),) * layers
     if kind in GEMMA and not types:  # older configs: every `sliding_window_pattern`-th layer is global
-        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 2)
+        pattern = int(cfg.get("_sliding_window_pattern") or cfg["sliding_window_pattern"])
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     if kind in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         return ()
@@ -124,6 +148,7 @@ def global_rope(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 def refused_fields(cfg: dict[str, Any]) -> list[str]:
     """`field: why` for each field of a raw config.json whose value trtbuild cannot honour."""
+    cfg = with_defaults(cfg)
     kind = cfg.get("model_type")
     problems = []
     act_field = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
@@ -151,3 +176,30 @@ def refused_fields(cfg: dict[str, Any]) -> list[str]:
     if kind in MOE and cfg.get("shared_expert_intermediate_size"):
         problems.append("shared_expert_intermediate_size: shared experts are not supported")
     return problems
+
+
+def attention_kernel_limits(cfg: Any) -> str | None:
+    """Why trtbuild's decode attention kernel (kernels/decode_attention.py) cannot serve this model, or None:
+    it rotates and attends the Llama way only. The build then keeps the model's ATen attention."""
+    needs = [what for what, present in (
+        ("norms on q and k", cfg.qk_norm), ("sliding windows", bool(cfg.layer_windows)),
+        ("a query scale of its own", cfg.attn_scale is not None), ("soft-capped scores", bool(cfg.attn_softcap)),
+        ("a second rope table", cfg.local_rope_theta is not None)) if present]
+    return f"{cfg.model_type} needs {', '.join(needs)}, which the kernel does not do" if needs else None
+
+
+def model_paths(cfg: Any) -> dict[str, str]:
+    """What the engine computes each part of the family with, for the manifest (`tactics.model_paths`)."""
+    paths = {"family": cfg.model_type}
+    windows = sorted({w for w in cfg.layer_windows if w})
+    if windows or cfg.attn_softcap:
+        what = ", ".join([f"sliding window {windows}"] * bool(windows) + ["soft-capped scores"] * bool(cfg.attn_softcap))
+        paths["attention"] = (f"masked ATen attention for the layers with {what} (prompt and decode); "
+                              "SDPA's causal kernels for the others")
+    if cfg.num_experts:
+        paths["experts"] = (f"top-{cfg.experts_per_token} of {cfg.num_experts} experts: decode steps multiply the "
+                            "gathered weights of the chosen experts (ATen); prompts run every expert, dense, the "
+                            "unchosen ones weighted by zero")
+    if cfg.hidden_act != "silu":
+        paths["mlp_gating"] = f"{cfg.hidden_act} in ATen after the gate/up matmul"
+    return paths

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trtbuild.kernels.fusions import NORMED
-from trtbuild.models.families import family_fields, global_rope
+from trtbuild.models.families import family_fields, global_rope, with_defaults
 from trtbuild.models.moe import MoE
 
 
@@ -59,6 +59,7 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
         """Read a Hugging Face config.json; raises KeyError/TypeError for the loader to report."""
+        cfg = with_defaults(cfg)  # what transformers assumes of the fields the family's config leaves out
         heads = int(cfg["num_attention_heads"])
         model_type = cfg.get("model_type", "llama")
         attention_bias = bool(cfg.get("attention_bias", False))

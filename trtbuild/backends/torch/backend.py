@@ -98,6 +98,7 @@ class TorchAOTIBackend:
 
         from trtbuild.backends.torch import weights_preload
         from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
+        from trtbuild.models.families import model_paths
 
         weights_preload.discard()  # a run's guess of another entry: its device memory is the build's now
         recipe, shapes = job.recipe, job.recipe.shapes
@@ -219,6 +220,7 @@ class TorchAOTIBackend:
                    "selections": tuned, "benchmarked": sum(s["num_candidates"] for s in tuned),
                    "decode_matmuls": matmuls, "decode_attention": attention, "prefill_attention": prompt,
                    "cache": str(job.tactics.path), "compiled_graphs_reused": reused,
+                   "model_paths": model_paths(cfg),
                    "compile_workers": workers_n}
         if recipe.tactics_level == "max" and not tuned:
             tactics["note"] = "no GEMM benchmarking ran: every choice came from the tactic cache"

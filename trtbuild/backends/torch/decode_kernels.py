@@ -286,6 +286,10 @@ def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, st
             why = f"the kernel needs Triton ({e})"
         else:
             why = decode_attention.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, dtype)
+    if why is None:  # a family whose attention the kernel does not do (qk norms, windows, ...) keeps ATen's
+        from trtbuild.models.families import attention_kernel_limits
+
+        why = attention_kernel_limits(cfg)
     if why is None:
         return {"used": mode if mode in ("kernel-unfused", "kernel-early") else "kernel",
                 "note": f"options.decode_attention is {mode}"}

@@ -1,0 +1,57 @@
+"""Each family beyond Llama built by trtbuild on the CPU (AOTInductor, fp32) from a folder transformers
+saved, and run through the compiled packages: greedy tokens identical to transformers', across the sliding
+windows and, for the mixtures of experts, with the decode steps' gathered experts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from trtbuild.builder import build
+from trtbuild.recipe import load_recipe
+from trtbuild.runner import Session
+
+from .test_families import DECODE_STEPS, PROMPT_LEN, hf_model, hf_reference, prompts
+
+pytestmark = pytest.mark.slow
+
+# one build per family: the case of tests/test_families.py that covers most of what the family needs
+BUILT = ["qwen3", "phi3-longrope-window", "gemma3", "gemma2", "mixtral", "qwen3-moe"]
+
+
+@pytest.fixture(params=BUILT, scope="module")
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp(request.param)
+    hf = hf_model(request.param)
+    hf.save_pretrained(root / "model", safe_serialization=True)
+    doc = {"name": request.param, "model": {"source": "./model"}, "backend": "torch", "precision": "fp32",
+           "shapes": {"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 32, "batch_buckets": [2]},
+           "tactics": {"level": "none"}, "run": {"batch_size": 2, "input_len": PROMPT_LEN, "output_len": DECODE_STEPS}}
+    (root / "recipe.yaml").write_text(yaml.safe_dump(doc))
+    recipe = load_recipe(root / "recipe.yaml")
+    outcome = build(recipe, root / "store")
+    return {"hf": hf, "recipe": recipe, "store": root / "store", "outcome": outcome}
+
+
+def test_compiled_engine_generates_transformers_tokens(engine: dict[str, Any]) -> None:
+    tokens = prompts()
+    _, want = hf_reference(engine["hf"], tokens)
+    # the build's own entry (re-resolving the recipe would key it again, for no purpose here)
+    with Session(engine["recipe"], engine["outcome"], engine["store"], allow_build=False) as session:
+        got = session.generate(tokens.tolist(), DECODE_STEPS)
+    assert got == want
+
+
+def test_the_manifest_records_the_paths_the_family_takes(engine: dict[str, Any]) -> None:
+    manifest = engine["outcome"].entry.manifest
+    paths = manifest["tactics"]["model_paths"]
+    cfg = json.loads((engine["recipe"].model.path / "config.json").read_text())
+    assert paths["family"] == cfg["model_type"]
+    if cfg["model_type"] in ("mixtral", "qwen3_moe"):
+        assert "gathered" in paths["experts"] and "dense" in paths["experts"]
+    if cfg.get("sliding_window"):
+        assert "masked" in paths["attention"]
