@@ -4,8 +4,8 @@ long prefill, one process, one engine (built if needed).
     python benchmarks/profile_check.py recipes/llama-3.2-1b.yaml --engines /tmp/e --out $OUT
 
 Prints each profile's table; writes profile.json (every table, the ceilings, and per decode batch the
-profiled step against the TPOT of a `run` of --output-len (128) new tokens after the same prompt, with their ratio) and one
-PNG a case (roofline and where the step's time goes) under --out.
+profiled step against the TPOT of a `run` of --output-len (128) new tokens after the same prompt, with their
+ratio) and one PNG a case (roofline and where the step's time goes) under --out.
 """
 
 from __future__ import annotations

@@ -42,11 +42,14 @@ NEAR_ROOF = 0.5
 STEPS = 8  # decode steps profiled and averaged
 PREFILLS = 3  # prefills profiled and averaged
 _MARK = "trtbuild.profile.step"
+METHOD = {"cuda": "kernels on the device (torch.profiler with CUPTI); decode through its captured CUDA graphs",
+          "cpu": "operators of the compiled graphs' source module, replayed eagerly on the engine's host path "
+                 "(torch.profiler sees no kernel inside a compiled CPU graph)"}
 
-_ATTENTION_NAME = re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)
+_ATTENTION_NAME = re.compile(r"flash|fmha|attention|sdpa|softmax", re.IGNORECASE)
 _MATMUL_NAME = re.compile(r"gemm|gemv|nvjet|matmul_kernel|cutlass|xmma|(^|_)(addmm|mm|bmm)(_|$)"
-                          r"|^aten::(linear|addmm|mm|bmm|matmul)$", re.I)
-_TAIL_NAME = re.compile(r"split_reduce|splitkreduce", re.I)  # a split-K matmul's second kernel
+                          r"|^aten::(linear|addmm|mm|bmm|matmul)$", re.IGNORECASE)
+_TAIL_NAME = re.compile(r"split_reduce|splitkreduce", re.IGNORECASE)  # a split-K matmul's second kernel
 
 
 @dataclass(frozen=True)
@@ -144,8 +147,8 @@ def table(steps: list[list[Op]], step_s: float, sites: dict[str, Site], num_laye
           ceilings: dict[str, Any]) -> dict[str, Any]:
     """One phase's profile from the ops of each profiled step: rows by call site, slowest first, each with its
     time and share of `step_s`, and the step's own figures (between kernels, launches, floor, the top gains)."""
-    times: dict[str, float] = Counter()
-    launches: dict[str, int] = Counter()
+    times: dict[str, float] = {}
+    launches: Counter[str] = Counter()
     kernels: dict[str, dict[str, list[float]]] = {}  # site -> kernel name -> [launches, seconds]
     notes = set()
     for ops in steps:
@@ -153,9 +156,9 @@ def table(steps: list[list[Op]], step_s: float, sites: dict[str, Site], num_laye
         if note:
             notes.add(note)
         for where, op in pairs:
-            times[where] += op.us / 1e6
+            times[where] = times.get(where, 0.0) + op.us / 1e6
             launches[where] += 1
-            tally = kernels.setdefault(where, {}).setdefault(op.name, [0, 0.0])
+            tally = kernels.setdefault(where, {}).setdefault(op.name, [0.0, 0.0])
             tally[0] += 1
             tally[1] += op.us / 1e6
     n = len(steps)
@@ -205,7 +208,6 @@ def _collect(fn: Any, reps: int, device: str) -> tuple[list[list[Op]], list[floa
     """Run `fn` `reps` times under torch.profiler: the ops of each run, in order, each run's wall time, and a
     note where the runs could not be told apart."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from trtbuild.timing import StepClock, sync
@@ -224,18 +226,27 @@ def _collect(fn: Any, reps: int, device: str) -> tuple[list[list[Op]], list[floa
             clock.mark()
         sync(device)
     walls = clock.intervals()
-    events = list(prof.events())
-    if cuda:  # kernels inside graph replays carry no host parent: the runs' kernels split evenly
+    runs, note = runs_of(list(prof.events()), reps, cuda)
+    return runs, walls if len(runs) == reps else [sum(walls)], note
+
+
+def runs_of(events: list[Any], reps: int, cuda: bool) -> tuple[list[list[Op]], str]:
+    """The ops of each of `reps` runs in a profile's events, and a note where the runs could not be told apart.
+    On a GPU its kernels in start order, split evenly (a kernel inside a graph replay has no host parent to
+    tell its run by); where they do not split evenly, all runs as one. On the CPU the top-level operators under
+    each run's mark."""
+    from torch.autograd import DeviceType
+
+    if cuda:
         kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
         ops = [Op(e.name, e.time_range.elapsed_us()) for e in kernels]
         per, rest = divmod(len(ops), reps)
-        if rest:  # not the same kernels every run: the table is of all runs together, as one
-            return [ops], [sum(walls)], f"{len(ops)} kernels in {reps} runs, not the same each run: all runs as one"
-        return [ops[i * per:(i + 1) * per] for i in range(reps)], walls, ""
+        if rest:
+            return [ops], f"{len(ops)} kernels in {reps} runs, not the same each run: the table is of all runs as one"
+        return [ops[i * per:(i + 1) * per] for i in range(reps)], ""
     marks = sorted((e for e in events if e.name == _MARK), key=lambda e: e.time_range.start)
-    runs = [[Op(c.name, c.time_range.elapsed_us()) for c in sorted(m.cpu_children, key=lambda c: c.time_range.start)]
-            for m in marks]
-    return runs, walls, ""
+    return [[Op(c.name, c.time_range.elapsed_us()) for c in sorted(m.cpu_children, key=lambda c: c.time_range.start)]
+            for m in marks], ""
 
 
 def _noted(phase: dict[str, Any], note: str) -> dict[str, Any]:
@@ -286,16 +297,12 @@ def profile_engine(session: Any, phases: tuple[str, ...], batch_size: int, input
     # as `run` times it, unprofiled: medians over dozens of steps, robust to a stray slow one (a busy CPU)
     new = max(steps + 1, min(33, engine.spec["max_seq_len"] - input_len))
     timed = [engine.generate(prompts, new) for _ in range(2)]
+    cuda = device.startswith("cuda")
     result: dict[str, Any] = {"recipe": session.recipe.name, "backend": session.recipe.backend, "device": device,
                               "engine": {"key": session.outcome.key, "path": str(session.outcome.entry.path)},
-                              "ceilings": ceilings, "method": ("kernels on the device (torch.profiler, CUPTI), decode through its CUDA "
-                                         "graphs" if device.startswith("cuda") else
-                                         "operators of the compiled graphs' source module, replayed eagerly on the "
-                                         "engine's host path (torch.profiler sees no kernel inside a compiled CPU "
-                                         "graph)"),
-                              "phases": {}}
+                              "ceilings": ceilings, "method": METHOD["cuda" if cuda else "cpu"], "phases": {}}
     swapped: dict[str, Any] = {}
-    if not device.startswith("cuda"):
+    if not cuda:
         for name, runner in _eager_runners(engine, session.recipe.shapes).items():
             swapped[name] = engine._packages[name].runner
             engine._packages[name].runner = runner
@@ -303,7 +310,7 @@ def profile_engine(session: Any, phases: tuple[str, ...], batch_size: int, input
         if "prefill" in phases:
             runs, walls, note = _collect(lambda: engine.generate(prompts, 1), PREFILLS, device)
             sites = call_sites(cfg, bucket, input_len, 0, elem)
-            phase = _noted(table(runs, statistics.median(walls), sites, cfg.num_layers, ceilings), note)
+            phase = _noted(table(runs, statistics.fmean(walls), sites, cfg.num_layers, ceilings), note)
             result["phases"]["prefill"] = {"batch_size": batch_size, "bucket": bucket, "tokens": input_len,
                                            "runs": len(runs),
                                            "engine_step_s": statistics.median(g.prefill_s for g in timed), **phase}
@@ -312,7 +319,7 @@ def profile_engine(session: Any, phases: tuple[str, ...], batch_size: int, input
             engine.generate(prompts, steps + 1)  # the cache filled to the prompt, the windows captured
             decoder.start(torch.zeros(bucket, dtype=torch.long, device=device), input_len)
             runs, walls, note = _collect(decoder.step, steps, device)
-            if device.startswith("cuda") and not any(runs):
+            if cuda and not any(runs):
                 # A driver or CUPTI that reports nothing inside graph replays: the same step, its kernels launched
                 # one by one from the host (DecodeGraphs.step runs a step eagerly where it has no graph).
                 graphs, decoder.graphs = decoder.graphs, {}
@@ -321,10 +328,11 @@ def profile_engine(session: Any, phases: tuple[str, ...], batch_size: int, input
                     runs, walls, note = _collect(decoder.step, steps, device)
                 finally:
                     decoder.graphs = graphs
-                note = "; ".join(n for n in (note, "the profiler saw no kernel inside the CUDA graphs: the step's "
-                                             "kernels were launched eagerly (no graph, no programmatic launch)") if n)
+                eager = ("the profiler saw no kernel inside the CUDA graphs: the step's kernels were launched eagerly "
+                         "(no graph, no programmatic launch)")
+                note = "; ".join(n for n in (note, eager) if n)
             sites = call_sites(cfg, bucket, 1, input_len + (steps - 1) / 2, elem)
-            phase = _noted(table(runs, statistics.median(walls), sites, cfg.num_layers, ceilings), note)
+            phase = _noted(table(runs, statistics.fmean(walls), sites, cfg.num_layers, ceilings), note)
             result["phases"]["decode"] = {"batch_size": batch_size, "bucket": bucket, "prompt_len": input_len,
                                           "runs": len(runs), "engine_step_s":
                                           statistics.median(s for g in timed for s in g.decode_step_s), **phase}
