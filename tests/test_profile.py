@@ -105,6 +105,27 @@ def test_attribute_names_kernels_by_their_place_between_the_matmuls() -> None:
     assert "not matched" in note and {s for s, _ in pairs} == {"kernel gemv"}
 
 
+def test_attribute_knows_the_kernel_names_of_a_cuda_decode_step() -> None:
+    """Kernel names as torch.profiler reported an 8B decode step's on an H200 (cuBLAS, trtbuild's Triton kernels,
+    Inductor's fused kernels, a cuBLASLt split-K reduction), in a layer's order."""
+    norm = "triton_red_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_view_8"
+    layer = [norm, "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", "_decode_attention_partial", "_decode_attention_merge",
+             "_decode_matmul_kernel", norm, "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_splitK_TNT",
+             "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>(...)",
+             "triton_poi_fused__unsafe_view_mul_silu_split_2", "_decode_matmul_kernel"]
+    tail = ["triton_red_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_select_9", "_decode_matmul_kernel",
+            "triton_red_fused_constant_pad_nd_max_view_10", "triton_per_fused_add_argmax_gather_mul_11",
+            "void at::native::index_elementwise_kernel<128, 4, at::native::index_copy_kernel_impl<...> >(...)",
+            "Memcpy DtoD (Device -> Device)"]
+    pairs, note = attribute([Op(n, 1.0) for n in layer * 2 + tail], 2)
+    assert note == ""
+    sites = [site for site, _ in pairs]
+    assert sites[:10] == [BEFORE, QKV, ATTENTION, ATTENTION, O_PROJ, "layers.* residual + ffn_norm", GATE_UP, GATE_UP,
+                          "layers.* silu(gate) * up", DOWN]
+    assert sites[10] == "layers.* residual + attention_norm" and sites[19] == DOWN
+    assert sites[20:] == [FINAL_NORM, LM_HEAD] + ["greedy token + step bookkeeping"] * 4
+
+
 def test_verdicts_follow_the_nearer_roof() -> None:
     # 1 MB in 2 us at a 1 TB/s roof: 50% of the copy rate, the FLOPs negligible -> memory-bound
     v = verdict(1e6, 1e6, 2e-6, CEILINGS)

@@ -49,7 +49,7 @@ METHOD = {"cuda": "kernels on the device (torch.profiler with CUPTI); decode thr
 _ATTENTION_NAME = re.compile(r"flash|fmha|attention|sdpa|softmax", re.IGNORECASE)
 _MATMUL_NAME = re.compile(r"gemm|gemv|nvjet|matmul_kernel|cutlass|xmma|(^|_)(addmm|mm|bmm)(_|$)"
                           r"|^aten::(linear|addmm|mm|bmm|matmul)$", re.IGNORECASE)
-_TAIL_NAME = re.compile(r"split_reduce|splitkreduce", re.IGNORECASE)  # a split-K matmul's second kernel
+_TAIL_NAME = re.compile(r"split_reduce|splitkreduce|reduce_1block", re.IGNORECASE)  # a split-K matmul's second kernel
 
 
 @dataclass(frozen=True)
