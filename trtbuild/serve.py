@@ -15,6 +15,7 @@ then exits.
 import asyncio
 import json
 import logging
+import signal
 import threading
 import time
 import uuid
@@ -216,7 +217,7 @@ class Server:
                                     presence_penalty=params.presence_penalty)
                 index = p * params.n + j
                 out.append(Request(prompt=prompt, max_tokens=want, sampling=sampling, stop_ids=stop_ids,
-                                   watch=self.text.watch(stops) if self.text.can_detokenize else None,
+                                   watch=self.text.watch(stops, prompt) if self.text.can_detokenize else None,
                                    on_event=lambda ev, i=index: emit(i, ev)))
         if len(out) > self.max_queue:
             raise ApiError(400, f"n: {len(out)} generations in one request, more than the server's queue of "
@@ -332,7 +333,7 @@ def create_app(server: Server) -> Any:
     async def chat(request: HttpRequest) -> Any:
         params = _parse(await request.body(), Chat)
         server.check_ready(params)
-        messages = [m.model_dump(exclude_none=True) for m in params.messages]
+        messages = [_flat(m.model_dump(exclude_none=True)) for m in params.messages]
         try:
             prompt = server.text.chat(messages)
         except InputError as exc:
@@ -446,6 +447,18 @@ def create_app(server: Server) -> Any:
     return app
 
 
+def _flat(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose content is a list of parts ({"type": "text", "text": ...}), as one string: the form chat
+    templates are written for. Parts other than text are refused."""
+    content = message.get("content")
+    if isinstance(content, list):
+        if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+               for p in content):
+            raise ApiError(400, "messages: only text content parts are supported", param="messages")
+        message = message | {"content": "".join(p["text"] for p in content)}
+    return message
+
+
 def _reason(finish: str | None) -> str | None:
     return None if finish is None else "stop" if finish in ("stop", "cancelled") else finish
 
@@ -494,7 +507,14 @@ def serve(session: Any, host: str = "127.0.0.1", port: int = 8000, max_queue: in
     config = uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=None, lifespan="on")
     web = _Uvicorn(config)
-    web.run()
+    # uvicorn raises the signal it caught again once it has shut down, which would end a drained server by
+    # that signal; the re-raise meets these handlers instead, so a drained exit is a clean one (status 0).
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        web.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if server.status == "failed":
         raise TrtbuildError(f"the engine could not be served: {server.failure}")
     return 0
