@@ -164,19 +164,35 @@ def _parse_ids(text: str | None) -> list[list[int]] | None:
 @click.option("--output-len", type=int, default=None)
 @click.option("--prompt-ids", default=None, help="Token ids, e.g. 1,2,3 (rows separated by ';').")
 @click.option("--prompt", "prompt_text", default=None, help="Text prompt (needs the model's tokenizer.json).")
+@click.option("--chat", "chat_text", default=None,
+              help="A user message, rendered by the model's chat template; generates the reply as text.")
+@click.option("--temperature", type=float, default=None, help="Sample at this temperature (0: greedy); generates text.")
+@click.option("--top-k", type=int, default=None, help="Sample among the k most likely tokens (0: all).")
+@click.option("--top-p", type=float, default=None, help="Sample among the most likely tokens holding this probability.")
+@click.option("--seed", type=int, default=None, help="Seed of the sampling: the same seed gives the same text.")
+@click.option("--stop", multiple=True, help="A stop string (repeatable; needs the tokenizer); not included in the text.")
 @click.option("--iterations", type=int, default=3, show_default=True)
 @click.option("--verify", is_flag=True, help="Hash every engine file before loading (sizes are always checked).")
 @json_option
 @quiet_option
 @remote_option
 def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | None, input_len: int | None,
-            output_len: int | None, prompt_ids: str | None, prompt_text: str | None, iterations: int,
-            verify: bool, as_json: bool, quiet: bool, remote: str | None) -> None:
-    """Find (or build) the engine, run it, and report every phase."""
+            output_len: int | None, prompt_ids: str | None, prompt_text: str | None, chat_text: str | None,
+            temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
+            stop: tuple[str, ...], iterations: int, verify: bool, as_json: bool, quiet: bool,
+            remote: str | None) -> None:
+    """Find (or build) the engine, run it, and report every phase. With --chat or a sampling flag (--temperature,
+    --top-k, --top-p, --seed, --stop): generate text from the prompt instead, streamed as it comes."""
     from trtbuild.report import print_table
     from trtbuild.runner import check_run_shape, open_session, run_report
 
     r = _load(recipe)
+    if chat_text is not None or stop or any(v is not None for v in (temperature, top_k, top_p, seed)):
+        sampling = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                                      ("seed", seed)) if v is not None}
+        _run_text(r, engines, no_build, verify, remote, as_json, quiet, prompt_text, prompt_ids, chat_text,
+                  batch_size, input_len, output_len, sampling, list(stop))
+        return
     ids = _parse_ids(prompt_ids)
     if ids is not None and prompt_text is not None:
         raise InputError("--prompt and --prompt-ids: give one of them")
@@ -202,6 +218,73 @@ def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | 
         click.echo(json.dumps(report))
     else:
         print_table(report)
+
+
+def _run_text(r: Any, engines: str | None, no_build: bool, verify: bool, remote: str | None, as_json: bool,
+              quiet: bool, prompt_text: str | None, prompt_ids: str | None, chat_text: str | None,
+              batch_size: int | None, input_len: int | None, output_len: int | None, sampling: dict[str, Any],
+              stop: list[str]) -> None:
+    """`run` generating text: one prompt (or --prompt-ids rows), sampled, stopped, printed as it comes."""
+    import time
+
+    from trtbuild.runner import open_session
+
+    given = [name for name, v in (("--prompt", prompt_text), ("--prompt-ids", prompt_ids), ("--chat", chat_text))
+             if v is not None]
+    if len(given) != 1:
+        raise InputError(f"{' and '.join(given) or '--prompt, --prompt-ids or --chat'}: give one prompt to generate "
+                         "from")
+    for flag, v in (("--batch-size", batch_size), ("--input-len", input_len)):
+        if v is not None:
+            raise InputError(f"{flag}: generating text, the prompt sets the batch and the length; drop {flag}")
+    if output_len is not None and output_len < 1:
+        raise InputError(f"--output-len: must be >= 1, got {output_len}")
+    prompts: Any = (prompt_text if prompt_text is not None else _ragged_ids(prompt_ids) if prompt_ids is not None
+                    else [{"role": "user", "content": chat_text}])
+    with _progress(as_json or quiet) as progress:
+        session = open_session(r, engines, build=not no_build, progress=progress, verify=verify, remote=remote)
+    with session:
+        t = time.perf_counter()
+        chunks = session.generate(prompts, max_tokens=output_len, stop=stop, stream=True, **sampling)
+        texts: dict[int, str] = {}
+        ids: dict[int, list[int]] = {}
+        reasons: dict[int, str] = {}
+        for c in chunks:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.token is not None:
+                ids.setdefault(c.index, []).append(c.token)
+            if c.finish_reason is not None:
+                reasons[c.index] = c.finish_reason
+            if not as_json and c.text and len(given) == 1 and prompt_ids is None:
+                click.echo(c.text, nl=False)  # one text prompt: its text as it comes
+        seconds = time.perf_counter() - t
+    n = max(len(reasons), 1)
+    completions = [{"text": texts.get(i, "") if session.text().can_detokenize else None,
+                    "token_ids": ids.get(i, []), "finish_reason": reasons.get(i, "")} for i in range(n)]
+    if as_json:
+        click.echo(json.dumps({"recipe": r.name, "sampling": sampling, "stop": stop, "seconds": seconds,
+                               "completions": completions}))
+        return
+    if prompt_ids is not None:
+        for c in completions:
+            click.echo(c["text"] if c["text"] is not None else ",".join(map(str, c["token_ids"])))
+    else:
+        click.echo()
+    if not quiet:
+        tokens = sum(len(c["token_ids"]) for c in completions)
+        reason = ", ".join(sorted({str(c["finish_reason"]) for c in completions}))
+        click.echo(f"({tokens} tokens in {seconds:.2f} s, finished by {reason})", err=True)
+
+
+def _ragged_ids(text: str) -> list[list[int]]:
+    """--prompt-ids for text generation: rows of any lengths."""
+    try:
+        rows = [[int(tok) for tok in row.split(",") if tok.strip()] for row in text.split(";")]
+    except ValueError:
+        raise InputError(f"--prompt-ids: expected comma-separated integers (rows separated by ';'), got {text!r}") from None
+    if not rows or not all(rows):
+        raise InputError("--prompt-ids: every row needs at least one token")
+    return rows
 
 
 @main.command("serve")

@@ -11,6 +11,7 @@ import contextlib
 import os
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ class Session:
         self.last: Generation | None = None
         self._engine: Engine | None = None
         self._tokenizer: Any = None
+        self._text: Any = None  # generate.TextSide, read on first use
 
     def __enter__(self) -> "Session":
         self._stack = contextlib.ExitStack()
@@ -116,10 +118,67 @@ class Session:
         self.engine.warmup(batch_size, input_len, output_len)
         self.phases["warmup_s"] = self.phases.get("warmup_s", 0.0) + time.perf_counter() - t
 
-    def generate(self, input_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy generation; returns the new tokens of each row (the prompt not repeated)."""
-        self.last = self.engine.generate(input_ids, max_new_tokens)
-        return self.last.output_ids
+    def generate(self, prompts: Any, max_new_tokens: int | None = None, *, max_tokens: int | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] = (),
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, ignore_eos: bool = False,
+                 stream: bool = False) -> Any:
+        """Generate from `prompts`: a text, a list of texts, token ids (a list of ints), a list of those, or a
+        chat (a list of {"role", "content"} messages, or a list of chats, rendered by the model's template).
+
+        With `max_new_tokens` (the form `trtbuild run` and the benchmark use): token-id prompts of one length,
+        greedy, timed, no stop condition; returns each row's new ids.
+        Otherwise each prompt runs on its own row (prompts of any length, as many at once as the engine has
+        rows), sampled as asked (temperature 0 is greedy; `seed` makes a sampled prompt's tokens repeatable
+        whatever else runs beside it) until an EOS id of the model (unless `ignore_eos`), one of
+        `stop_token_ids`, a `stop` string (not included in the text), or `max_tokens` (default: until
+        max_seq_len). Returns a list of generate.Completion (token_ids, text, finish_reason), or with `stream`
+        an iterator of generate.Chunk as the tokens come (text decoded incrementally: never half a character)."""
+        from trtbuild import generate as gen
+        from trtbuild.sampling import Sampling
+
+        if max_new_tokens is not None:
+            self.last = self.engine.generate(prompts, max_new_tokens)
+            return self.last.output_ids
+        text = self.text()
+        ids = self._prompt_ids(prompts, text)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty).checked()
+        stop_ids = frozenset(stop_token_ids) | (frozenset() if ignore_eos else text.eos_ids)
+        jobs = [gen.Job(p, sampling, max_tokens, stop_ids, text.watch(stops, p) if text.can_detokenize else None)
+                for p in ids]
+        if stops and not text.can_detokenize:
+            text.watch(stops)  # the InputError that says stop strings need a tokenizer
+        gen.check_jobs(self.engine, jobs)  # before any work, and before a stream's first item is asked for
+        chunks = gen.stream(self.engine, jobs)
+        return chunks if stream else gen.collect(chunks, len(jobs), text.can_detokenize)
+
+    def text(self) -> Any:
+        """The model's text side (generate.TextSide): tokenizer, chat template, EOS ids."""
+        if self._text is None:
+            from trtbuild.generate import text_side
+
+            self._text = text_side(self)
+        return self._text
+
+    @staticmethod
+    def _prompt_ids(prompts: Any, text: Any) -> list[list[int]]:
+        def one(p: Any) -> list[int]:
+            if isinstance(p, str):
+                return list(text.encode(p))
+            if isinstance(p, list) and p and all(isinstance(m, dict) for m in p):
+                return list(text.chat(p))
+            if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                return list(p)
+            raise InputError("prompts: expected a text, token ids, a chat (a list of messages), or a list of these")
+
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
+                                        all(isinstance(x, (int, dict)) for x in prompts)):
+            return [one(prompts)]
+        if not isinstance(prompts, list) or not prompts:
+            raise InputError("prompts: expected a text, token ids, a chat (a list of messages), or a list of these")
+        return [one(p) for p in prompts]
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer().encode(text).ids
@@ -250,6 +309,9 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
     timed = getattr(session.engine, "timed_matmuls", None)  # the build's timings of the matmuls (torch backend)
     if callable(timed) and (matmuls := timed(batch_size)) is not None:
         report["decode_matmuls_timed"] = matmuls
+    ranks = getattr(session.engine, "parallel_report", None)  # tensor parallel: each rank's figures and the collectives'
+    if callable(ranks):
+        report["parallel"] = ranks()
     if outcome.model.tokenizer is not None:
         report["output_text"] = [session.decode(row) for row in gens[-1].output_ids]
     return report
