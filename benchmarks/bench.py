@@ -33,6 +33,7 @@ import trtbuild  # noqa: E402,F401  - before torch: one libstdc++ for the compil
 import targets  # noqa: E402
 from trtbuild import ceilings  # noqa: E402
 from trtbuild.ceilings import time_op  # noqa: E402  - the variants time with it too
+from trtbuild.models.families import unread_expert_parameters  # noqa: E402
 from restart import child, child_main, measure_restart  # noqa: E402
 
 VARIANTS = ("engine", "eager", "compile", "hf")
@@ -67,6 +68,8 @@ def decode_bytes(cfg: Any, elem: int, batch: int, mean_len: float, weight_bytes:
     `weight_bytes`: the weights' own bytes where they are not `elem` each (a quantized engine's stored
     tensors, scales and zeros included: `stored_weight_bytes`)."""
     weights = cfg.num_parameters() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    # a mixture of experts: the chosen experts' weights only (families.unread_expert_parameters)
+    weights -= unread_expert_parameters(cfg, batch)
     kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * mean_len
     return (weights * elem if weight_bytes is None else weight_bytes) + kv * elem
 
@@ -97,9 +100,13 @@ def prefill_bytes(cfg: Any, elem: int, t: int) -> float:
 def prefill_flops(cfg: Any, t: int) -> float:
     c = cfg
     per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    per_layer += c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    per_layer += c.num_heads * c.head_dim * c.hidden_size
+    # each token's MLP: the dense one, or its k chosen experts where the layer has a mixture of experts
+    moe = sum(getattr(c, "moe_layers", ()))
+    mlps = 3 * c.hidden_size * ((c.num_layers - moe) * c.intermediate_size
+                                + moe * getattr(c, "experts_per_token", 0) * getattr(c, "moe_intermediate_size", 0))
     attention = 2 * 2 * c.num_layers * c.num_heads * c.head_dim * t * (t + 1) / 2  # causal QK^T and PV
-    return 2 * per_layer * c.num_layers * t + attention + 2 * c.hidden_size * c.vocab_size  # head: last position
+    return 2 * (per_layer * c.num_layers + mlps) * t + attention + 2 * c.hidden_size * c.vocab_size  # head: last position
 
 
 def prefill_floors(cfg: Any, elem: int, lens: Sequence[int], ceilings: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -55,3 +55,30 @@ def test_the_manifest_records_the_paths_the_family_takes(engine: dict[str, Any])
         assert "gathered" in paths["experts"] and "dense" in paths["experts"]
     if cfg.get("sliding_window"):
         assert "masked" in paths["attention"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", BUILT)
+def test_cuda_bf16_engine_of_each_family_matches_eager_within_bf16_rounding(tmp_path: Path, name: str) -> None:
+    """bf16 on CUDA with the build's tactic selection (trtbuild's decode matmul kernel where it times faster,
+    the family's fallbacks elsewhere): each token the eager model's best, given the engine's tokens before
+    it, within bf16 rounding (engine_helpers.eager_disagreements), past the sliding windows."""
+    import torch
+
+    from .engine_helpers import eager_disagreements
+
+    hf_model(name).save_pretrained(tmp_path / "model", safe_serialization=True)
+    doc = {"name": name, "model": {"source": "./model"}, "backend": "torch", "precision": "bf16",
+           "shapes": {"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 32, "batch_buckets": [1, 2]},
+           "tactics": {"level": "default"}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(doc))
+    recipe = load_recipe(tmp_path / "recipe.yaml")
+    outcome = build(recipe, tmp_path / "store")
+    assert outcome.entry.manifest["key_material"]["device"]["kind"] == "cuda"
+    tokens = prompts().tolist()
+    with Session(recipe, outcome, tmp_path / "store", allow_build=False) as session:
+        got = session.generate(tokens, DECODE_STEPS)
+        one = session.generate(tokens[:1], DECODE_STEPS)  # the batch-1 decode graph
+    folder = tmp_path / "model"
+    assert eager_disagreements(folder, tokens, got, 32, dtype=torch.bfloat16, device="cuda") == []
+    assert eager_disagreements(folder, tokens[:1], one, 32, dtype=torch.bfloat16, device="cuda") == []

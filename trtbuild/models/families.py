@@ -168,7 +168,19 @@ def refused_fields(cfg: dict[str, Any]) -> list[str]:
         value = cfg.get(name, (global_rope(cfg) or {}).get(name, 1.0))
         if value not in (None, 1, 1.0):
             problems.append(f"{name}: {value} is not supported (rope over the whole head only)")
-    if cfg.get("quantization_config"):
+    if cfg.get("quantization_config") and kind == "llama":
+        from pathlib import Path
+
+        from trtbuild.errors import InputError
+        from trtbuild.models.compressed import fp8_scheme
+
+        try:  # compressed-tensors FP8 is read as stored (models/compressed.py); other schemes are named
+            if fp8_scheme(cfg, Path("config.json")) is None:
+                problems.append("quantization_config: pre-quantized checkpoints other than compressed-tensors FP8 "
+                                "are not supported")
+        except InputError as exc:
+            problems.append(str(exc).removeprefix("config.json: "))
+    elif cfg.get("quantization_config"):
         problems.append("quantization_config: pre-quantized checkpoints are not supported")
     types = cfg.get("layer_types")
     if types is not None and not set(types) <= {"full_attention", "sliding_attention"}:
@@ -203,3 +215,14 @@ def model_paths(cfg: Any) -> dict[str, str]:
     if cfg.hidden_act != "silu":
         paths["mlp_gating"] = f"{cfg.hidden_act} in ATen after the gate/up matmul"
     return paths
+
+
+def unread_expert_parameters(cfg: Any, batch: int) -> float:
+    """Parameters of experts that a decode step of `batch` rows need not read: at batch 1 all but the k
+    chosen in each layer; at batch b, all but as many distinct experts as b tokens choosing uniformly at
+    random would pick (E (1 - (1 - k/E)^b)). 0 for a dense model. Floors take the rest as a step's bytes."""
+    if not cfg.num_experts:
+        return 0.0
+    e, k = cfg.num_experts, cfg.experts_per_token
+    distinct = e * (1 - (1 - k / e) ** batch)
+    return sum(cfg.moe_layers) * (e - distinct) * 3 * cfg.hidden_size * cfg.moe_intermediate_size

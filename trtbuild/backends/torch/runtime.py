@@ -288,7 +288,9 @@ class TorchEngine:
         c = self.cfg
         elem = next(iter(self._consts.values())).element_size()
         kv = 2 * c.num_layers * batch * c.num_kv_heads * c.head_dim * mean_len * elem
-        return self.weight_bytes + kv
+        from trtbuild.models.families import unread_expert_parameters  # a mixture of experts reads the chosen ones
+
+        return self.weight_bytes - unread_expert_parameters(c, batch) * elem + kv
 
     def _prefill_flops(self, batch: int, t: int) -> float:
         c = self.cfg
