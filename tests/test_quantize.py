@@ -250,3 +250,67 @@ def test_eval_command_reports_perplexity_and_agreement_on_tiny_engines(tmp_path:
     # a text file that does not exist: one line naming it, no traceback
     bad = run_cli("eval", str(int8), "--text", str(tmp_path / "missing.txt"), "--engines", str(store))
     assert bad.returncode != 0 and "missing.txt" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _compressed_fp8_folder(folder: Path, strategy: str) -> Path:
+    """The tiny model as llm-compressor writes an FP8 checkpoint: fp8 projections with their weight_scale."""
+    from safetensors.torch import load_file, save_file
+
+    make_hf_folder(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        w = tensors[name]
+        amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+        scale = amax / 448.0
+        tensors[name] = (w / (scale if strategy == "channel" else scale[0])).to(torch.float8_e4m3fn)
+        tensors[name.replace(".weight", ".weight_scale")] = scale
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                         "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True}}},
+                                     "ignore": ["lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_a_compressed_tensors_fp8_checkpoint_is_taken_as_stored_for_fp8_and_dequantized_otherwise(
+        tmp_path: Path, strategy: str) -> None:
+    from safetensors.torch import load_file
+
+    from trtbuild.backends.torch.quantized import quantize_weights
+    from trtbuild.models import compressed
+    from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
+
+    folder = _compressed_fp8_folder(tmp_path / "fp8", strategy)
+    raw, cfg = read_config(folder)
+    stored = load_file(str(folder / "model.safetensors"))
+    state = convert_hf_state_dict(load_weights(folder, cfg, torch.float32), cfg)
+    kept = compressed.apply(folder, raw, cfg.num_layers, state, keep_fp8=True)
+    q = [stored[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]
+    assert kept["layers.1.attention.wqkv.qweight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(kept["layers.1.attention.wqkv.qweight"].view(torch.uint8), torch.cat(q).view(torch.uint8))
+    scale = stored["model.layers.1.self_attn.k_proj.weight_scale"].reshape(-1)
+    n_q = q[0].shape[0]
+    assert torch.equal(kept["layers.1.attention.wqkv.scale"][n_q:n_q + q[1].shape[0]], scale.expand(q[1].shape[0]))
+    # the build step quantizes nothing twice: the fp8 bytes reach the engine's weights unchanged
+    out, record = quantize_weights(kept, cfg, SimpleNamespace(precision="fp8", options={}), None, "cpu", print)
+    assert record["from_checkpoint"]["linears"] == 4 * cfg.num_layers
+    assert torch.equal(out["layers.1.attention.wqkv.qweight"].view(torch.uint8), torch.cat(q).view(torch.uint8))
+    # any other precision: weight * scale, never the bare fp8 values a cast gives
+    dense = compressed.apply(folder, raw, cfg.num_layers, state, keep_fp8=False)
+    want = stored["model.layers.0.mlp.down_proj.weight"].float() * stored["model.layers.0.mlp.down_proj.weight_scale"]
+    assert torch.equal(dense["layers.0.feed_forward.w2.weight"], want)
+    assert not torch.allclose(state["layers.0.feed_forward.w2.weight"], want)
+
+
+def test_a_compressed_tensors_scheme_trtbuild_does_not_read_is_refused_by_name(tmp_path: Path) -> None:
+    from trtbuild.errors import InputError
+    from trtbuild.models.compressed import fp8_scheme
+
+    raw = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {
+        "group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}}
+    with pytest.raises(InputError, match="config.json: quantization_config: compressed-tensors"):
+        fp8_scheme(raw, tmp_path / "config.json")
+    assert fp8_scheme({"model_type": "llama"}, tmp_path / "config.json") is None

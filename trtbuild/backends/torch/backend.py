@@ -97,6 +97,7 @@ class TorchAOTIBackend:
         import torch
 
         from trtbuild.backends.torch import weights_preload
+        from trtbuild.models import compressed
         from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
         from trtbuild.models.families import model_paths
 
@@ -117,6 +118,8 @@ class TorchAOTIBackend:
         # a quantized engine is quantized from the checkpoint's own numbers (fp32 on the CPU; on a GPU, bf16)
         source_dtype = torch.float32 if quantizing and device == "cpu" else dtype
         state = convert_hf_state_dict(load_weights(folder, cfg, source_dtype), cfg)
+        # a compressed-tensors FP8 checkpoint: its Linears as stored for an fp8 engine, dequantized otherwise
+        state = compressed.apply(folder, raw, cfg.num_layers, state, keep_fp8=recipe.precision == "fp8")
         phases["load_weights_s"] = time.perf_counter() - t
         quant: dict[str, Any] | None = None
         if quantizing:

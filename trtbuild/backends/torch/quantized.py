@@ -49,6 +49,9 @@ def quantize_weights(state: dict[str, Any], cfg: Any, recipe: Any, tokenizer: An
     names = calibrate.quantized_names(state)
     record: dict[str, Any] = {"format": fmt, "method": method, "linears": len(names),
                               "not_quantized": "embeddings, LM head, norms, biases"}
+    stored = [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]
+    if stored:  # a compressed-tensors FP8 checkpoint's Linears, taken as they are (models/compressed.py)
+        record["from_checkpoint"] = {"format": "compressed-tensors fp8", "linears": len(stored)}
     if fmt == "int4":
         record["group_sizes"] = sorted({group_size(state[n + ".weight"].shape[1]) for n in names})
     if method == "gptq":
