@@ -161,3 +161,54 @@ def test_two_gloo_ranks_generate_the_tokens_of_one(tmp_path: Path, config: dict[
     for tokens, logits in results:
         assert tokens == want
         assert torch.allclose(torch.tensor(logits), want_logits, atol=1e-5)
+
+
+# -- a compiled tensor-parallel engine ---------------------------------------------------------------
+
+# grouped-query attention with everything the split has to get right at once: biases, tied embeddings and a
+# vocabulary two ranks split unevenly
+COMPILED = {**GQA, "vocab_size": 127, "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}
+
+
+def test_compiled_tp2_engine_matches_one_rank_and_reports_each_rank(tmp_path: Path) -> None:
+    import torch
+
+    from trtbuild.backends.torch.export import place_model
+    from trtbuild.recipe import Shapes
+    from trtbuild.runner import open_session, run_report
+    from trtbuild.sampling import GREEDY
+
+    doc = tiny_recipe_doc(model={"source": "synthetic", "seed": 0, "config": COMPILED}, parallel={"tp": 2})
+    path = write_recipe(tmp_path / "recipes", doc)
+    recipe = load_recipe(path)
+    with open_session(recipe) as session:
+        entry = session.outcome.entry.path
+        got = session.generate(PROMPT, 12)
+        rep = run_report(session, batch_size=1, input_len=8, output_len=6, iterations=2)
+        # the slot API a server drives runs on both ranks too
+        first = session.engine.prefill(1, PROMPT[1][:5], GREEDY)
+    assert (entry / "rank0" / "weights.safetensors").is_file() and (entry / "rank1" / "engine.json").is_file()
+    assert json_of(entry / "engine.json")["parallel"]["tp"] == 2
+
+    cfg, state = _state(COMPILED, tmp_path / "model")
+    reference = place_model(cfg, Shapes(2, 16, 48, (2,)), torch.float32, "cpu", state)
+    want, _ = _greedy(reference, PROMPT, 12)
+    assert got == want
+    assert first == _greedy(reference, [PROMPT[1][:5]], 1)[0][0][0]
+    par = rep["parallel"]
+    assert par["tp"] == 2 and par["backend"] == "gloo" and [r["rank"] for r in par["ranks"]] == [0, 1]
+    for r in [*par["ranks"], par["all"]]:
+        assert r["load_s"] > 0 and r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["allreduce_ms_per_step"] > 0
+    assert par["all"]["tpot_ms"] == max(r["tpot_ms"] for r in par["ranks"])
+
+    # a new process finds the engine in the store, starts its ranks itself, and prints a row a rank
+    result = run_cli("run", str(path), "--no-build", "--iterations", "1")
+    assert result.returncode == 0, result.stderr
+    assert "cache hit" in result.stdout and "rank 1" in result.stdout and "rank all" in result.stdout
+    assert "all-reduce" in result.stdout
+
+
+def json_of(path: Path) -> Any:
+    import json
+
+    return json.loads(path.read_text())

@@ -71,6 +71,13 @@ def print_table(rep: dict[str, Any]) -> None:
         how = (f"PDL: {launch.get('programmatic_edges', 0)} of {launch.get('kernels', 0)} kernels may start early "
                f"({launch['why']})" if launch.get("on") else f"serialized ({launch.get('why', '')})")
         table.add_row(f"  {graph} launch", "", how)
+    if par := rep.get("parallel"):  # tensor parallel: the slowest rank sets each figure above
+        for r in [*par["ranks"], {**par["all"], "rank": "all"}]:
+            share = (f" ({r['allreduce_ms_per_step'] / r['tpot_ms']:.0%} of TPOT)"
+                     if r.get("allreduce_ms_per_step") is not None and r.get("tpot_ms") else "")
+            table.add_row(f"  rank {r['rank']}", "", f"load {r['load_s'] * 1e3:.1f} ms · TTFT {_ms(r.get('ttft_ms'))} · "
+                          f"TPOT {_ms(r.get('tpot_ms'))} · all-reduce {_ms(r.get('allreduce_ms_per_step'))} a step{share}")
+        table.add_row("  all-reduce", "", f"{par['tp']} ranks over {par['backend']}: {par['allreduce_method']}")
     table.add_row("end to end", f"{p['end_to_end_s'] * 1e3:.1f} ms", "per iteration, after warm-up")
     console = Console()
     console.print(table)
@@ -79,6 +86,10 @@ def print_table(rep: dict[str, Any]) -> None:
         console.print(f"output[{i}]: {row}", highlight=False)
     for i, text in enumerate(rep.get("output_text", [])):
         console.print(f"text[{i}]: {text!r}", highlight=False)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} ms"
 
 
 def _build_note(e: dict[str, Any]) -> str:

@@ -36,7 +36,7 @@ def test_recipe_to_build_to_store_to_run(install_trtllm: Any, tmp_path: Path, fl
     from trtbuild.runner import open_session
 
     lib = install_trtllm(flavour)
-    recipe = _recipe(tmp_path, options={"tp": 2})
+    recipe = _recipe(tmp_path, parallel={"tp": 2})
     outcome = _build(recipe, tmp_path / "engines")
     files = {p.name for p in outcome.entry.path.iterdir()}
     assert {"config.json", "rank0.engine", "rank1.engine", "manifest.json"} <= files and ".llm-workspace" not in files
@@ -99,7 +99,9 @@ def test_timing_cache_is_reused_and_merged(install_trtllm: Any, tmp_path: Path) 
 
 @pytest.mark.parametrize("overrides,expected", [
     ({"options": {"tensor_parallel": 2}}, "options.tensor_parallel: unknown option for backend tensorrt-llm"),
-    ({"options": {"tp": 0}}, "options.tp: expected a positive integer, got 0"),
+    ({"options": {"tp": 2}}, "options.tp: moved to the recipe's parallel.tp"),
+    ({"parallel": {"tp": 0}}, "parallel.tp: must be >= 1, got 0"),
+    ({"options": {"pp": 0}}, "options.pp: expected a positive integer, got 0"),
     ({"options": {"opt_batch_size": 64}}, "options.opt_batch_size: 64 exceeds shapes.max_batch_size 2"),
     ({"options": {"gemm_plugin": "fp8"}}, "options.gemm_plugin: 'fp8' needs precision: fp8"),
     ({"options": {"gemm_plugin": "fast"}}, "options.gemm_plugin: expected one of auto"),
@@ -138,7 +140,7 @@ def test_load_checks_every_rank_before_the_runtime(install_trtllm: Any, tmp_path
     from trtbuild import backends
 
     lib = install_trtllm("1.2")
-    outcome = _build(_recipe(tmp_path, options={"tp": 2}), tmp_path / "engines")
+    outcome = _build(_recipe(tmp_path, parallel={"tp": 2}), tmp_path / "engines")
     (outcome.entry.path / "rank1.engine").unlink()
     with pytest.raises(TrtbuildError, match="rank1.engine missing"):
         backends.get("tensorrt-llm").load(outcome.entry.path, outcome.entry.manifest)

@@ -30,7 +30,7 @@ from trtbuild.backends.tensorrt import common
 from trtbuild.errors import TrtbuildError
 from trtbuild.tactics import write_atomic
 
-OPTIONS = ("tp", "pp", "max_num_tokens", "opt_batch_size", "gemm_plugin", "multiple_profiles",
+OPTIONS = ("pp", "max_num_tokens", "opt_batch_size", "gemm_plugin", "multiple_profiles",
            "use_paged_context_fmha", "kv_cache_dtype", "dtype", "trust_remote_code")
 QUANT_ALGO = {"fp8": "FP8", "int8_wo": "W8A16", "int4_wo": "W4A16", "int4_awq": "W4A16_AWQ"}
 DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
@@ -49,11 +49,13 @@ class TensorRTLLMBackend:
             problems.append("model.source: backend tensorrt-llm builds from a Hugging Face model, not ONNX "
                             "(use backend: tensorrt for .onnx files)")
         for key in opts:
-            if key not in OPTIONS:
+            if key == "tp":  # every backend reads the rank count from one recipe field
+                problems.append("options.tp: moved to the recipe's parallel.tp (parallel: {tp: N})")
+            elif key not in OPTIONS:
                 close = difflib.get_close_matches(key, OPTIONS, n=1)
                 hint = f"; did you mean '{close[0]}'?" if close else f"; known options: {', '.join(OPTIONS)}"
                 problems.append(f"options.{key}: unknown option for backend tensorrt-llm{hint}")
-        for key in ("tp", "pp", "max_num_tokens", "opt_batch_size"):
+        for key in ("pp", "max_num_tokens", "opt_batch_size"):
             value = opts.get(key)
             if key in opts and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 problems.append(f"options.{key}: expected a positive integer, got {value!r}")
@@ -117,10 +119,10 @@ class TensorRTLLMBackend:
             kv_cache_quant_algo=getattr(lib.QuantAlgo, plan["kv_cache_quant_algo"]) if plan["kv_cache_quant_algo"] else None)
         workspace = job.workdir / ".llm-workspace"
         workspace.mkdir()
-        job.progress(f"building TensorRT-LLM engines (tp {opts.get('tp', 1)}, pp {opts.get('pp', 1)}, {recipe.precision})")
+        job.progress(f"building TensorRT-LLM engines (tp {recipe.parallel.tp}, pp {opts.get('pp', 1)}, {recipe.precision})")
         t = time.perf_counter()
         try:
-            llm = lib.LLM(model=str(folder), dtype=plan["dtype"], tensor_parallel_size=opts.get("tp", 1),
+            llm = lib.LLM(model=str(folder), dtype=plan["dtype"], tensor_parallel_size=recipe.parallel.tp,
                           pipeline_parallel_size=opts.get("pp", 1), build_config=build_config, quant_config=quant,
                           workspace=str(workspace), trust_remote_code=opts.get("trust_remote_code", False))
             phases["llm_build_s"] = time.perf_counter() - t

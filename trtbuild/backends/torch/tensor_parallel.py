@@ -173,6 +173,8 @@ def build(job: BuildJob, dtype: Any, device: str, save_weights: Callable[[dict[s
 
     graphs: dict[str, dict[str, Any]] = {}
     names = ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets)]
+    configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in names}
+    # Inductor resolves the collectives' group too, so the compile runs inside the fake group as well
     with fake_group(tp) as group_name:
         model = rank_model(cfg, shapes, dtype, device, state, tp, 0)
         del state
@@ -182,18 +184,16 @@ def build(job: BuildJob, dtype: Any, device: str, save_weights: Callable[[dict[s
             graphs[name] = export_graph(model, name, shapes, device, {}, "aten", "sdpa")
             graphs[name].pop("export_s")
         phases["export_s"] = time.perf_counter() - t
-    del model
-
-    configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
-    t = time.perf_counter()
-    with inductor_caches(job.tactics.path):
-        for name, graph in graphs.items():
-            job.progress(f"compiling {name} with AOTInductor (tactics: {recipe.tactics_level})")
-            graph["digest"] = graph_cache.graph_digest(graph["program"], configs[name])
-            graph["reused"] = graph_cache.compile_or_reuse(graph, name, configs[name], graph["digest"],
-                                                           job.tactics.path, job.workdir)
-            del graph["program"]
-    phases["compile_s"] = time.perf_counter() - t
+        del model
+        t = time.perf_counter()
+        with inductor_caches(job.tactics.path):
+            for name, graph in graphs.items():
+                job.progress(f"compiling {name} with AOTInductor (tactics: {recipe.tactics_level})")
+                graph["digest"] = graph_cache.graph_digest(graph["program"], configs[name])
+                graph["reused"] = graph_cache.compile_or_reuse(graph, name, configs[name], graph["digest"],
+                                                               job.tactics.path, job.workdir)
+                del graph["program"]
+        phases["compile_s"] = time.perf_counter() - t
 
     engine = {"hf_config": raw, "dtype": recipe.precision, "device": device,
               "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,

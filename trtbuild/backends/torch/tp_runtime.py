@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,16 @@ class RankEngine:
         self.engine = TorchEngine(root / f"rank{rank}")
         if self.engine.device.startswith("cuda"):
             self.engine.device = f"cuda:{rank}"
+            # Programmatic launch lets a kernel start before the one it follows has finished, which only
+            # kernels compiled with the wait tolerate; NCCL's are not, so the ranks' graphs launch serialized.
+            self.engine.pdl_allowed = False
         t = time.perf_counter()
         self.engine.__enter__()
         sync(self.engine.device)
         self.load_s = time.perf_counter() - t
+        if os.environ.get("TRTBUILD_TP_GRAPHS", "1") == "0":  # docs/diagnostics.md: steps launched from the host
+            for package in self.engine._packages.values():
+                package.graph_safe = False
         self.generations: list[Generation] = []
 
     def info(self) -> dict[str, Any]:
@@ -55,7 +62,7 @@ class RankEngine:
 
     def generate(self, input_ids: list[list[int]], max_new_tokens: int) -> Generation:
         gen = self.engine.generate(input_ids, max_new_tokens)
-        self.generations.append(gen)
+        self.generations = [*self.generations[-99:], gen]  # what the next report sums up; bounded
         return gen
 
     def prefill(self, slot: int, prompt: list[int], sampling: Sampling) -> int:
