@@ -24,6 +24,10 @@ from torch import Tensor, nn
 
 
 class MoE(nn.Module):
+    # "kernel": decode steps through trtbuild's Triton gather (kernels/moe_gather.py: the chosen experts'
+    # weights read in place, CUDA only). No build sets it yet: tested against "aten" (tests/test_moe_kernel.py).
+    decode_kernel: str = "aten"
+
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -53,6 +57,10 @@ class MoE(nn.Module):
         return y if residual is None else residual + y
 
     def _gathered(self, h: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
+        if self.decode_kernel == "kernel":
+            from trtbuild.kernels.moe_gather import moe_gathered_op  # needs Triton
+
+            return moe_gathered_op(h, self.w13, self.w2, chosen, weights)
         up = torch.einsum("nd,nkfd->nkf", h, self.w13[chosen])  # (N, k, 2F): each token's k experts
         a, b = up.chunk(2, dim=-1)
         out = torch.einsum("nkf,nkdf->nkd", F.silu(a) * b, self.w2[chosen])
