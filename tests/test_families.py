@@ -307,3 +307,22 @@ def test_a_synthetic_recipe_of_a_family_is_checked_field_by_field(config: dict[s
     with pytest.raises(RecipeError) as info:
         parse_recipe(doc, Path("recipe.yaml"))
     assert any(p.startswith(problem) for p in info.value.problems), info.value.problems
+
+
+def test_a_mixture_of_experts_decode_path_is_atens_on_the_cpu_and_the_kernel_only_where_asked_or_timed() -> None:
+    from trtbuild.backends.torch import moe_plan
+    from trtbuild.errors import TrtbuildError
+    from trtbuild.models.llama import LlamaConfig
+    from trtbuild.models.moe import MoE
+
+    hf = hf_model("qwen3-moe")
+    model = Transformer(LlamaConfig.from_hf(hf.config.to_dict()), 1, 16, torch.float32)
+    assert moe_plan.plan(model, "auto", "cpu", 8) == {"used": "aten", "note": "aten: a CPU build"}
+    assert moe_plan.plan(model, "aten", "cuda", 8)["used"] == "aten"
+    assert moe_plan.plan(model, "kernel", "cuda", 8)["used"] == "kernel"
+    with pytest.raises(TrtbuildError, match="options.moe_decode: 'kernel' cannot serve a CPU build"):
+        moe_plan.plan(model, "kernel", "cpu", 8)
+    dense = Transformer(LlamaConfig.from_hf(hf_model("qwen3").config.to_dict()), 1, 16, torch.float32)
+    assert moe_plan.plan(dense, "kernel", "cpu", 8)["used"] == "aten"  # nothing to route
+    moe_plan.route(model, "kernel")
+    assert {m.decode_kernel for m in model.modules() if isinstance(m, MoE)} == {"kernel"}

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import BuildJob, BuildOutput
-from trtbuild.backends.torch import compile_workers, decode_kernels, graph_cache, prefill_attention, quantized
+from trtbuild.backends.torch import compile_workers, decode_kernels, graph_cache, moe_plan, prefill_attention, quantized
 from trtbuild.backends.torch.inductor import DTYPE_NAMES, inductor_caches, inductor_configs, kernels_wait, record_autotuning
 from trtbuild.backends.torch.export import bucket, export_graph, model_bytes, place_model
 from trtbuild import fingerprint
@@ -33,7 +33,7 @@ from trtbuild import fingerprint
 WEIGHTS = "weights.safetensors"
 ENGINE_JSON = "engine.json"
 # Every recipe option this backend takes, with its modes (the first is the default).
-OPTIONS = decode_kernels.OPTIONS | prefill_attention.OPTIONS | quantized.OPTIONS
+OPTIONS = decode_kernels.OPTIONS | prefill_attention.OPTIONS | quantized.OPTIONS | moe_plan.OPTIONS
 
 
 def _option(recipe: Any, name: str) -> str:
@@ -47,6 +47,7 @@ class TorchAOTIBackend:
     build_modules = ("trtbuild.backends.torch.export", "trtbuild.backends.torch.inductor",
                      "trtbuild.backends.torch.decode_kernels", "trtbuild.backends.torch.prefill_attention",
                      "trtbuild.backends.torch.graph_cache", "trtbuild.backends.torch.compile_workers",
+                     "trtbuild.backends.torch.moe_plan",
                      "trtbuild.backends.torch.quantized", "trtbuild.backends.torch.tensor_parallel",
                      "trtbuild.parallel")
 
@@ -150,6 +151,9 @@ class TorchAOTIBackend:
                                                        _option(recipe, "decode_timing"))
         phases["select_matmuls_s"] = time.perf_counter() - t
         attention = decode_kernels.attention_plan(cfg, dtype, _option(recipe, "decode_attention"), device)
+        # a mixture of experts' decode path, timed on the model's own experts where asked (moe_plan.py)
+        moe = moe_plan.plan(model, _option(recipe, "moe_decode"), device, max(shapes.batch_buckets))
+        moe_plan.route(model, moe["used"])
         t = time.perf_counter()
         prompt = prefill_attention.plan(cfg, dtype, _option(recipe, "prefill_attention"), device,
                                         shapes.max_input_len, job)
@@ -177,7 +181,8 @@ class TorchAOTIBackend:
         common = {"folder": str(folder), "precision": recipe.precision, "device": device,
                   "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
-                  "attention": attention["used"], "prefill_attention": prompt["used"], "fold_norms": fold}
+                  "attention": attention["used"], "prefill_attention": prompt["used"], "fold_norms": fold,
+                  "moe_decode": moe["used"]}
         with inductor_caches(job.tactics.path), record_autotuning(tuned), \
                 compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers, \
                 (compile_workers.timing_alone(job.tactics.path / compile_workers.TIMING_LOCK) if workers_n
@@ -223,7 +228,7 @@ class TorchAOTIBackend:
                    "selections": tuned, "benchmarked": sum(s["num_candidates"] for s in tuned),
                    "decode_matmuls": matmuls, "decode_attention": attention, "prefill_attention": prompt,
                    "cache": str(job.tactics.path), "compiled_graphs_reused": reused,
-                   "model_paths": model_paths(cfg),
+                   "model_paths": model_paths(cfg), "moe_decode": moe,
                    "compile_workers": workers_n}
         if recipe.tactics_level == "max" and not tuned:
             tactics["note"] = "no GEMM benchmarking ran: every choice came from the tactic cache"

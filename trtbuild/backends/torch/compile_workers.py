@@ -182,7 +182,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     """
     import torch
 
-    from trtbuild.backends.torch import decode_kernels, export, graph_cache, inductor
+    from trtbuild.backends.torch import decode_kernels, export, graph_cache, inductor, moe_plan
     from trtbuild.models.calibrate import empty_quantized
     from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes, read_config
     from trtbuild.models.quantize import FORMATS
@@ -198,6 +198,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["precision"] in FORMATS:  # quantized: the stored buffers' shapes and dtypes, not the dense weight's
         state = empty_quantized(state, FORMATS[spec["precision"]])
     model = export.place_model(cfg, shapes, dtype, spec["device"], state, spec.get("fold_norms", False))
+    moe_plan.route(model, spec.get("moe_decode", "aten"))  # the build's choice for a mixture of experts' decode
     del state
     del hf
     matmuls: dict[decode_kernels.MatmulKey, Any] = {}

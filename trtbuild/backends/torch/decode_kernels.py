@@ -84,7 +84,8 @@ def parse_key(name: str) -> MatmulKey:
 # The custom op each kernel module registers, as it appears in an exported program's text.
 KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.kernels.decode_matmul",
                   "trtbuild.decode_attention": "trtbuild.kernels.decode_attention",
-                  "trtbuild.quant_matmul": "trtbuild.kernels.quant_matmul"}
+                  "trtbuild.quant_matmul": "trtbuild.kernels.quant_matmul",
+                  "trtbuild.moe_gathered": "trtbuild.kernels.moe_gather"}
 
 
 def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str, job: BuildJob,
