@@ -184,6 +184,10 @@ def test_gpu_kernels_split_into_runs_by_their_order() -> None:
     assert note == "" and runs == [[Op("a", 1.0)], [Op("b", 2.0)]]
     runs, note = runs_of(events + [kernel("e", 50, 5.0)], 2, cuda=True)
     assert len(runs) == 1 and len(runs[0]) == 5 and "not the same each run" in note
+    # launched early (PDL): b starts at 10.5 while a runs until 11 and ends at 13; c lies inside b
+    overlapping = [kernel("a", 10, 1.0), kernel("b", 10.5, 2.5), kernel("c", 11, 1.0), kernel("d", 14, 1.0)]
+    runs, _ = runs_of(overlapping, 1, cuda=True)
+    assert runs == [[Op("a", 1.0), Op("b", 2.0), Op("c", 0.0), Op("d", 1.0)]]
 
 
 def test_ceilings_are_measured_once_per_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -239,7 +239,15 @@ def runs_of(events: list[Any], reps: int, cuda: bool) -> tuple[list[list[Op]], s
 
     if cuda:
         kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-        ops = [Op(e.name, e.time_range.elapsed_us()) for e in kernels]
+        # Under programmatic dependent launch a kernel starts before the one before it ends and waits for it:
+        # that wait is its predecessor's time. Each kernel gets the time from the later of its start and the
+        # end of every kernel before it, to its end; the kernels' times then add up to the time the device was
+        # busy, and the step's rest is time with no kernel running.
+        ops, done = [], float("-inf")
+        for e in kernels:
+            start, end = e.time_range.start, e.time_range.start + e.time_range.elapsed_us()
+            ops.append(Op(e.name, max(0.0, end - max(start, done))))
+            done = max(done, end)
         per, rest = divmod(len(ops), reps)
         if rest:
             return [ops], f"{len(ops)} kernels in {reps} runs, not the same each run: the table is of all runs as one"
