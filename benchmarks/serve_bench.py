@@ -28,7 +28,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -287,6 +286,8 @@ def bench_recipe(path: Path, args: argparse.Namespace, ceilings: dict[str, Any],
     res["load_and_warm_s"] = time.perf_counter() - t
     lone = None
     try:
+        # untimed: the first requests' one-time costs (allocator growth, first kernels of each prompt length)
+        Clients(port, name, workload(4, shapes["max_input_len"], shapes["max_seq_len"], args.quick, vocab, seed=99)).run(2)
         for n in args.concurrency:
             count = max(n * args.requests_per_client, args.min_requests)
             reqs = workload(count, shapes["max_input_len"], shapes["max_seq_len"], args.quick, vocab, seed=n)

@@ -25,6 +25,7 @@ import pytest
 from .conftest import REPO, TINY_CONFIG, make_hf_folder, run_cli, tiny_recipe_doc, write_recipe
 
 openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow  # builds an engine (minutes on 2 cores)
 
 VOCAB = 320
 MAX_SEQ = 64

@@ -11,19 +11,21 @@ is full, 503 while loading or draining. SIGTERM (or Ctrl-C) stops accepting, let
 then exits.
 """
 
-
+# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at runtime, and the
+# request type is imported inside create_app (the web libraries load only when a server starts).
 import asyncio
-import json
 import logging
 import signal
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Any
 
 from trtbuild.errors import InputError, TrtbuildError
-from trtbuild.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown, TextWatch
+from trtbuild.openai_api import (ApiError, chunk, finish_reason, flat_message, parse, request_models, response, sse,
+                                 usage_chunk)
+from trtbuild.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
 
 log = logging.getLogger("trtbuild.serve")
 
@@ -40,90 +42,6 @@ def require() -> None:
             missing.append(name)
     if missing:
         raise InputError(f"trtbuild serve needs {', '.join(missing)}, not installed here", hint=INSTALL_HINT)
-
-
-class ApiError(Exception):
-    """An HTTP error with OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-# -- request bodies -------------------------------------------------------------------------------------------
-def _models() -> tuple[type, type]:
-    """The pydantic models of the two bodies (built on first use: pydantic is the server's dependency)."""
-    from pydantic import BaseModel, ConfigDict, Field
-
-    class Common(BaseModel):
-        # strict: "5" is not a number and 1 is not a bool, as OpenAI's API answers; unknown fields pass
-        model_config = ConfigDict(extra="allow", strict=True)
-        model: str | None = None
-        max_tokens: int | None = Field(None, ge=1)
-        temperature: float = Field(1.0, ge=0.0, le=2.0)
-        top_p: float = Field(1.0, gt=0.0, le=1.0)
-        top_k: int = Field(0, ge=-1)  # vLLM's extension; -1 or 0 = off
-        n: int = Field(1, ge=1, le=128)
-        seed: int | None = Field(None, ge=0, lt=2**63)
-        stop: str | list[str] | None = None
-        stop_token_ids: list[int] | None = None
-        stream: bool = False
-        stream_options: dict[str, Any] | None = None
-        presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-        frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-        repetition_penalty: float = Field(1.0, gt=0.0)
-        user: str | None = None
-        # vLLM's extensions, for clients that count tokens (benchmarks) and models without a tokenizer
-        ignore_eos: bool = False
-        return_token_ids: bool = False
-
-    class Completion(Common):
-        prompt: str | list[str] | list[int] | list[list[int]]
-
-    class Message(BaseModel):
-        model_config = ConfigDict(extra="allow", strict=True)
-        role: Literal["system", "user", "assistant", "tool", "developer"]
-        content: str | list[dict[str, Any]] | None = None
-
-    class Chat(Common):
-        messages: list[Message] = Field(min_length=1)
-        max_completion_tokens: int | None = Field(None, ge=1)
-
-    return Completion, Chat
-
-
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "tools", "functions",
-                "response_format")
-
-
-def _parse(raw: bytes, model: type) -> Any:
-    from pydantic import ValidationError
-
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    try:
-        params = model.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise ApiError(400, f"{where}: {first['msg']}{more}", param=where) from None
-    for name in _UNSUPPORTED:
-        if body.get(name) not in (None, False, 0, [], {}):
-            raise ApiError(400, f"{name}: not supported by this server", param=name)
-    if params.frequency_penalty != 0.0:
-        raise ApiError(400, "frequency_penalty: not supported (presence_penalty and repetition_penalty are)",
-                       param="frequency_penalty")
-    return params
 
 
 # -- the server -----------------------------------------------------------------------------------------------
@@ -280,7 +198,7 @@ def create_app(server: Server) -> Any:
 
     from trtbuild.metrics import CONTENT_TYPE
 
-    Completion, Chat = _models()
+    Completion, Chat = request_models()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -324,16 +242,16 @@ def create_app(server: Server) -> Any:
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Any:
-        params = _parse(await request.body(), Completion)
+        params = parse(await request.body(), Completion)
         server.check_ready(params)
         prompts = _completion_prompts(server, params.prompt)
         return await _generate(request, params, prompts, params.max_tokens, 16, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: HttpRequest) -> Any:
-        params = _parse(await request.body(), Chat)
+        params = parse(await request.body(), Chat)
         server.check_ready(params)
-        messages = [_flat(m.model_dump(exclude_none=True)) for m in params.messages]
+        messages = [flat_message(m.model_dump(exclude_none=True)) for m in params.messages]
         try:
             prompt = server.text.chat(messages)
         except InputError as exc:
@@ -361,43 +279,26 @@ def create_app(server: Server) -> Any:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await _collect(request, reqs, events, rid, chat, usage, ids)
 
-    def _chunk(rid: str, chat: bool, index: int, text: str | None, finish: str | None, role: bool = False,
-               token_ids: list[int] | None = None) -> dict[str, Any]:
-        if chat:
-            delta: dict[str, Any] = ({"role": "assistant", "content": ""} if role else
-                                     {} if text is None else {"content": text})
-            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": server.name, "choices": [choice]}
-
     async def _stream(reqs: list[Request], events: asyncio.Queue[tuple[int, Event]], rid: str, chat: bool,
                       usage: dict[str, int], include_usage: bool, ids: bool) -> AsyncIterator[str]:
         left = len(reqs)
         try:
             if chat:
                 for i in range(len(reqs)):
-                    yield _sse(_chunk(rid, chat, i, None, None, role=True))
+                    yield sse(chunk(rid, server.name, chat, i, None, None, role=True))
             while left:
                 index, ev = await events.get()
                 if ev.finish == "error":
-                    yield _sse(ApiError(500, ev.error or "generation failed", "server_error").body())
+                    yield sse(ApiError(500, ev.error or "generation failed", "server_error").body())
                     break
                 if ev.text or ev.finish or (ids and ev.token is not None):
                     token_ids = ([] if ev.token is None else [ev.token]) if ids else None
                     text = ev.text if ev.text or ids else None
-                    yield _sse(_chunk(rid, chat, index, text, _reason(ev.finish), token_ids=token_ids))
+                    yield sse(chunk(rid, server.name, chat, index, text, finish_reason(ev.finish), token_ids=token_ids))
                 if ev.finish:
                     left -= 1
             if include_usage and not left:
-                done = sum(r.generated for r in reqs)
-                final = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                         "created": int(time.time()), "model": server.name, "choices": [],
-                         "usage": usage | {"completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done}}
-                yield _sse(final)
+                yield sse(usage_chunk(rid, server.name, chat, usage, sum(r.generated for r in reqs)))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (a cancelled task), or an error: free every row at the next step
             for r in reqs:
@@ -430,41 +331,10 @@ def create_app(server: Server) -> Any:
             for r in reqs:
                 if not r.done:
                     server.scheduler.cancel(r)  # type: ignore[union-attr]
-        done = sum(r.generated for r in reqs)
-        if chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                        "finish_reason": _reason(f)} for i, (t, f) in enumerate(zip(texts, finishes))]
-        else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": _reason(f)}
-                       for i, (t, f) in enumerate(zip(texts, finishes))]
-        if ids:
-            for choice, row in zip(choices, tokens):
-                choice["token_ids"] = row
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": server.name, "choices": choices,
-                "usage": usage | {"completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done}}
+        return response(rid, server.name, chat, texts, finishes, tokens if ids else None, usage,
+                        sum(r.generated for r in reqs))
 
     return app
-
-
-def _flat(message: dict[str, Any]) -> dict[str, Any]:
-    """A message whose content is a list of parts ({"type": "text", "text": ...}), as one string: the form chat
-    templates are written for. Parts other than text are refused."""
-    content = message.get("content")
-    if isinstance(content, list):
-        if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
-               for p in content):
-            raise ApiError(400, "messages: only text content parts are supported", param="messages")
-        message = message | {"content": "".join(p["text"] for p in content)}
-    return message
-
-
-def _reason(finish: str | None) -> str | None:
-    return None if finish is None else "stop" if finish in ("stop", "cancelled") else finish
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
