@@ -45,9 +45,12 @@ class DecodeGraphs:
         import torch
 
         self.package, self.device, self.batch = package, device, batch
-        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)  # each row's position
-        self.slots = torch.arange(batch, device=device)  # each row's cache row
+        # the graph's three inputs are rows of one buffer, so that a step of the slot API fills them in one copy
+        self.io = torch.zeros(3, batch, dtype=torch.long, device=device)
+        self.tok = self.io[0].view(batch, 1)
+        self.pos = self.io[1].view(batch, 1)  # each row's position
+        self.slots = self.io[2]  # each row's cache row
+        self.slots.copy_(torch.arange(batch, device=device))
         # the cache row that padding rows and the capture's warm-up steps write (llama.scratch_row)
         self.scratch = batch if scratch is None else scratch
         self.out = torch.zeros(batch, max_seq_len, dtype=torch.long, device=device)
@@ -150,17 +153,15 @@ class DecodeGraphs:
             self._step(window)
         self.next_pos += 1
 
-    def run(self, tokens: Any, positions: Any, slots: Any, last: int) -> tuple[Any, Any]:
-        """One step of any rows: `tokens`, `positions` (the position of each token fed) and `slots` are (B,)
-        int64 tensors on the device, padding rows included (the caller points them at the scratch row);
-        `last` the largest position among them. Returns the greedy tokens (B,) and the logits (B, V), both
+    def run(self, rows: Any, last: int) -> tuple[Any, Any]:
+        """One step of any rows: `rows` (3, B) int64 holds each row's token, its position (the position of the
+        token fed) and its cache row, padding rows included (the caller points them at the scratch row);
+        `last` is the largest position among them. Returns the greedy tokens (B,) and the logits (B, V), both
         the graph's buffers (read them before the next step)."""
         window = self.window_for(last)
         if self.capturable and window not in self.graphs:
             self._capture([window])
-        self.tok.copy_(tokens[:, None])
-        self.pos.copy_(positions[:, None])
-        self.slots.copy_(slots)
+        self.io.copy_(rows)
         graph = self.graphs.get(window)
         if graph is not None:
             graph.replay()

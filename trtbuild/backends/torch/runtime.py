@@ -235,7 +235,7 @@ class TorchEngine:
         rows = torch.tensor([list(tokens) + [0] * pad, list(positions) + [0] * pad,
                              list(slots) + [self.max_batch_size] * pad], dtype=torch.long).to(self.device)
         with torch.no_grad():
-            greedy, logits = self._decoder(bucket).run(rows[0], rows[1], rows[2], max(positions))
+            greedy, logits = self._decoder(bucket).run(rows, max(positions))
             if all(s.greedy for s in sampling):
                 out = greedy[:n].tolist()
             else:
