@@ -37,6 +37,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 10, "rope_theta": 1e6}),
     "qwen3-tied-mqa": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8, "num_key_value_heads": 1,
                                                            "tie_word_embeddings": True}),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW, "head_dim": 8}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
     "phi3-longrope-window": ("Phi3Config", "Phi3ForCausalLM", {
         "hidden_size": 48, "num_attention_heads": 6, "pad_token_id": 0, "original_max_position_embeddings": 16,
@@ -326,3 +327,15 @@ def test_a_mixture_of_experts_decode_path_is_atens_on_the_cpu_and_the_kernel_onl
     assert moe_plan.plan(dense, "kernel", "cpu", 8)["used"] == "aten"  # nothing to route
     moe_plan.route(model, "kernel")
     assert {m.decode_kernel for m in model.modules() if isinstance(m, MoE)} == {"kernel"}
+
+
+def test_a_window_no_position_outgrows_leaves_the_layer_to_sdpas_causal_kernels() -> None:
+    from trtbuild.models.families import attention_kernel_limits, windows_within
+    from trtbuild.models.llama import LlamaConfig
+
+    cfg = LlamaConfig.from_hf(hf_model("mistral-window").config.to_dict())
+    assert cfg.layer_windows == (WINDOW,) * 4
+    assert all(b.attention.masked for b in Transformer(cfg, 1, WINDOW + 1, torch.float32).layers)
+    assert not any(b.attention.masked for b in Transformer(cfg, 1, WINDOW, torch.float32).layers)
+    assert windows_within(cfg, WINDOW).layer_windows == () and attention_kernel_limits(windows_within(cfg, WINDOW)) is None
+    assert "sliding windows" in str(attention_kernel_limits(windows_within(cfg, WINDOW + 1)))

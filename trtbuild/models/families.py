@@ -226,3 +226,13 @@ def unread_expert_parameters(cfg: Any, batch: int) -> float:
     e, k = cfg.num_experts, cfg.experts_per_token
     distinct = e * (1 - (1 - k / e) ** batch)
     return sum(cfg.moe_layers) * (e - distinct) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
+def windows_within(cfg: Any, max_seq_len: int) -> Any:
+    """`cfg` without the sliding windows that no position below max_seq_len can outgrow (a window of W hides
+    slot j from position p only when j <= p - W, so never where p < W): an engine of Mistral's 4096-token
+    window and max_seq_len 4096 attends as Llama does, through the same kernels."""
+    from dataclasses import replace
+
+    windows = tuple(w if w < max_seq_len else 0 for w in cfg.layer_windows)
+    return replace(cfg, layer_windows=windows if any(windows) else ())

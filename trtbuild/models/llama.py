@@ -516,6 +516,9 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        for block in self.layers:  # a window no position here outgrows masks nothing: SDPA's causal kernel serves
+            if block.attention.window >= max_seq_len:
+                block.attention.window, block.attention.masked = 0, bool(cfg.attn_softcap)
         # Gemma scales the embeddings by sqrt(hidden_size) rounded to the weights' dtype, as transformers does
         self.embed_scale = float(torch.tensor(cfg.embed_scale, dtype=dtype, device="cpu"))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -100,7 +100,7 @@ class TorchAOTIBackend:
         from trtbuild.backends.torch import weights_preload
         from trtbuild.models import compressed
         from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
-        from trtbuild.models.families import model_paths
+        from trtbuild.models.families import model_paths, windows_within
 
         weights_preload.discard()  # a run's guess of another entry: its device memory is the build's now
         recipe, shapes = job.recipe, job.recipe.shapes
@@ -150,7 +150,8 @@ class TorchAOTIBackend:
                                                        _option(recipe, "decode_split_k"),
                                                        _option(recipe, "decode_timing"))
         phases["select_matmuls_s"] = time.perf_counter() - t
-        attention = decode_kernels.attention_plan(cfg, dtype, _option(recipe, "decode_attention"), device)
+        attention = decode_kernels.attention_plan(windows_within(cfg, shapes.max_seq_len), dtype,
+                                                  _option(recipe, "decode_attention"), device)
         # a mixture of experts' decode path, timed on the model's own experts where asked (moe_plan.py)
         moe = moe_plan.plan(model, _option(recipe, "moe_decode"), device, max(shapes.batch_buckets))
         moe_plan.route(model, moe["used"])
@@ -228,7 +229,7 @@ class TorchAOTIBackend:
                    "selections": tuned, "benchmarked": sum(s["num_candidates"] for s in tuned),
                    "decode_matmuls": matmuls, "decode_attention": attention, "prefill_attention": prompt,
                    "cache": str(job.tactics.path), "compiled_graphs_reused": reused,
-                   "model_paths": model_paths(cfg), "moe_decode": moe,
+                   "model_paths": model_paths(windows_within(cfg, shapes.max_seq_len)), "moe_decode": moe,
                    "compile_workers": workers_n}
         if recipe.tactics_level == "max" and not tuned:
             tactics["note"] = "no GEMM benchmarking ran: every choice came from the tactic cache"
