@@ -220,6 +220,8 @@ def main() -> None:
     ap.add_argument("--big-batch", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="tiny model, gloo on the CPU: a smoke test of this script")
     args = ap.parse_args()
+    if args.quick:  # the tiny recipe's 2 KV heads split over 2 ranks at most
+        args.tp, args.tp70 = 2, 2
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"

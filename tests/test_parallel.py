@@ -187,6 +187,7 @@ def test_compiled_tp2_engine_matches_one_rank_and_reports_each_rank(tmp_path: Pa
         rep = run_report(session, batch_size=1, input_len=8, output_len=6, iterations=2)
         # the slot API a server drives runs on both ranks too
         first = session.engine.prefill(1, PROMPT[1][:5], GREEDY)
+        second = session.engine.decode([1], [first], [5], [GREEDY])
     assert (entry / "rank0" / "weights.safetensors").is_file() and (entry / "rank1" / "engine.json").is_file()
     assert json_of(entry / "engine.json")["parallel"]["tp"] == 2
 
@@ -194,12 +195,14 @@ def test_compiled_tp2_engine_matches_one_rank_and_reports_each_rank(tmp_path: Pa
     reference = place_model(cfg, Shapes(2, 16, 48, (2,)), torch.float32, "cpu", state)
     want, _ = _greedy(reference, PROMPT, 12)
     assert got == want
-    assert first == _greedy(reference, [PROMPT[1][:5]], 1)[0][0][0]
+    assert [first, *second] == _greedy(reference, [PROMPT[1][:5]], 2)[0][0]
     par = rep["parallel"]
     assert par["tp"] == 2 and par["backend"] == "gloo" and [r["rank"] for r in par["ranks"]] == [0, 1]
     for r in [*par["ranks"], par["all"]]:
         assert r["load_s"] > 0 and r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["allreduce_ms_per_step"] > 0
-    assert par["all"]["tpot_ms"] == max(r["tpot_ms"] for r in par["ranks"])
+    # the engine's step is its slowest rank's: the figure of the report's main row
+    assert par["all"]["tpot_ms"] == rep["tpot_ms"]["p50"] >= max(r["tpot_ms"] for r in par["ranks"])
+    assert par["all"]["ttft_ms"] == rep["ttft_ms"]
 
     # a new process finds the engine in the store, starts its ranks itself, and prints a row a rank
     result = run_cli("run", str(path), "--no-build", "--iterations", "1")

@@ -58,6 +58,7 @@ class RankEngine:
                 "load_parts": dict(self.engine.load_parts)}
 
     def warmup(self, batch_size: int, input_len: int, output_len: int) -> None:
+        self.generations = []  # a report covers what ran after its warm-up, as `runner.run_report`'s figures do
         self.engine.warmup(batch_size, input_len, output_len)
 
     def generate(self, input_ids: list[list[int]], max_new_tokens: int) -> Generation:
@@ -73,6 +74,9 @@ class RankEngine:
 
     def release(self, slot: int) -> None:
         self.engine.release(slot)
+
+    def capture_all(self) -> None:
+        self.engine.capture_all()
 
     def collectives_s(self, batch: int, reps: int = 20) -> float:
         """The median time of one decode step's collectives replayed alone, with the step's shapes and
@@ -127,12 +131,14 @@ class TensorParallelEngine:
         self.max_batch_size: int = self.spec["max_batch_size"]
         self.max_input_len: int = self.spec["max_input_len"]
         self.max_seq_len: int = self.spec["max_seq_len"]
+        self.buckets: list[int] = sorted(self.spec["buckets"])
         self.cfg = LlamaConfig.from_hf(self.spec["hf_config"])
         self.vocab_size = self.cfg.vocab_size
         self.load_note = ""
         self.load_parts: dict[str, float] = {}
         self._ranks: parallel.Ranks | None = None
         self._last_batch = 1
+        self._merged: list[Generation] = []  # the engine's generations since the last report, for its "all" row
 
     def __enter__(self) -> "TensorParallelEngine":
         t = time.perf_counter()
@@ -162,6 +168,7 @@ class TensorParallelEngine:
         return results[0]
 
     def warmup(self, batch_size: int, input_len: int, output_len: int) -> None:
+        self._merged = []
         self._all("warmup", batch_size, input_len, output_len)
 
     def generate(self, input_ids: list[list[int]], max_new_tokens: int) -> Generation:
@@ -172,10 +179,12 @@ class TensorParallelEngine:
         first = gens[0]
         # The step of the whole engine is the slowest rank's; the bytes and FLOPs stay one rank's (one GPU's),
         # so the roofline compares them with one GPU's peak.
-        return Generation(output_ids=first.output_ids, prefill_s=max(g.prefill_s for g in gens),
+        merged = Generation(output_ids=first.output_ids, prefill_s=max(g.prefill_s for g in gens),
                           decode_step_s=[max(s) for s in zip(*(g.decode_step_s for g in gens))],
                           bytes_per_decode_step=first.bytes_per_decode_step, prefill_flops=first.prefill_flops,
                           prefill_bytes=first.prefill_bytes)
+        self._merged = [*self._merged[-99:], merged]
+        return merged
 
     def prefill(self, slot: int, prompt: list[int], sampling: Sampling = GREEDY) -> int:
         return int(self._all("prefill", slot, prompt, sampling))
@@ -186,16 +195,23 @@ class TensorParallelEngine:
     def release(self, slot: int) -> None:
         self._all("release", slot)
 
+    def capture_all(self) -> None:
+        """Capture every decode graph on every rank now (CUDA), as `runtime.TorchEngine.capture_all`."""
+        self._all("capture_all")
+
     def parallel_report(self) -> dict[str, Any]:
-        """Per rank and in all: load, TTFT and TPOT (p50) of the generations since the last report, and the
-        time of one decode step's collectives replayed alone (RankEngine.collectives_s)."""
+        """Per rank and in all: load, TTFT and TPOT (p50) of the generations since the last warm-up or report, the
+        time of one decode step's collectives replayed alone (RankEngine.collectives_s). "all" is the engine:
+        each step as long as its slowest rank's (what `generate` reports), the slowest load and collectives."""
         ranks = self.ranks.call("report", self._last_batch)
-        def worst(key: str) -> float | None:
-            values = [r[key] for r in ranks if r[key] is not None]
-            return max(values) if values else None
+        merged, self._merged = self._merged, []
+        steps = [s for g in merged for s in g.decode_step_s]
+        every = {"load_s": max(r["load_s"] for r in ranks),
+                 "ttft_ms": percentiles([g.prefill_s for g in merged])["p50"] * 1e3 if merged else None,
+                 "tpot_ms": percentiles(steps)["p50"] * 1e3 if steps else None,
+                 "allreduce_ms_per_step": max(r["allreduce_ms_per_step"] for r in ranks)}
         return {"tp": self.tp, "backend": parallel.distributed_backend(self.spec["device"]), "ranks": ranks,
-                "all": {"load_s": worst("load_s"), "ttft_ms": worst("ttft_ms"), "tpot_ms": worst("tpot_ms"),
-                        "allreduce_ms_per_step": worst("allreduce_ms_per_step")},
+                "all": every,
                 "allreduce_method": "one decode step's collectives (2 x layers + 1 all-reduces of batch x hidden, "
                                     "one all-gather of the logits) replayed alone, median of 20"}
 
