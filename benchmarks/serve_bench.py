@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -267,7 +268,9 @@ def level_figures(results: list[dict[str, Any]], wall: float, before: dict[str, 
     return fig
 
 
-def bench_recipe(path: Path, args: argparse.Namespace, ceilings: dict[str, Any], folder: Path) -> dict[str, Any]:
+def bench_recipe(path: Path, args: argparse.Namespace, ceilings: dict[str, Any], folder: Path, res: dict[str, Any],
+                 save: Callable[[], None]) -> None:
+    """Fill `res` with one recipe's figures, saving after each level (a run cut off keeps what it measured)."""
     recipe, doc = serving_recipe(path, args.rows, folder)
     name = doc["name"]
     print(f"[serve_bench] {name}: build or find the engine ...", flush=True)
@@ -276,9 +279,8 @@ def bench_recipe(path: Path, args: argparse.Namespace, ceilings: dict[str, Any],
                    check=True, cwd=REPO)
     shapes = doc["shapes"]
     vocab = int(doc["model"].get("config", {}).get("vocab_size", 1000))
-    res: dict[str, Any] = {"recipe": name, "path": str(path), "rows": shapes["max_batch_size"],
-                           "buckets": shapes.get("batch_buckets"), "build_or_lookup_s": time.perf_counter() - t,
-                           "levels": {}}
+    res.update({"recipe": name, "path": str(path), "rows": shapes["max_batch_size"],
+                "buckets": shapes.get("batch_buckets"), "build_or_lookup_s": time.perf_counter() - t, "levels": {}})
     port = free_port()
     log = Path(args.out) / f"server-{name}.log"
     t = time.perf_counter()
@@ -299,12 +301,31 @@ def bench_recipe(path: Path, args: argparse.Namespace, ceilings: dict[str, Any],
             if n == 1 and not fig["errors"]:
                 lone = {"ttft_s": fig["ttft_ms"]["p50"] / 1e3}
             res["levels"][str(n)] = fig
+            save()
             print(f"[serve_bench]   N={n}: {fig['output_tok_per_s']:.1f} tok/s, TTFT p50 {fig['ttft_ms']['p50']:.1f} ms "
                   f"p99 {fig['ttft_ms']['p99']:.1f} ms, TPOT p50 {fig['tpot_ms']['p50']:.2f} ms, "
                   f"{len(fig['errors'])} errors", flush=True)
     finally:
         res["server_exit"] = stop_server(proc)
-    return res
+    if args.decode_bench:
+        res["single_request_decode"] = decode_bench(path, args)
+
+
+def decode_bench(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The existing benchmark's timed decode of the recipe as given (bench.py, the engine variant alone), in
+    this run and on this device, once the server has exited: the single-request figures that serving must
+    not slow down."""
+    out = Path(args.out) / "decode-bench"
+    cmd = [sys.executable, "benchmarks/bench.py", str(path), "--sections", "variants", "--variants", "engine",
+           "--engines", args.engines, "--out", str(out)] + (["--quick"] if args.quick else [])
+    print(f"[serve_bench] {path}: single-request decode (bench.py, engine variant) ...", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    try:
+        rec = next(iter(json.loads((out / "bench.json").read_text())["recipes"].values()))
+        decode = rec["variants"]["engine"]["decode"]
+    except (OSError, ValueError, KeyError, StopIteration):
+        return {"error": f"bench.py exited {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"}
+    return {b: {"p50_ms": d["p50"] * 1e3, "x_floor": d.get("x_floor")} for b, d in decode.items()}
 
 
 # -- report ---------------------------------------------------------------------------------------------------------------
@@ -328,6 +349,10 @@ def table(report: dict[str, Any]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head) - 1)]
     for r in rows:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
+    for rec in report["recipes"]:
+        if "single_request_decode" in rec:
+            lines.append(f"{rec['recipe']}: bench.py decode (single request, the recipe as given) "
+                         f"{json.dumps(rec['single_request_decode'])}")
     lines.append("ms; TTFT and TPOT as the clients saw them; occ = running rows / bucket rows, mean over steps; "
                  "floor = (weights + filled KV cache) / copy bandwidth")
     return "\n".join(lines)
@@ -372,6 +397,8 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
     ap.add_argument("--quick", action="store_true", help="short prompts and outputs (CPU smoke test)")
+    ap.add_argument("--decode-bench", action="store_true",
+                    help="also run bench.py's timed decode of each recipe as given (engine variant) in this run")
     ap.add_argument("--load-timeout", type=float, default=900.0, help="seconds for the server to load and warm up")
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
@@ -382,14 +409,19 @@ def main() -> None:
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit or "?",
                               "device": ceilings["device"], "device_name": ceilings.get("device_name", "?"),
                               "ceilings": ceilings, "command": " ".join(sys.argv), "recipes": []}
+    def save() -> None:
+        (out / "serve_bench.json").write_text(json.dumps(report, indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
         for path in args.recipes:
+            res: dict[str, Any] = {"recipe": str(path), "levels": {}}
+            report["recipes"].append(res)
             try:
-                report["recipes"].append(bench_recipe(path, args, ceilings, Path(tmp)))
+                bench_recipe(path, args, ceilings, Path(tmp), res, save)
             except (RuntimeError, subprocess.CalledProcessError) as exc:
-                report["recipes"].append({"recipe": str(path), "error": str(exc)[-2000:], "levels": {}})
+                res["error"] = str(exc)[-2000:]
                 print(f"[serve_bench] {path}: {exc}", flush=True)
-            (out / "serve_bench.json").write_text(json.dumps(report, indent=1))
+            save()
     print(plot(report, out / "serve_bench.png"))
     print(table(report))
 
