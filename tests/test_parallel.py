@@ -215,3 +215,32 @@ def json_of(path: Path) -> Any:
     import json
 
     return json.loads(path.read_text())
+
+
+class _Failing:
+    """A rank object that fails where told to: the launcher must report it, not hang on the other ranks."""
+
+    def __init__(self, rank: int, tp: int, fail_init: bool) -> None:
+        if fail_init and rank == 1:
+            raise InputError("rank 1 cannot start: a user's mistake")
+        self.rank = rank
+
+    def collective_then_fail(self) -> int:
+        import torch
+        import torch.distributed as dist
+
+        if self.rank == 1:
+            raise RuntimeError("a bug in rank 1")
+        t = torch.ones(1)
+        dist.all_reduce(t)  # rank 0 waits here for a rank that will never come
+        return int(t.item())
+
+
+def test_a_failing_rank_is_reported_and_the_others_are_stopped() -> None:
+    with pytest.raises(InputError, match="rank 1 cannot start"):
+        with parallel.Ranks(2, "cpu", _Failing, (True,)):
+            pass
+    ranks = parallel.Ranks(2, "cpu", _Failing, (False,))
+    with ranks, pytest.raises(parallel.TrtbuildError, match="(?s)tensor-parallel rank 1 failed.*a bug in rank 1"):
+        ranks.call("collective_then_fail")
+    assert not ranks._procs  # stopped, rank 0 too, though it was waiting in the all-reduce

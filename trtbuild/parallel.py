@@ -171,8 +171,8 @@ def _rank_main(rank: int, tp: int, host: str, port: int, backend: str, factory: 
         dist.init_process_group(backend, store=store, rank=rank, world_size=tp)
         obj = factory(rank, tp, *args)
         conn.send(("ok", None))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as exc:
+        conn.send(_failure(exc))
         return
     while True:
         try:
@@ -183,11 +183,8 @@ def _rank_main(rank: int, tp: int, host: str, port: int, backend: str, factory: 
             break
         try:
             conn.send(("ok", getattr(obj, method)(*call_args)))
-        except BaseException as exc:  # sent back whole, so the parent raises what the rank raised
-            if isinstance(exc, TrtbuildError):  # its parts: a subclass's own __init__ may not unpickle
-                conn.send(("raise", (isinstance(exc, InputError), exc.message, exc.hint, exc.exit_code)))
-            else:
-                conn.send(("error", traceback.format_exc()))
+        except BaseException as exc:  # sent back, so the parent raises what the rank raised
+            conn.send(_failure(exc))
     try:
         import torch.distributed as dist
 
@@ -195,6 +192,14 @@ def _rank_main(rank: int, tp: int, host: str, port: int, backend: str, factory: 
     except Exception:  # a rank on its way out: nothing left to report to
         pass
     conn.close()
+
+
+def _failure(exc: BaseException) -> tuple[str, Any]:
+    """What a rank sends back for an exception: a TrtbuildError by its parts (a subclass's own __init__ may
+    not unpickle), for the parent to raise as the user's error it is; anything else as its traceback."""
+    if isinstance(exc, TrtbuildError):
+        return "raise", (isinstance(exc, InputError), exc.message, exc.hint, exc.exit_code)
+    return "error", "".join(traceback.format_exception(exc))
 
 
 class Ranks:
