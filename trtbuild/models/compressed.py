@@ -17,26 +17,12 @@ import torch
 from torch import Tensor
 
 from trtbuild.errors import InputError
+from trtbuild.models.families import fp8_scheme  # config-only: it lives with the config reading
 
 # the model's fused Linears and the Hugging Face projections they concatenate
 FUSED = {"attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "attention.wo": ("self_attn.o_proj",), "feed_forward.w13": ("mlp.gate_proj", "mlp.up_proj"),
          "feed_forward.w2": ("mlp.down_proj",)}
-
-
-def fp8_scheme(raw: dict[str, Any], where: Path) -> str | None:
-    """"channel" or "tensor" for a compressed-tensors checkpoint of 8-bit float weights; None for a checkpoint
-    that is not compressed-tensors. Raises InputError for a compressed-tensors scheme trtbuild does not read."""
-    q = raw.get("quantization_config") or raw.get("compression_config")
-    if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors":
-        return None
-    groups = q.get("config_groups") or {}
-    weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)]
-    if (len(weights) == 1 and weights[0].get("num_bits") == 8 and weights[0].get("type") == "float"
-            and weights[0].get("strategy") in ("channel", "tensor")):
-        return str(weights[0]["strategy"])
-    raise InputError(f"{where}: quantization_config: compressed-tensors with weights {weights!r} is not supported; "
-                     "trtbuild reads 8-bit float weights with per-channel or per-tensor scales (FP8, FP8_DYNAMIC)")
 
 
 def _raw_tensors(folder: Path, names: set[str]) -> dict[str, Tensor]:

@@ -17,7 +17,10 @@ whose value would change the model in a way trtbuild does not implement, so that
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
+
+from trtbuild.errors import InputError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -169,11 +172,6 @@ def refused_fields(cfg: dict[str, Any]) -> list[str]:
         if value not in (None, 1, 1.0):
             problems.append(f"{name}: {value} is not supported (rope over the whole head only)")
     if cfg.get("quantization_config") and kind == "llama":
-        from pathlib import Path
-
-        from trtbuild.errors import InputError
-        from trtbuild.models.compressed import fp8_scheme
-
         try:  # compressed-tensors FP8 is read as stored (models/compressed.py); other schemes are named
             if fp8_scheme(cfg, Path("config.json")) is None:
                 problems.append("quantization_config: pre-quantized checkpoints other than compressed-tensors FP8 "
@@ -236,3 +234,18 @@ def windows_within(cfg: Any, max_seq_len: int) -> Any:
 
     windows = tuple(w if w < max_seq_len else 0 for w in cfg.layer_windows)
     return replace(cfg, layer_windows=windows if any(windows) else ())
+
+
+def fp8_scheme(raw: dict[str, Any], where: Path) -> str | None:
+    """"channel" or "tensor" for a compressed-tensors checkpoint of 8-bit float weights; None for a checkpoint
+    that is not compressed-tensors. Raises InputError for a compressed-tensors scheme trtbuild does not read."""
+    q = raw.get("quantization_config") or raw.get("compression_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors":
+        return None
+    groups = q.get("config_groups") or {}
+    weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)]
+    if (len(weights) == 1 and weights[0].get("num_bits") == 8 and weights[0].get("type") == "float"
+            and weights[0].get("strategy") in ("channel", "tensor")):
+        return str(weights[0]["strategy"])
+    raise InputError(f"{where}: quantization_config: compressed-tensors with weights {weights!r} is not supported; "
+                     "trtbuild reads 8-bit float weights with per-channel or per-tensor scales (FP8, FP8_DYNAMIC)")

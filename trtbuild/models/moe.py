@@ -16,7 +16,8 @@ Two exact ways to compute it, both free of data-dependent shapes (so both export
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
