@@ -18,7 +18,8 @@ Sections:
   `trtbuild run --no-build` in a new process (the engine found in the store, loaded, run), with its
   decode at batch 1 against the floor.
 
-NVLink SHARP stays off (NCCL_NVLS_ENABLE=0, set here too unless the caller set it). Writes tp_bench.json
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1,
+set here too unless the caller set them). Writes tp_bench.json
 under --out and prints one line a figure.
 """
 
@@ -37,12 +38,14 @@ from typing import Any
 
 import yaml
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import trtbuild  # noqa: E402,F401  - before torch: one libstdc++ for the compiled graphs
 
 from trtbuild import parallel  # noqa: E402
+
+for _k, _v in parallel.NCCL_ENV.items():  # NVLink multicast off, before torch is imported (trtbuild's ranks set it too)
+    os.environ.setdefault(_k, _v)
 
 SEVENTY_B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
              "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
@@ -232,7 +235,7 @@ def main() -> None:
     hidden = 64 if args.quick else 4096
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                               "gpus": torch.cuda.device_count() if device == "cuda" else 0,
-                              "torch": torch.__version__, "env": {"NCCL_NVLS_ENABLE": os.environ["NCCL_NVLS_ENABLE"]},
+                              "torch": torch.__version__, "env": {k: os.environ[k] for k in parallel.NCCL_ENV},
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     link = links(max(args.tp, args.tp70 if "70b" in sections else 1), hidden, device, args.quick)
     result["links"] = link

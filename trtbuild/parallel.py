@@ -144,20 +144,21 @@ def distributed_backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-# NVLink SHARP (multicast) stays off: the device hosts this project runs on lend GPUs whose multicast
-# objects cannot be created inside their containers, and NCCL then fails at its first collective.
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}
+# NVLink multicast (NVLink SHARP) stays off in NCCL, PyTorch and NVSHMEM unless the caller set otherwise: on
+# hosts whose GPUs are shared, a program that uses it can put them out of service for everyone; a decode
+# step's all-reduces are too small to gain from it.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _rank_main(rank: int, tp: int, host: str, port: int, backend: str, factory: Callable[..., Any],
                args: tuple[Any, ...], conn: Any) -> None:
     """One rank: join the process group, build the object, then serve calls until told to stop."""
     obj = None
+    for k, v in NCCL_ENV.items():  # before torch.distributed reads them
+        os.environ.setdefault(k, v)
     try:
         import torch.distributed as dist
 
-        for k, v in NCCL_ENV.items():
-            os.environ.setdefault(k, v)
         store = dist.TCPStore(host, port, tp + 1, False)
         import torch
 
