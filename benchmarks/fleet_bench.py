@@ -90,11 +90,16 @@ def throughput(server: Seaweed, work: Path, size: int, repeat: int) -> dict[str,
             "cp_sha256_GBps": total / med["cp_sha256"] / 1e9, "push_GBps": total / push_s / 1e9}
 
 
-def first_token(server: Seaweed, work: Path, recipe: Path, engines: Path | None, repeat: int) -> dict[str, Any]:
+def first_token(server: Seaweed, work: Path, recipe: Path, engines: Path | None, repeat: int,
+                seed_tactics: Path | None = None) -> dict[str, Any]:
     url = f"s3://{BUCKET}/ttft-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, **server.env(), "TRTBUILD_REMOTE": url, "PYTHONUNBUFFERED": "1"}
     env.pop("TRTBUILD_ENGINES", None)
     builder = engines or work / "builder"
+    if seed_tactics is not None:  # timings and compiled graphs an earlier build saved (device_session.sh's SEED_TACTICS)
+        builder.mkdir(parents=True, exist_ok=True)
+        parts = sorted(seed_tactics.glob("tactics.tar.gz*"))
+        subprocess.run(["bash", "-c", f"cat {' '.join(map(str, parts))} | tar -xz -C '{builder}'"], check=True)
     run = [sys.executable, "-m", "trtbuild", "run", str(recipe), "--no-build", "--output-len", "1", "--iterations", "1",
            "--json"]
     b = subprocess.run([sys.executable, "-m", "trtbuild", "build", str(recipe), "--engines", str(builder), "--json"],
@@ -130,6 +135,7 @@ def main() -> None:
     ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "tiny-llama.yaml", help="part 2's recipe ('' skips)")
     ap.add_argument("--engines", type=Path, default=None, help="the building host's store (an existing build is reused)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--seed-tactics", type=Path, default=None, help="DIR with tactics.tar.gz* to seed the build with")
     ap.add_argument("--dir", type=Path, default=None, help="work folder (default: a temporary one, removed)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -144,7 +150,7 @@ def main() -> None:
         if args.size_gb > 0:
             result["throughput"] = throughput(server, work, int(args.size_gb * 1e9), args.repeat)
         if str(args.recipe):
-            result["first_token"] = first_token(server, work, args.recipe, args.engines, args.repeat)
+            result["first_token"] = first_token(server, work, args.recipe, args.engines, args.repeat, args.seed_tactics)
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -116,7 +116,13 @@ def test_two_pushers_of_one_key_publish_one_manifest(url: str, tmp_path: Path) -
 
     def push() -> None:
         r = Remote(url)
-        r.head = lambda name: None if barrier.wait() is not None else None  # type: ignore[method-assign]
+        real_head, calls = r.head, []
+
+        def head(name: str) -> dict[str, object] | None:  # all three pass the "already there?" check together
+            calls.append(name)
+            return None if len(calls) == 1 and barrier.wait() is not None else real_head(name)
+
+        r.head = head  # type: ignore[method-assign]
         results.append(r.push(entry))
 
     threads = [threading.Thread(target=push) for _ in range(3)]

@@ -36,7 +36,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from trtbuild.errors import InputError, TrtbuildError
-from trtbuild.store import MANIFEST, SCHEMA, Entry, Store, file_sha256
+from trtbuild.store import MANIFEST, SCHEMA, Entry, Store
 from trtbuild.tactics import write_atomic
 
 Progress = Callable[[str], None]
@@ -46,7 +46,8 @@ ENV_LEASE = "TRTBUILD_REMOTE_LEASE_S"  # a lease's lifetime without a heartbeat;
 LEASE_S = 60.0
 CONNECT_TIMEOUT_S = 3.0
 READ_TIMEOUT_S = 60.0
-CHUNK = 64 << 20  # multipart part size and ranged-GET size
+CHUNK = 32 << 20  # multipart part size and ranged-GET size
+TRANSFERS = 8  # requests in flight: more only queued behind one another at the server (2 GB to SeaweedFS, 2 CPUs)
 KEY_RE = re.compile(r"[0-9a-f]{64}")
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
 BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -111,14 +112,19 @@ class Remote:
             raise InputError(f"remote {url}: the S3 client is not installed", hint=INSTALL_HINT) from None
         session = boto3.session.Session()
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        config = botocore.config.Config(
-            connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S, max_pool_connections=32,
-            retries={"max_attempts": 2, "mode": "standard"},
-            # S3-compatible servers behind an endpoint URL (MinIO, SeaweedFS, Ceph) rarely serve bucket subdomains
-            s3={"addressing_style": "path"} if endpoint else None)
-        self.client = session.client("s3", region_name=session.region_name or "us-east-1", config=config)
+        def client(attempts: int) -> Any:
+            config = botocore.config.Config(
+                connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S, max_pool_connections=32,
+                retries={"max_attempts": attempts, "mode": "standard"},
+                # S3-compatible servers behind an endpoint URL (MinIO, SeaweedFS, Ceph) rarely serve bucket subdomains
+                s3={"addressing_style": "path"} if endpoint else None)
+            return session.client("s3", region_name=session.region_name or "us-east-1", config=config)
+
+        # Small calls fail fast (an unreachable remote costs seconds, then the local store serves); a part of a
+        # multi-GB transfer is worth more tries, since one dropped connection would otherwise lose the whole pull.
+        self.client, self.data_client = client(2), client(5)
         self.transfer_config = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK,
-                                              max_concurrency=16, use_threads=True)
+                                              max_concurrency=TRANSFERS, use_threads=True)
         self.lease_s = float(os.environ.get(ENV_LEASE, LEASE_S))
 
     # -- names -----------------------------------------------------------------------------------
@@ -150,6 +156,8 @@ class Remote:
             if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden") or status == 403:
                 raise RemoteUnavailable(f"remote {self.url} refused the credentials ({code or status}) on {what}",
                                         hint="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE") from None
+            if code == "InvalidRange":  # a ranged GET past the object's end: it is shorter than its manifest says
+                raise RemoteCorrupt(f"remote {self.url}: {what}: the object is shorter than the manifest says") from None
             if code == "NoSuchBucket":
                 raise RemoteUnavailable(f"remote {self.url}: bucket {self.bucket!r} does not exist",
                                         hint="create it, or fix the URL") from None
@@ -208,7 +216,7 @@ class Remote:
         from botocore.exceptions import BotoCoreError, ClientError
         from s3transfer.exceptions import RetriesExceededError, S3DownloadFailedError, S3UploadFailedError
 
-        manager = create_transfer_manager(self.client, self.transfer_config)
+        manager = create_transfer_manager(self.data_client, self.transfer_config)
         lock = threading.Lock()
 
         def counted(n: int) -> None:
@@ -322,17 +330,13 @@ class Remote:
         store.ensure()
         workdir = store.new_workdir(name, key)
         try:
-            jobs = []
-            for rel in sorted(files):
-                dest = workdir / safe_relpath(rel)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                jobs.append(("down", base + rel, dest))
+            for rel in files:
+                (workdir / safe_relpath(rel)).parent.mkdir(parents=True, exist_ok=True)
             total = sum(int(f["size"]) for f in files.values())
-            self.transfer(jobs, total, _meter(progress, f"pulling {name} from {self.url}", total))
-            bad = _hash_problems(workdir, files)
+            meter = _locked(_meter(progress, f"pulling {name} from {self.url}", total))
+            bad = self._fetch_all(base, workdir, files, meter)
             if bad:  # once more, in case the bytes were damaged on the way rather than at rest
-                self.transfer([j for j in jobs if j[2].relative_to(workdir).as_posix() in bad], total, lambda n: None)
-                bad = _hash_problems(workdir, files)
+                bad = self._fetch_all(base, workdir, {rel: files[rel] for rel in bad}, lambda n: None)
             if bad:
                 raise RemoteCorrupt(f"remote entry {name}-{key[:16]} on {self.url}: " + "; ".join(
                     f"{rel}: {why}" for rel, why in sorted(bad.items())))
@@ -352,6 +356,61 @@ class Remote:
         with contextlib.suppress(RemoteUnavailable):
             self.put_json(self.name(SCHEMA, "used", key, socket.gethostname()), {"time": now, "pid": os.getpid()})
         return Entry(final, local)
+
+    def _fetch_all(self, base: str, workdir: Path, files: dict[str, Any], on_bytes: Callable[[int], None]) -> dict[str, str]:
+        """Download `files`, each hashed as its bytes arrive; returns {file: problem} for those that differ."""
+        def check(rel: str) -> tuple[str, str | None]:
+            size, digest = self._fetch(base + rel, workdir / rel, int(files[rel]["size"]), on_bytes, pool)
+            if size != files[rel]["size"]:
+                return rel, f"size {size}, manifest says {files[rel]['size']}"
+            return rel, None if digest == files[rel]["sha256"] else "sha256 differs from the manifest"
+
+        # Small files side by side; each large one in ranged parts side by side (its own window, one at a time).
+        small = sorted(r for r in files if int(files[r]["size"]) <= CHUNK)
+        large = sorted((r for r in files if int(files[r]["size"]) > CHUNK), key=lambda r: -int(files[r]["size"]))
+        with cf.ThreadPoolExecutor(max_workers=TRANSFERS) as pool:
+            results = list(pool.map(check, small)) + [check(r) for r in large]
+        return {rel: why for rel, why in results if why is not None}
+
+    def _fetch(self, name: str, dest: Path, size: int, on_bytes: Callable[[int], None],
+               pool: cf.ThreadPoolExecutor) -> tuple[int, str]:
+        """One object into `dest`: ranged GETs, TRANSFERS ahead, written and hashed in order as they arrive, so the
+        hash of a multi-GB file costs no pass of its own. Returns (bytes written, sha256)."""
+        import hashlib
+
+        h, written = hashlib.sha256(), 0
+        ranges = [(off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)]
+        with open(dest, "wb") as f:
+            if len(ranges) <= 1:  # in the caller's thread: small files already run side by side
+                parts: Iterator[bytes] = iter([self._get_range(name, *ranges[0], on_bytes)] if ranges else [])
+            else:
+                parts = _ordered(pool, [(lambda r=r: self._get_range(name, *r, on_bytes)) for r in ranges], TRANSFERS)
+            for data in parts:
+                f.write(data)
+                h.update(data)
+                written += len(data)
+        return written, h.hexdigest()
+
+    def _get_range(self, name: str, offset: int, length: int, on_bytes: Callable[[int], None]) -> bytes:
+        """Bytes [offset, offset + length) of an object; a connection dropped mid-body is retried (twice)."""
+        from botocore.exceptions import BotoCoreError
+
+        for attempt in (1, 2, 3):
+            resp = self._call(f"GET {name}", self.data_client.get_object, Key=name,
+                              Range=f"bytes={offset}-{offset + length - 1}")
+            if resp is None:
+                raise RemoteCorrupt(f"remote object {name} is missing")
+            try:
+                chunks = []
+                for chunk in resp["Body"].iter_chunks(1 << 20):
+                    chunks.append(chunk)
+                    on_bytes(len(chunk))
+                return b"".join(chunks)
+            except BotoCoreError as exc:
+                if attempt == 3:
+                    raise RemoteUnavailable(f"remote {self.url}: reading {name} failed ({type(exc).__name__}: {exc})",
+                                            hint="check the network; the local store is used meanwhile") from None
+        raise AssertionError("unreachable")
 
     def quarantine(self, key: str, reason: str) -> None:
         """Take a corrupt entry out of view: its manifest is copied to quarantine/, then deleted."""
@@ -406,17 +465,28 @@ class Remote:
             times.append(head["LastModified"].timestamp())
         return max(times, default=0.0)
 
-def _hash_problems(workdir: Path, files: dict[str, Any]) -> dict[str, str]:
-    """Size and sha256 of every file, hashed side by side (hashlib releases the GIL)."""
-    def check(rel: str) -> tuple[str, str | None]:
-        f = workdir / rel
-        size = f.stat().st_size
-        if size != files[rel]["size"]:
-            return rel, f"size {size}, manifest says {files[rel]['size']}"
-        return rel, None if file_sha256(f) == files[rel]["sha256"] else "sha256 differs from the manifest"
+def _ordered(pool: cf.ThreadPoolExecutor, calls: list[Callable[[], bytes]], ahead: int) -> Iterator[bytes]:
+    """The calls' results in order, with at most `ahead` running or done and not yet taken (bounded memory)."""
+    futures: list[cf.Future[bytes]] = []
+    try:
+        for i in range(len(calls)):
+            while len(futures) < len(calls) and len(futures) < i + ahead:
+                futures.append(pool.submit(calls[len(futures)]))
+            yield futures[i].result()
+            futures[i] = cf.Future()  # drop the bytes already written
+    finally:
+        for f in futures:
+            f.cancel()
 
-    with cf.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return {rel: why for rel, why in pool.map(check, sorted(files)) if why is not None}
+
+def _locked(fn: Callable[[int], None]) -> Callable[[int], None]:
+    lock = threading.Lock()
+
+    def call(n: int) -> None:
+        with lock:
+            fn(n)
+
+    return call
 
 
 def _meter(progress: Progress, what: str, total: int) -> Callable[[int], None]:
