@@ -309,7 +309,7 @@ def _take(engine: Any, slot: int, row: _Row, token: int, running: dict[int, _Row
         budget = job.max_tokens if job.max_tokens is not None else engine.max_seq_len
         if stopped:
             finish = "stop"
-        elif row.generated >= budget or row.position >= engine.max_seq_len:
+        elif row.generated >= budget or row.position + 1 >= engine.max_seq_len:  # prompt + output fill it
             finish = "length"
     if finish is None:
         return
