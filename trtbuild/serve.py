@@ -71,6 +71,10 @@ class Server:
         try:
             with self.session as session:
                 engine = session.engine
+                if not all(callable(getattr(engine, m, None)) for m in ("prefill", "decode", "release")):
+                    raise TrtbuildError(f"the {session.recipe.backend} backend's engines have no slot API "
+                                        "(prefill, decode, release), which serving needs",
+                                        hint="serve a recipe with `backend: torch`")
                 self.text = _text_side(session)
                 _warm(engine, self._buckets(engine))
                 elem = {"fp32": 4, "fp16": 2, "bf16": 2}.get(session.recipe.precision, 2)
