@@ -108,6 +108,23 @@ def test_quantized_precisions_are_refused_with_tp(tmp_path: Path) -> None:
         load_recipe(write_recipe(tmp_path, tiny_recipe_doc(precision="int8_wo", parallel={"tp": 2})))
 
 
+def test_the_prefill_graph_keeps_its_batch_dynamic_under_tensor_parallelism(tmp_path: Path) -> None:
+    """The gather of the logits must not make export specialize the batch (it did with funcol's own
+    gather along the last dimension, for any max_batch_size above 2)."""
+    import torch
+
+    from trtbuild.backends.torch.export import export_prefill
+    from trtbuild.backends.torch.tensor_parallel import fake_group, rank_model
+    from trtbuild.recipe import Shapes
+
+    cfg, state = _state(GQA, tmp_path / "model")
+    with fake_group(2) as name:
+        model = rank_model(cfg, Shapes(4, 16, 48, (4,)), torch.float32, "cpu", state, 2, 0)
+        program = export_prefill(model, 4, 16, "cpu")
+    assert "all_gather_into_tensor" in str(program.graph) and name == "0"
+    assert len(program.range_constraints) >= 2  # batch and prompt length still symbols
+
+
 # -- two gloo ranks ----------------------------------------------------------------------------------
 
 def _greedy(model: Any, prompts: list[list[int]], new: int) -> tuple[list[list[int]], Any]:

@@ -89,9 +89,15 @@ def _all_reduce(x: Tensor) -> Tensor:
 
 
 def _all_gather_last(x: Tensor) -> Tensor:
+    """(..., n) on each rank -> (..., tp * n), rank r's block r-th. Gathered along the first dimension and
+    rearranged here: funcol's own gather along the last one compares the gathered first dimension with tp,
+    which export turns into a guard that specializes a dynamic batch."""
     import torch.distributed._functional_collectives as funcol
 
-    return funcol.all_gather_tensor(x.contiguous(), x.dim() - 1, group())
+    tp = dist.get_world_size(group())
+    stacked = funcol.all_gather_tensor(x.contiguous(), 0, group())  # (tp * lead, n)
+    lead, n = x.shape[:-1], x.shape[-1]
+    return stacked.view(tp, -1, n).permute(1, 0, 2).reshape(*lead, tp * n)
 
 
 def parallelize(model: Any, cfg: LlamaConfig, tp: int, rank: int) -> Any:
