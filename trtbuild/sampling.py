@@ -135,22 +135,23 @@ def sample(logits: Any, params: Sequence[Sampling], positions: Sequence[int],
     drawn = [i for i, p in enumerate(params) if p.temperature > 0.0 and p.top_k != 1]
     if not drawn:
         return out
-    rows = torch.tensor(drawn, dtype=torch.long, device=dev)
-    y = x.index_select(0, rows)
-    temp = torch.tensor([params[i].temperature for i in drawn], device=dev)
-    y = y / temp[:, None]
     ks = [min(params[i].top_k, vocab) for i in drawn]
-    if any(ks):
-        k_max = max(ks)
+    k_max = max(ks)
+    # Every per-row number in one host-to-device copy (small copies from pageable memory each wait for the
+    # device): the row, its temperature, its top-k index, whether top-k is off, its top-p, its draw's key.
+    # float64 holds each exactly, the 32-bit keys included.
+    table = torch.tensor([[i, params[i].temperature, (k or k_max or 1) - 1, k == 0, params[i].top_p,
+                           row_key(params[i].seed, positions[i])] for i, k in zip(drawn, ks)],
+                         dtype=torch.float64).to(dev)
+    rows = table[:, 0].long()
+    y = x.index_select(0, rows) / table[:, 1].float()[:, None]
+    if k_max:
         kth = y.topk(k_max, dim=-1).values  # (m, k_max), descending
-        k_idx = torch.tensor([(k or k_max) - 1 for k in ks], device=dev)
-        cut = kth.gather(-1, k_idx[:, None])
-        off = torch.tensor([k == 0 for k in ks], device=dev)
-        y = y.masked_fill((y < cut) & ~off[:, None], float("-inf"))
-    ps = [params[i].top_p for i in drawn]
-    if any(p < 1.0 for p in ps):
-        y = _top_p(y, torch.tensor(ps, device=dev))
-    keys = torch.tensor([row_key(params[i].seed, positions[i]) for i in drawn], dtype=torch.int64, device=dev)
+        cut = kth.gather(-1, table[:, 2].long()[:, None])
+        y = y.masked_fill((y < cut) & ~table[:, 3].bool()[:, None], float("-inf"))
+    if any(params[i].top_p < 1.0 for i in drawn):
+        y = _top_p(y, table[:, 4].float())
+    keys = table[:, 5].long()
     gumbel = -torch.log(-torch.log(uniform(keys, vocab)))
     out[rows] = (y + gumbel).argmax(-1)
     return out

@@ -240,8 +240,8 @@ class TorchEngine:
                 out = greedy[:n].tolist()
             else:
                 picked = self._sample(logits[:n], slots, positions, sampling)
-                keep = torch.tensor([s.greedy for s in sampling], device=self.device)
-                out = torch.where(keep, greedy[:n], picked).tolist()
+                both = torch.stack([greedy[:n], picked]).tolist()  # one copy back for both
+                out = [g if s.greedy else p for g, p, s in zip(both[0], both[1], sampling)]
         for slot, tok in zip(slots, out):
             self._generated.setdefault(slot, []).append(tok)
         return out
