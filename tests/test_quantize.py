@@ -188,7 +188,9 @@ def test_the_build_step_stores_small_tensors_that_the_placed_model_computes_with
     folder = make_hf_folder(tmp_path / "m")
     cfg, dense = _tiny_state(folder)
     recipe = SimpleNamespace(precision="int4_wo", options={})
+    before = {k: v.clone() for k, v in dense.items()}
     state, record = quantize_weights(dict(dense), cfg, recipe, None, "cpu", lambda m: None)
+    assert all(torch.equal(dense[k], v) for k, v in before.items())  # GPTQ worked on copies
     assert record["method"] == "gptq" and record["format"] == "int4" and record["calibration"]["tokenizer"] == "bytes"
     assert state["layers.0.attention.wqkv.qweight"].dtype == torch.uint8
     assert state["tok_embeddings.weight"].dtype == torch.bfloat16 and "output.weight" in state

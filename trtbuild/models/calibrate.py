@@ -33,6 +33,9 @@ QUANTIZED = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward
 METHODS = ("gptq", "rtn")  # int4's; fp8 and int8 are always round to nearest
 GPTQ_BLOCK = 128  # columns updated together (a multiple of every int4 group)
 GPTQ_DAMP = 0.01  # share of H's mean diagonal added to it, for a well-conditioned inverse
+GPTQ_ACT_ORDER = False  # columns in order of decreasing input energy (H's diagonal), groups' parameters fixed first
+GPTQ_CLIP = False  # groups' parameters by a clipping search (`clipped_params`) instead of their min and max
+CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
 def quantized_names(state: dict[str, Tensor]) -> list[str]:
@@ -153,7 +156,8 @@ def gptq_int4(w: Tensor, hessian: Tensor, group: int | None = None) -> dict[str,
     return _gptq_int4(w, hessian, group)
 
 
-def _gptq_int4(w: Tensor, hessian: Tensor, group: int | None) -> dict[str, Tensor]:
+def _gptq_int4(w: Tensor, hessian: Tensor, group: int | None, act_order: bool = GPTQ_ACT_ORDER,
+               clip: bool = GPTQ_CLIP) -> dict[str, Tensor]:
     n, k = w.shape
     group = group or quantize.group_size(k)
     W = w.float().clone()
@@ -161,18 +165,29 @@ def _gptq_int4(w: Tensor, hessian: Tensor, group: int | None) -> dict[str, Tenso
     dead = torch.diag(H) == 0  # inputs never seen: their weights do not matter
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    static = act_order or clip
+    if static:
+        # every group's scale and zero fixed before the columns move (act_order visits a group's columns
+        # out of order, so they cannot be read off the group as it stands)
+        fixed = clipped_params(W, group, torch.diag(H)) if clip else quantize.int4_params(W, group)
+    order = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=W.device)
+    W, H = W[:, order], H[order][:, order]
     H += torch.eye(k, device=H.device) * (GPTQ_DAMP * torch.diag(H).mean())
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     codes = torch.zeros(n, k, dtype=torch.uint8, device=W.device)
     scales = torch.zeros(n, k // group, device=W.device)
     zeros = torch.zeros(n, k // group, device=W.device)
+    if static:
+        scales, zeros = fixed
     for i1 in range(0, k, GPTQ_BLOCK):
         i2 = min(i1 + GPTQ_BLOCK, k)
         W1, E1, Hinv1 = W[:, i1:i2].clone(), torch.zeros(n, i2 - i1, device=W.device), Hinv[i1:i2, i1:i2]
         s = z = W1[:, :1]  # set at the first column, a group boundary
         for i in range(i2 - i1):
-            col = i1 + i
-            if col % group == 0:
+            col = int(order[i1 + i])  # the original column
+            if static:
+                s, z = scales[:, col // group, None], zeros[:, col // group, None]
+            elif col % group == 0:
                 s, z = quantize.int4_params(W1[:, i:i + group], group)
                 scales[:, col // group], zeros[:, col // group] = s[:, 0], z[:, 0]
             wcol = W1[:, i:i + 1]
@@ -184,3 +199,21 @@ def _gptq_int4(w: Tensor, hessian: Tensor, group: int | None) -> dict[str, Tenso
         W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
     return {"qweight": quantize.pack_int4(codes, group), "scale": scales.to(torch.bfloat16),
             "zero": zeros.to(torch.bfloat16)}
+
+
+def clipped_params(w: Tensor, group: int, importance: Tensor) -> tuple[Tensor, Tensor]:
+    """Each group's scale and zero with its range shrunk by the factor of `CLIP_GRID` that minimizes the
+    group's rounding error, each column's error weighted by `importance` (H's diagonal: its input's energy)."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    imp = importance.reshape(1, k // group, group)
+    best_err = torch.full((n, k // group), float("inf"), device=w.device)
+    best_s, best_z = torch.zeros_like(best_err), torch.zeros_like(best_err)
+    for c in CLIP_GRID:
+        s, z = quantize.int4_params(w, group, c)
+        q = torch.round(g / s[..., None] + z[..., None]).clamp(0, 15)
+        err = (((q - z[..., None]) * s[..., None] - g) ** 2 * imp).sum(-1)
+        better = err < best_err
+        best_err, best_s, best_z = torch.where(better, err, best_err), torch.where(better, s, best_s), \
+            torch.where(better, z, best_z)
+    return best_s, best_z

@@ -58,7 +58,10 @@ def quantize_weights(state: dict[str, Any], cfg: Any, recipe: Any, tokenizer: An
         tokens = calibrate.calibration_tokens(tokenizer, cfg.vocab_size, CALIBRATION_WINDOW).to(device)
         shapes = SimpleNamespace(max_batch_size=tokens.shape[0], max_input_len=tokens.shape[1],
                                  max_seq_len=tokens.shape[1])
-        model = place_model(cfg, shapes, state["tok_embeddings.weight"].dtype, device, dict(state))
+        # GPTQ overwrites the placed model's weights as it goes; on the CPU placing does not copy, so it gets
+        # copies (the caller's dense tensors stay the checkpoint's)
+        model = place_model(cfg, shapes, state["tok_embeddings.weight"].dtype, device,
+                            {k: v.clone() if v.device.type == device else v for k, v in state.items()})
         quantized = calibrate.gptq_state(model, tokens, progress)
         del model
         state = {k: v for k, v in state.items() if k.removesuffix(".weight") not in names} | quantized
