@@ -87,8 +87,8 @@ def probe_recipe(path: str, batches: list[int], positions: list[int], reps: int,
     windows = decode_windows(shapes.max_seq_len)
     aten = torch.compile(_cached_attention, dynamic=False)
     # the model's own rotation and cache writes (options.decode_attention kernel-unfused), query returned
-    rope_split = torch.compile(lambda qkv, table, pos, k, v: rope_and_store(qkv, table, pos, k, v, cfg)[0],
-                               dynamic=False)
+    rope_split = torch.compile(lambda qkv, table, pos, k, v: rope_and_store(
+        qkv, table, pos.reshape(1, 1), torch.arange(qkv.shape[0], device=qkv.device), k, v, cfg)[0], dynamic=False)
     rope = rope_table(cfg, shapes.max_seq_len).to(dev)
     width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     qkv_weights = [torch.randn(width, cfg.num_heads * cfg.head_dim, device=dev, dtype=dtype, generator=gen) * 0.02
