@@ -74,19 +74,20 @@ def time_prefill(graph: Any, length: int, reps: int, vocab: int, device: str) ->
     of one more, profiled."""
     tokens = torch.tensor([[(7 * i) % (vocab - 1) + 1 for i in range(length)]], device=device)
     positions = torch.arange(length, device=device)
+    slots = torch.zeros(1, dtype=torch.long, device=device)  # the prompt's cache row
     for _ in range(2):
-        graph(tokens, positions)
+        graph(tokens, positions, slots)
     clock = StepClock(device)
     clock.mark()
     for _ in range(reps):
-        graph(tokens, positions)
+        graph(tokens, positions, slots)
         clock.mark()
     samples = clock.intervals()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        graph(tokens, positions)
+        graph(tokens, positions, slots)
         torch.cuda.synchronize() if device.startswith("cuda") else None
     return {"length": length, "p50_ms": statistics.median(samples) * 1e3, "n": len(samples),
             "kernels": kernels_of(prof, 1)}
