@@ -146,7 +146,7 @@ def test_seeded_sampling_repeats_whatever_runs_beside_it_and_greedy_limits_are_g
     kw = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 1234}
     first = alone(session, prompt, 12, **kw)
     assert alone(session, prompt, 12, **kw) == first
-    # in a batch of four other prompts, sampled with other seeds, in another row and bucket
+    # beside three other prompts, in another cache row and another bucket (4 rows, not 1)
     batch = session.generate([PROMPTS[0], PROMPTS[2], prompt, PROMPTS[3]], max_tokens=12, ignore_eos=True, **kw)
     assert batch[2].token_ids == first
     assert alone(session, prompt, 12, **(kw | {"seed": 99})) != first
