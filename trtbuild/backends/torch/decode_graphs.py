@@ -50,7 +50,8 @@ class DecodeGraphs:
         self.tok = self.io[0].view(batch, 1)
         self.pos = self.io[1].view(batch, 1)  # each row's position
         self.slots = self.io[2]  # each row's cache row
-        self.slots.copy_(torch.arange(batch, device=device))
+        self.own_rows = torch.arange(batch, device=device)  # generate's rows: row i in cache row i
+        self.slots.copy_(self.own_rows)
         # the cache row that padding rows and the capture's warm-up steps write (llama.scratch_row)
         self.scratch = batch if scratch is None else scratch
         self.out = torch.zeros(batch, max_seq_len, dtype=torch.long, device=device)
@@ -134,10 +135,8 @@ class DecodeGraphs:
 
     def start(self, first: Any, prompt_len: int) -> None:
         """Seed the loop with prefill's token for position prompt_len - 1, every row in its own cache row."""
-        import torch
-
         self.tok.copy_(first[:, None])
-        self.slots.copy_(torch.arange(self.batch, device=self.device))
+        self.slots.copy_(self.own_rows)  # a copy, no allocation: this runs inside the timed prefill
         self.pos.fill_(prompt_len - 1)
         self.out.scatter_(1, self.pos, self.tok)
         self.pos.fill_(prompt_len)
