@@ -93,8 +93,13 @@ def throughput(server: Seaweed, work: Path, size: int, repeat: int) -> dict[str,
 def first_token(server: Seaweed, work: Path, recipe: Path, engines: Path | None, repeat: int,
                 seed_tactics: Path | None = None) -> dict[str, Any]:
     url = f"s3://{BUCKET}/ttft-{uuid.uuid4().hex[:6]}"
-    env = {**os.environ, **server.env(), "TRTBUILD_REMOTE": url, "PYTHONUNBUFFERED": "1"}
+    # One snapshot of the code for every process: keys hash trtbuild's engine code, so an edit in the checkout
+    # between the build and a run would otherwise give the run another key.
+    src = work / "src"
+    shutil.copytree(REPO / "trtbuild", src / "trtbuild", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, **server.env(), "TRTBUILD_REMOTE": url, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(src)}
     env.pop("TRTBUILD_ENGINES", None)
+    recipe = recipe.absolute()
     builder = engines or work / "builder"
     if seed_tactics is not None:  # timings and compiled graphs an earlier build saved (device_session.sh's SEED_TACTICS)
         builder.mkdir(parents=True, exist_ok=True)
@@ -103,16 +108,16 @@ def first_token(server: Seaweed, work: Path, recipe: Path, engines: Path | None,
     run = [sys.executable, "-m", "trtbuild", "run", str(recipe), "--no-build", "--output-len", "1", "--iterations", "1",
            "--json"]
     b = subprocess.run([sys.executable, "-m", "trtbuild", "build", str(recipe), "--engines", str(builder), "--json"],
-                       cwd=REPO, env=env, capture_output=True, text=True, check=True)
+                       cwd=src, env=env, capture_output=True, text=True, check=True)
     built = json.loads(b.stdout.strip().splitlines()[-1])
     if built["fleet"].get("tier") != "built":  # an existing store: push what it has
         subprocess.run([sys.executable, "-m", "trtbuild", "cache", "push", built["engine"]["key"][:16], "--engines",
-                        str(builder)], cwd=REPO, env=env, check=True, capture_output=True)
+                        str(builder)], cwd=src, env=env, check=True, capture_output=True)
     samples: dict[str, list[dict[str, Any]]] = {"remote": [], "local": []}
     for i in range(repeat):
         for tier, store in (("remote", work / f"fresh{i}"), ("local", builder)):
             t = time.perf_counter()
-            p = subprocess.run([*run, "--engines", str(store)], cwd=REPO, env=env, capture_output=True, text=True)
+            p = subprocess.run([*run, "--engines", str(store)], cwd=src, env=env, capture_output=True, text=True)
             wall = time.perf_counter() - t
             if p.returncode != 0:
                 raise SystemExit(f"{tier} run failed: {p.stderr[-1500:]}")
@@ -146,16 +151,22 @@ def main() -> None:
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": os.uname().nodename,
                               "cpus": os.cpu_count(), "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                               cwd=REPO, capture_output=True, text=True).stdout.strip()}
+    print(f"fleet bench, {result['date']}, {result['host']} ({result['cpus']} CPUs), commit {result['commit']}")
     try:
         if args.size_gb > 0:
             result["throughput"] = throughput(server, work, int(args.size_gb * 1e9), args.repeat)
+            show(result, args)
         if str(args.recipe):
             result["first_token"] = first_token(server, work, args.recipe, args.engines, args.repeat, args.seed_tactics)
+            show(result, args)
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"fleet bench, {result['date']}, {result['host']} ({result['cpus']} CPUs), commit {result['commit']}")
-    if tp := result.get("throughput"):
+
+
+def show(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """Print the part just measured, and write everything measured so far to --out."""
+    if (tp := result.get("throughput")) and "first_token" not in result:
         print(f"entry {tp['bytes'] / 1e9:.2f} GB     median of {args.repeat}")
         print(f"  pull from SeaweedFS (ranged GETs + sha256 + publish)  {statistics.median(tp['pull_s']):7.2f} s  "
               f"{tp['pull_GBps']:.2f} GB/s")
@@ -165,13 +176,13 @@ def main() -> None:
               f"{tp['cp_sha256_GBps']:.2f} GB/s")
         print(f"  push (multipart, once)                                {tp['push_s']:7.2f} s  {tp['push_GBps']:.2f} GB/s")
     if ft := result.get("first_token"):
-        print(f"run start to first token, {ft['recipe']} (entry {ft['entry_bytes'] / 1e6:.1f} MB)")
+        print(f"run start to first token, {ft['recipe']} (entry {ft['entry_bytes'] / 1e6:.1f} MB), median of {args.repeat}")
         print(f"  fresh store, pulled from the remote  {ft['remote_wall_s']:7.2f} s  (pull {ft['remote_pull_s']:.2f} s)")
         print(f"  local hit                            {ft['local_wall_s']:7.2f} s")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"samples: {args.out}")
+        print(f"samples: {args.out}", flush=True)
 
 
 if __name__ == "__main__":
