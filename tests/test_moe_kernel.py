@@ -4,6 +4,7 @@ Triton's interpreter on the CPU (fp32; skipped where Triton is not installed), c
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -54,3 +55,41 @@ def test_the_gather_kernel_in_bf16_on_the_gpu_is_within_rounding_of_aten() -> No
         m.decode_kernel = "kernel"
         got = m(x, lambda t: t, None, gathered=True).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_the_kernel_exports_as_one_opaque_op_whose_source_keys_the_compiled_graph(tmp_path: Path) -> None:
+    """A decode graph exported with MoE.decode_kernel "kernel" calls trtbuild::moe_gathered as one op (what
+    AOTInductor compiles in), and the compiled-graph cache's key takes the kernel's source digest. In a
+    process of its own: export traces the op's kernel launch only where Triton's interpreter is off."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "export_moe.py"
+    script.write_text(
+        "import os\n"
+        "os.environ.pop('TRITON_INTERPRET', None)\n"
+        "from types import SimpleNamespace\n"
+        "import torch\n"
+        "from trtbuild.models.moe import MoE\n"
+        "from trtbuild.backends.torch.decode_kernels import sources_called\n"
+        "from trtbuild.kernels.moe_gather import source_digest\n"
+        "cfg = SimpleNamespace(num_experts=8, experts_per_token=2, norm_topk_prob=True, hidden_size=64,"
+        " moe_intermediate_size=48)\n"
+        "m = MoE(cfg)\n"
+        "m.decode_kernel = 'kernel'\n"
+        "class Step(torch.nn.Module):\n"
+        "    def __init__(self): super().__init__(); self.m = m\n"
+        "    def forward(self, x): return self.m(x, lambda t: t, None, gathered=True)\n"
+        "ep = torch.export.export(Step(), (torch.randn(2, 1, 64),))\n"
+        "text = ep.graph_module.print_readable(print_output=False)\n"
+        "assert 'torch.ops.trtbuild.moe_gathered.default' in text, text\n"
+        "assert sources_called(text) == '\\0trtbuild.moe_gathered ' + source_digest()\n"
+        "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    import triton
+
+    # the checkout and wherever Triton was found (a --target folder in the CPU instructions)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(Path(triton.__file__).resolve().parents[1])])
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
