@@ -197,6 +197,7 @@ def make_peer(name: str, ctx: dict[str, Any], args: argparse.Namespace, notes: l
 # engine@SPEC: one recipe option changed, for A/B runs of trtbuild's own kernels
 ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode matmul kernel"),
                    "moe-kernel": ("moe_decode", "kernel", "trtbuild's Triton gather of the chosen experts in decode"),
+                   "moe-grouped": ("moe_prefill", "grouped", "prompts' tokens grouped by expert (torch._grouped_mm)"),
                    "kernel": ("decode_matmul", "kernel", "trtbuild's decode matmul kernel for every matmul"),
                    "aten-attention": ("decode_attention", "aten", "no trtbuild decode attention kernel"),
                    "attention-unfused": ("decode_attention", "kernel-unfused",

@@ -339,3 +339,49 @@ def test_a_window_no_position_outgrows_leaves_the_layer_to_sdpas_causal_kernels(
     assert not any(b.attention.masked for b in Transformer(cfg, 1, WINDOW, torch.float32).layers)
     assert windows_within(cfg, WINDOW).layer_windows == () and attention_kernel_limits(windows_within(cfg, WINDOW)) is None
     assert "sliding windows" in str(attention_kernel_limits(windows_within(cfg, WINDOW + 1)))
+
+
+def test_a_prompt_grouped_by_expert_gives_the_dense_paths_output_and_compiles() -> None:
+    """options.moe_prefill grouped (bf16: torch._grouped_mm): each token's k experts only, sorted by expert;
+    within bf16 rounding of the dense and gathered paths eagerly, and the same through AOTInductor on the CPU."""
+    from types import SimpleNamespace
+
+    from trtbuild.backends.torch import moe_plan
+    from trtbuild.errors import TrtbuildError
+    from trtbuild.models.moe import MoE
+
+    cfg = SimpleNamespace(num_experts=6, experts_per_token=2, norm_topk_prob=False, hidden_size=64,
+                          moe_intermediate_size=40)
+    torch.manual_seed(0)
+    m = MoE(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    m = m.to(torch.bfloat16)
+    x = torch.randn(2, 9, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        dense = m(x, lambda t: t, None).float()
+        gathered = m(x, lambda t: t, None, gathered=True).float()
+        m.prefill_kernel = "grouped"
+        grouped = m(x, lambda t: t, None).float()
+    torch.testing.assert_close(grouped, gathered, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(grouped, dense, atol=2e-2, rtol=2e-2)
+
+    class Prompt(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.m(x, lambda t: t, None)
+
+    with torch.no_grad():
+        ep = torch.export.export(Prompt(), (x,))
+        package = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(ep))
+        torch.testing.assert_close(package(x).float(), grouped, atol=3e-2, rtol=3e-2)
+    # only where torch._grouped_mm serves
+    model = torch.nn.ModuleList([m])
+    assert moe_plan.prefill_plan(model, "grouped", torch.bfloat16, "cpu")["used"] == "grouped"
+    assert moe_plan.prefill_plan(model, "dense", torch.bfloat16, "cpu")["used"] == "dense"
+    with pytest.raises(TrtbuildError, match="options.moe_prefill: 'grouped' cannot serve this build: .*bf16 only"):
+        moe_plan.prefill_plan(model, "grouped", torch.float32, "cpu")

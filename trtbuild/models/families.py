@@ -208,8 +208,9 @@ def model_paths(cfg: Any) -> dict[str, str]:
                               "SDPA's causal kernels for the others")
     if cfg.num_experts:
         paths["experts"] = (f"top-{cfg.experts_per_token} of {cfg.num_experts} experts: decode steps multiply the "
-                            "gathered weights of the chosen experts (ATen); prompts run every expert, dense, the "
-                            "unchosen ones weighted by zero")
+                            "gathered weights of the chosen experts (tactics.moe_decode: ATen's gather or the "
+                            "Triton kernel); prompts run every expert, dense, the unchosen ones weighted by zero, "
+                            "or grouped by expert (tactics.moe_prefill)")
     if cfg.hidden_act != "silu":
         paths["mlp_gating"] = f"{cfg.hidden_act} in ATen after the gate/up matmul"
     return paths

@@ -9,9 +9,10 @@ checkpoint's per-expert tensors so.
 Two exact ways to compute it, both free of data-dependent shapes (so both export):
 - `gathered` (decode steps): the chosen experts' weights are gathered per token and only they are
   multiplied: a step reads k experts' weights, not E.
-- `dense` (prompts): every expert runs on every token and the unchosen ones are weighted by zero. Correct,
-  and E/k times the FLOPs of the chosen experts alone; grouping the tokens by expert (a grouped matmul) is
-  what a prompt should do on the GPU and is not written yet (docs/models.md).
+- `dense` (prompts, the default): every expert runs on every token and the unchosen ones are weighted by
+  zero. Correct in every dtype, and E/k times the FLOPs of the chosen experts alone.
+- `grouped` (prompts, options.moe_prefill grouped): the tokens grouped by expert, one grouped matmul per
+  projection (16-bit only: torch._grouped_mm).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class MoE(nn.Module):
     # "kernel": decode steps through trtbuild's Triton gather (kernels/moe_gather.py: the chosen experts'
     # weights read in place, CUDA only). No build sets it yet: tested against "aten" (tests/test_moe_kernel.py).
     decode_kernel: str = "aten"
+    # "grouped": a prompt's tokens sorted by expert and multiplied in one grouped matmul per projection
+    # (torch._grouped_mm: 16-bit weights, CUDA of compute capability 9.0 or the CPU); "dense": every expert on
+    # every token. Set by the backend (options.moe_prefill).
+    prefill_kernel: str = "dense"
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
@@ -53,7 +58,12 @@ class MoE(nn.Module):
         shape = x.shape
         h = norm(x).reshape(-1, shape[-1])
         weights, chosen = self.route(h)
-        y = self._gathered(h, weights, chosen) if gathered else self._dense(h, weights, chosen)
+        if gathered:
+            y = self._gathered(h, weights, chosen)
+        elif self.prefill_kernel == "grouped":
+            y = self._grouped(h, weights, chosen)
+        else:
+            y = self._dense(h, weights, chosen)
         y = y.reshape(shape)
         return y if residual is None else residual + y
 
@@ -66,6 +76,23 @@ class MoE(nn.Module):
         a, b = up.chunk(2, dim=-1)
         out = torch.einsum("nkf,nkdf->nkd", F.silu(a) * b, self.w2[chosen])
         return (out * weights[..., None]).sum(1)
+
+    def _grouped(self, h: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
+        """Each (token, chosen expert) pair as a row, the rows sorted by expert, one grouped matmul per
+        projection over the experts' segments (`offs`, the segments' ends): each expert's weights read
+        once, each token multiplied by its k experts only. Every shape is static (N * k rows), so it exports."""
+        n, k = chosen.shape
+        experts = self.gate.shape[0]
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(experts, dtype=torch.int32, device=h.device).scatter_add(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+        up = torch._grouped_mm(h.index_select(0, order // k), self.w13.transpose(-2, -1), offs=offs)
+        a, b = up.chunk(2, dim=-1)
+        down = torch._grouped_mm(F.silu(a) * b, self.w2.transpose(-2, -1), offs=offs)
+        out = torch.empty_like(down).index_copy(0, order, down)  # back in (token, j) order
+        return (out.view(n, k, -1) * weights[..., None]).sum(1)
 
     def _dense(self, h: Tensor, weights: Tensor, chosen: Tensor) -> Tensor:
         every = torch.zeros(h.shape[0], self.gate.shape[0], dtype=h.dtype, device=h.device).scatter(1, chosen, weights)

@@ -155,6 +155,8 @@ class TorchAOTIBackend:
         # a mixture of experts' decode path, timed on the model's own experts where asked (moe_plan.py)
         moe = moe_plan.plan(model, _option(recipe, "moe_decode"), device, max(shapes.batch_buckets))
         moe_plan.route(model, moe["used"])
+        moe_prompt = moe_plan.prefill_plan(model, _option(recipe, "moe_prefill"), dtype, device)
+        moe_plan.route_prefill(model, moe_prompt["used"])
         t = time.perf_counter()
         prompt = prefill_attention.plan(cfg, dtype, _option(recipe, "prefill_attention"), device,
                                         shapes.max_input_len, job)
@@ -183,7 +185,7 @@ class TorchAOTIBackend:
                   "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
                   "attention": attention["used"], "prefill_attention": prompt["used"], "fold_norms": fold,
-                  "moe_decode": moe["used"]}
+                  "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"]}
         with inductor_caches(job.tactics.path), record_autotuning(tuned), \
                 compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers, \
                 (compile_workers.timing_alone(job.tactics.path / compile_workers.TIMING_LOCK) if workers_n
@@ -230,6 +232,7 @@ class TorchAOTIBackend:
                    "decode_matmuls": matmuls, "decode_attention": attention, "prefill_attention": prompt,
                    "cache": str(job.tactics.path), "compiled_graphs_reused": reused,
                    "model_paths": model_paths(windows_within(cfg, shapes.max_seq_len)), "moe_decode": moe,
+                   "moe_prefill": moe_prompt,
                    "compile_workers": workers_n}
         if recipe.tactics_level == "max" and not tuned:
             tactics["note"] = "no GEMM benchmarking ran: every choice came from the tactic cache"

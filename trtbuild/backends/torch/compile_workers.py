@@ -198,7 +198,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["precision"] in FORMATS:  # quantized: the stored buffers' shapes and dtypes, not the dense weight's
         state = empty_quantized(state, FORMATS[spec["precision"]])
     model = export.place_model(cfg, shapes, dtype, spec["device"], state, spec.get("fold_norms", False))
-    moe_plan.route(model, spec.get("moe_decode", "aten"))  # the build's choice for a mixture of experts' decode
+    moe_plan.route(model, spec.get("moe_decode", "aten"))  # the build's choices for a mixture of experts
+    moe_plan.route_prefill(model, spec.get("moe_prefill", "dense"))
     del state
     del hf
     matmuls: dict[decode_kernels.MatmulKey, Any] = {}

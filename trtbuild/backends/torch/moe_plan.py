@@ -1,4 +1,6 @@
-"""How a mixture of experts' decode steps run (options.moe_decode): ATen's gather of the chosen experts'
+"""How a mixture of experts' decode steps and prompts run (options.moe_decode, options.moe_prefill).
+
+Decode steps (options.moe_decode): ATen's gather of the chosen experts'
 weights (`models/moe.MoE._gathered`) or trtbuild's Triton kernel that reads them in place
 (`kernels/moe_gather.py`), the latter chosen only where the build timed it faster.
 
@@ -6,8 +8,10 @@ weights (`models/moe.MoE._gathered`) or trtbuild's Triton kernel that reads them
 - auto: on CUDA, the model's own MoE layers at the largest decode batch, each way, in a CUDA graph; the
   kernel where it is faster by `MARGIN`. A kernel that fails to launch leaves ATen's. CPU builds: ATen.
 - kernel: the kernel on CUDA, untimed; an error on the CPU.
-The choice is set on the model's MoE layers for the decode graphs' export (`route`), here and in the
-compile workers (`compile_workers.run` takes it from the build's spec), and recorded in the manifest.
+Prompts (options.moe_prefill): dense (the default) or grouped by expert (`prefill_plan`).
+Both choices are set on the model's MoE layers for the graphs' export (`route`, `route_prefill`), here and
+in the compile workers (`compile_workers.run` takes them from the build's spec), and recorded in the
+manifest.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from typing import Any
 from trtbuild.errors import TrtbuildError
 
 MOE_DECODE_MODES = ("aten", "auto", "kernel")
-OPTIONS = {"moe_decode": MOE_DECODE_MODES}
+# options.moe_prefill: dense = every expert on every token, the unchosen weighted by zero (any dtype);
+# grouped = the tokens sorted by expert, a grouped matmul per projection (bf16, CUDA 9.0+ or the CPU)
+MOE_PREFILL_MODES = ("dense", "grouped")
+OPTIONS = {"moe_decode": MOE_DECODE_MODES, "moe_prefill": MOE_PREFILL_MODES}
 MARGIN = 0.03
 
 
@@ -90,3 +97,36 @@ def route(model: Any, used: str) -> None:
     for m in model.modules():
         if isinstance(m, MoE):
             m.decode_kernel = used
+
+
+def prefill_plan(model: Any, mode: str, dtype: Any, device: str) -> dict[str, str]:
+    """{"used": "dense" | "grouped", "note"}: a mixture of experts' prompt path (options.moe_prefill)."""
+    import torch
+
+    from trtbuild.models.moe import MoE
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        return {"used": "dense", "note": "no mixture of experts"}
+    if mode == "dense":
+        return {"used": "dense", "note": "options.moe_prefill is dense"}
+    d, f = layers[0].w2.shape[1], layers[0].w2.shape[2]
+    why = None
+    if dtype != torch.bfloat16:
+        why = "torch._grouped_mm takes bf16 only"
+    elif d % 8 or f % 8:
+        why = f"torch._grouped_mm needs rows of a multiple of 16 bytes (hidden {d}, expert width {f})"
+    elif device.startswith("cuda") and torch.cuda.get_device_capability() < (9, 0):
+        why = "torch._grouped_mm needs compute capability 9.0 or later on CUDA"
+    if why:
+        raise TrtbuildError(f"options.moe_prefill: 'grouped' cannot serve this build: {why}; use dense")
+    return {"used": "grouped", "note": "options.moe_prefill is grouped"}
+
+
+def route_prefill(model: Any, used: str) -> None:
+    """Set every MoE layer's prompt path for the exports that follow."""
+    from trtbuild.models.moe import MoE
+
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.prefill_kernel = used
