@@ -385,3 +385,13 @@ def test_a_prompt_grouped_by_expert_gives_the_dense_paths_output_and_compiles() 
     assert moe_plan.prefill_plan(model, "dense", torch.bfloat16, "cpu")["used"] == "dense"
     with pytest.raises(TrtbuildError, match="options.moe_prefill: 'grouped' cannot serve this build: .*bf16 only"):
         moe_plan.prefill_plan(model, "grouped", torch.float32, "cpu")
+
+
+def test_a_rope_base_left_out_takes_the_familys_default_and_one_in_rope_parameters_is_kept() -> None:
+    from trtbuild.models.llama import LlamaConfig
+
+    base = {"model_type": "mixtral", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "vocab_size": 64}
+    assert LlamaConfig.from_hf(base).rope_theta == 1e6  # transformers' Mixtral default
+    assert LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}).rope_theta == 1e6
+    assert LlamaConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}).rope_theta == 5e5

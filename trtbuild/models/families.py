@@ -53,9 +53,11 @@ _FAMILY_ONLY = {"query_pre_attn_scalar": GEMMA, "final_logit_softcapping": GEMMA
 
 def with_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
     """`cfg` with transformers' defaults of its family for the fields it leaves out (`DEFAULTS`). A rope base
-    inside rope_parameters (transformers 5) counts as given."""
+    inside rope_parameters (transformers 5: at its top or per layer type) counts as given."""
     defaults = dict(DEFAULTS.get(cfg.get("model_type", "llama"), {}))
-    if "rope_parameters" in cfg or "rope_scaling" in cfg:
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and ("rope_theta" in params or any(
+            isinstance(v, dict) and "rope_theta" in v for v in params.values())):
         defaults.pop("rope_theta", None)
     return {**defaults, **cfg}
 
