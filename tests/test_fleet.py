@@ -5,6 +5,7 @@ pulls; a --no-build host with an unreachable remote stops with one error line.""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -34,9 +35,12 @@ def test_two_hosts_build_at_once_then_a_no_build_host_pulls(server: Seaweed, tmp
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"s3://{BUCKET}/fleet-{uuid.uuid4().hex[:8]}"
     recipe = write_recipe(tmp_path, tiny_recipe_doc(name="fleet"))
-    env = {**os.environ, **server.env(), "TRTBUILD_REMOTE": url, "PYTHONUNBUFFERED": "1"}
+    # Every host runs one snapshot of the code: keys hash the engine code, which must not change between hosts.
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "trtbuild", src / "trtbuild", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, **server.env(), "TRTBUILD_REMOTE": url, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(src)}
     hosts = [subprocess.Popen([sys.executable, "-m", "trtbuild", "build", str(recipe), "--engines",
-                               str(tmp_path / f"host{i}"), "--json"], cwd=REPO, env=env, text=True,
+                               str(tmp_path / f"host{i}"), "--json"], cwd=src, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     results = [p.communicate(timeout=900) for p in hosts]
     assert [p.returncode for p in hosts] == [0, 0], [err[-800:] for _, err in results]
@@ -51,16 +55,17 @@ def test_two_hosts_build_at_once_then_a_no_build_host_pulls(server: Seaweed, tmp
     assert [m["name"] for m in remote.entries()] == ["fleet"]
     assert fleet.lease_state(remote, reports[0]["engine"]["key"]) is None  # released after the push
 
-    third = run_cli("run", str(recipe), "--engines", str(tmp_path / "host2"), "--no-build", "--json", env=env)
+    third = run_cli("run", str(recipe), "--engines", str(tmp_path / "host2"), "--no-build", "--json", env=env, cwd=src)
     assert third.returncode == 0, third.stderr[-800:]
     pulled = read_json_line(third.stdout)
     assert pulled["engine"]["tier"] == "remote" and pulled["engine"]["fleet"]["pull_s"] > 0
     builder = next(i for i, r in enumerate(reports) if r["fleet"]["tier"] == "built")
-    local = run_cli("run", str(recipe), "--engines", str(tmp_path / f"host{builder}"), "--no-build", "--json", env=env)
+    local = run_cli("run", str(recipe), "--engines", str(tmp_path / f"host{builder}"), "--no-build", "--json", env=env,
+                    cwd=src)
     assert local.returncode == 0, local.stderr[-800:]
     assert read_json_line(local.stdout)["engine"]["tier"] == "local"
     assert pulled["output_ids"] == read_json_line(local.stdout)["output_ids"]
-    table = run_cli("run", str(recipe), "--engines", str(tmp_path / "host3"), "--no-build", env=env)
+    table = run_cli("run", str(recipe), "--engines", str(tmp_path / "host3"), "--no-build", env=env, cwd=src)
     assert table.returncode == 0 and f"pulled from {url}" in table.stdout, table.stderr[-800:]
 
 
