@@ -33,6 +33,7 @@ import trtbuild  # noqa: E402,F401  - before torch: one libstdc++ for the compil
 import targets  # noqa: E402
 from trtbuild import ceilings  # noqa: E402
 from trtbuild.ceilings import time_op  # noqa: E402  - the variants time with it too
+from trtbuild.backends.torch.inductor import DTYPE_NAMES  # noqa: E402
 from trtbuild.models.families import unread_expert_parameters  # noqa: E402
 from restart import child, child_main, measure_restart  # noqa: E402
 
@@ -425,7 +426,8 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
                                           f"not measured for any variant")
         print(f"[bench] {recipe.name}: {res['prefill_lengths_skipped']}", flush=True)
         plan = replace(plan, prefill_lens=fits)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[recipe.precision]
+    # the dtype the engine computes in (bf16 for the quantized precisions: their KV cache and activations)
+    dtype = getattr(torch, DTYPE_NAMES[recipe.precision])
     folder = resolve(recipe.model, Store(args.engines).root).materialize()  # same synthetic weights for all
     res.update(recipe=recipe.name, path=path, precision=recipe.precision)
     if "build" in args.sections:
