@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import functools
 import json
 import os
 import re
@@ -31,7 +32,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -384,7 +385,8 @@ class Remote:
             if len(ranges) <= 1:  # in the caller's thread: small files already run side by side
                 parts: Iterator[bytes] = iter([self._get_range(name, *ranges[0], on_bytes)] if ranges else [])
             else:
-                parts = _ordered(pool, [(lambda r=r: self._get_range(name, *r, on_bytes)) for r in ranges], TRANSFERS)
+                calls = [functools.partial(self._get_range, name, off, n, on_bytes) for off, n in ranges]
+                parts = _ordered(pool, calls, TRANSFERS)
             for data in parts:
                 f.write(data)
                 h.update(data)
@@ -465,7 +467,7 @@ class Remote:
             times.append(head["LastModified"].timestamp())
         return max(times, default=0.0)
 
-def _ordered(pool: cf.ThreadPoolExecutor, calls: list[Callable[[], bytes]], ahead: int) -> Iterator[bytes]:
+def _ordered(pool: cf.ThreadPoolExecutor, calls: Sequence[Callable[[], bytes]], ahead: int) -> Iterator[bytes]:
     """The calls' results in order, with at most `ahead` running or done and not yet taken (bounded memory)."""
     futures: list[cf.Future[bytes]] = []
     try:
