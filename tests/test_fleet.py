@@ -54,6 +54,7 @@ def test_two_hosts_build_at_once_then_a_no_build_host_pulls(server: Seaweed, tmp
     remote = Remote(url)
     assert [m["name"] for m in remote.entries()] == ["fleet"]
     assert fleet.lease_state(remote, reports[0]["engine"]["key"]) is None  # released after the push
+    assert any(o["Key"].endswith("identity.json") for o in remote.list_objects(remote.name("tactics") + "/"))
 
     third = run_cli("run", str(recipe), "--engines", str(tmp_path / "host2"), "--no-build", "--json", env=env, cwd=src)
     assert third.returncode == 0, third.stderr[-800:]

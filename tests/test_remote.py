@@ -310,3 +310,21 @@ def test_server_killed_mid_pull_leaves_no_local_entry(own_server: Seaweed, tmp_p
     own_server.start()
     pulled = Remote(url).pull(Store(tmp_path / "b"), entry.key)
     assert pulled is not None and Store(tmp_path / "b").lookup(entry.key, full_verify=True) is not None
+
+
+def test_a_building_host_pulls_this_device_s_tactics_and_pushes_its_own(url: str, tmp_path: Path) -> None:
+    a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
+    for dev in ("dev1", "dev2"):
+        (a.tactics_dir / "torch" / dev / "graphs").mkdir(parents=True)
+        (a.tactics_dir / "torch" / dev / "graphs" / "g.json").write_text(dev)
+    remote = Remote(url)
+    assert fleet.push_tactics(remote, a) == 2
+    key = "ef" * 32
+    got = fleet.read_through(url, b, key, allow_build=True, tactics="torch/dev1")
+    assert got.lease is not None  # this host builds, with dev1's timings; another device's stay on the remote
+    assert (b.tactics_dir / "torch" / "dev1" / "graphs" / "g.json").read_text() == "dev1"
+    assert not (b.tactics_dir / "torch" / "dev2").exists()
+    (b.tactics_dir / "torch" / "dev1" / "graphs" / "new.json").write_text("measured by b")
+    got.write_through(make_entry(tmp_path / "b"))
+    names = {o["Key"].rsplit("/", 1)[1] for o in remote.list_objects(remote.name("tactics", "torch", "dev1") + "/")}
+    assert names == {"g.json", "new.json"} and fleet.lease_state(remote, key) is None

@@ -149,8 +149,12 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
             store.record("hit", key=key, name=recipe.name, saved_s=entry.manifest.get("build", {}).get("total_s"))
             return BuildOutcome(entry, True, lookup_s, 0.0, model, waited_for=waited[0] if waited else None,
                                 startup_s=startup_s, quarantined=list(store.quarantined), store=where)
-        # The remote tier (fleet.py): pull, or wait for another host's build, or take the lease to build.
-        fleet = read_through(fleet_url, store, key, allow_build=allow_build, progress=progress)
+        # The remote tier (fleet.py): pull, or wait for another host's build, or take the lease to build (with
+        # the tactic caches other hosts measured on this device and toolchain).
+        tactics = (TacticCache.for_build(store.tactics_dir, recipe.backend, material["device"],
+                                         material["backend"]["toolchain"]).path.relative_to(store.tactics_dir).as_posix()
+                   if fleet_url and allow_build else None)
+        fleet = read_through(fleet_url, store, key, allow_build=allow_build, progress=progress, tactics=tactics)
         if fleet.entry is not None:
             store.record("pull", key=key, name=recipe.name, pull_s=fleet.pull_s)
             return BuildOutcome(fleet.entry, True, lookup_s, 0.0, model, startup_s=startup_s, store=where,

@@ -169,6 +169,8 @@ class Fleet:
     pull_s: float = 0.0
     push_s: float = 0.0
     warning: str | None = None
+    tactics: str | None = None  # the build's tactic-cache folder (`<backend>/<id>`), shared through the remote
+    store: Store | None = None
 
     def report(self, tier: str) -> dict[str, Any]:
         if self.remote is None and self.warning is None:
@@ -190,6 +192,9 @@ class Fleet:
                 t = time.perf_counter()
                 self.remote.push(entry, progress)
                 self.push_s = time.perf_counter() - t
+                if self.tactics:  # what this build measured, for the next host's first build on this device
+                    assert self.store is not None
+                    push_tactics(self.remote, self.store, self.tactics)
         except (RemoteUnavailable, RemoteCorrupt) as exc:
             self.warning = f"{exc}; the engine was built and kept locally, not pushed"
             _warn(self.warning)
@@ -199,7 +204,7 @@ class Fleet:
 
 
 def read_through(url: str | None, store: Store, key: str, *, allow_build: bool,
-                 progress: Progress = lambda m: None) -> Fleet:
+                 progress: Progress = lambda m: None, tactics: str | None = None) -> Fleet:
     """On a local miss: pull the key if the remote holds it; if another host is building it, wait for its
     manifest and pull; else take the build lease (when building is allowed). Never raises for the remote's
     faults: they become one warning line and a Fleet without a remote."""
@@ -224,7 +229,13 @@ def read_through(url: str | None, store: Store, key: str, *, allow_build: bool,
                 fleet.pull_s = time.perf_counter() - t
                 return fleet
             if allow_build and (lease := try_lease(remote, key)) is not None:
-                fleet.lease = lease
+                fleet.lease, fleet.tactics, fleet.store = lease, tactics, store
+                if tactics:  # another host's timings for this device and toolchain make this build shorter
+                    progress(f"pulling tactic caches from {remote.url}")
+                    try:
+                        pull_tactics(remote, store, tactics)
+                    except (RemoteUnavailable, RemoteCorrupt) as exc:
+                        _warn(f"{exc}; building without the remote's tactic caches")
                 return fleet
             state = lease_state(remote, key)
             if state is None and not allow_build:
@@ -243,14 +254,15 @@ def read_through(url: str | None, store: Store, key: str, *, allow_build: bool,
 
 
 # -- tactic caches ---------------------------------------------------------------------------------
-def push_tactics(remote: Remote, store: Store) -> int:
-    """Upload the tactic files the remote lacks; returns how many. Files are merged by name (Inductor's are
-    content-addressed, so equal names mean equal contents)."""
+def push_tactics(remote: Remote, store: Store, only: str | None = None) -> int:
+    """Upload the tactic files the remote lacks (all, or those of one `<backend>/<id>` folder); returns how many.
+    Files are merged by name (Inductor's are content-addressed, so equal names mean equal contents)."""
     base = remote.name("tactics") + "/"
-    have = {o["Key"] for o in remote.list_objects(base) if "Key" in o}
+    have = {o["Key"] for o in remote.list_objects(base + _folder(only)) if "Key" in o}
     jobs = []
-    if store.tactics_dir.is_dir():
-        for f in sorted(store.tactics_dir.rglob("*")):
+    root = store.tactics_dir / _folder(only)
+    if root.is_dir():
+        for f in sorted(root.rglob("*")):
             rel = f.relative_to(store.tactics_dir).as_posix()
             if f.is_file() and not f.name.startswith(".") and base + rel not in have:
                 jobs.append(("up", base + rel, f))
@@ -258,11 +270,12 @@ def push_tactics(remote: Remote, store: Store) -> int:
     return len(jobs)
 
 
-def pull_tactics(remote: Remote, store: Store) -> int:
-    """Download the tactic files this store lacks (into temporary names, then renamed); returns how many."""
+def pull_tactics(remote: Remote, store: Store, only: str | None = None) -> int:
+    """Download the tactic files this store lacks (all, or those of one `<backend>/<id>` folder), each into a
+    temporary name then renamed; returns how many."""
     base = remote.name("tactics") + "/"
     jobs = []
-    for o in remote.list_objects(base):
+    for o in remote.list_objects(base + _folder(only)):
         rel = o.get("Key", "")[len(base):]
         if not rel:
             continue
@@ -272,3 +285,7 @@ def pull_tactics(remote: Remote, store: Store) -> int:
             jobs.append(("down", o["Key"], dest))
     remote.transfer(jobs, 0, lambda n: None)  # s3transfer downloads to a temporary name and renames
     return len(jobs)
+
+
+def _folder(only: str | None) -> str:
+    return safe_relpath(only.strip("/")) + "/" if only else ""
