@@ -328,3 +328,20 @@ def test_a_building_host_pulls_this_device_s_tactics_and_pushes_its_own(url: str
     got.write_through(make_entry(tmp_path / "b"))
     names = {o["Key"].rsplit("/", 1)[1] for o in remote.list_objects(remote.name("tactics", "torch", "dev1") + "/")}
     assert names == {"g.json", "new.json"} and fleet.lease_state(remote, key) is None
+
+
+def test_a_remote_that_accepts_but_never_answers_degrades_in_seconds(
+        url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections are accepted by the kernel and then nothing is ever sent back
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    t = time.perf_counter()
+    got = fleet.read_through(url, Store(tmp_path / "b"), "aa" * 32, allow_build=True)
+    elapsed = time.perf_counter() - t
+    silent.close()
+    assert got.remote is None and got.lease is None and "unreachable" in got.warning
+    assert elapsed < 40, elapsed
+    assert capsys.readouterr().err.count("trtbuild: warning:") == 1

@@ -46,7 +46,8 @@ ENV_URL = "TRTBUILD_REMOTE"
 ENV_LEASE = "TRTBUILD_REMOTE_LEASE_S"  # a lease's lifetime without a heartbeat; tests shorten it
 LEASE_S = 60.0
 CONNECT_TIMEOUT_S = 3.0
-READ_TIMEOUT_S = 60.0
+READ_TIMEOUT_S = 10.0  # small calls (manifests, leases, listings): a stalled remote is given up on in ~20 s
+DATA_READ_TIMEOUT_S = 60.0  # a part of a transfer, on a busy server
 CHUNK = 32 << 20  # multipart part size and ranged-GET size
 TRANSFERS = 8  # requests in flight: more only queued behind one another at the server (2 GB to SeaweedFS, 2 CPUs)
 KEY_RE = re.compile(r"[0-9a-f]{64}")
@@ -113,9 +114,9 @@ class Remote:
             raise InputError(f"remote {url}: the S3 client is not installed", hint=INSTALL_HINT) from None
         session = boto3.session.Session()
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        def client(attempts: int) -> Any:
+        def client(attempts: int, read_timeout: float) -> Any:
             config = botocore.config.Config(
-                connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S, max_pool_connections=32,
+                connect_timeout=CONNECT_TIMEOUT_S, read_timeout=read_timeout, max_pool_connections=32,
                 retries={"max_attempts": attempts, "mode": "standard"},
                 # S3-compatible servers behind an endpoint URL (MinIO, SeaweedFS, Ceph) rarely serve bucket subdomains
                 s3={"addressing_style": "path"} if endpoint else None)
@@ -123,7 +124,7 @@ class Remote:
 
         # Small calls fail fast (an unreachable remote costs seconds, then the local store serves); a part of a
         # multi-GB transfer is worth more tries, since one dropped connection would otherwise lose the whole pull.
-        self.client, self.data_client = client(2), client(5)
+        self.client, self.data_client = client(2, READ_TIMEOUT_S), client(5, DATA_READ_TIMEOUT_S)
         self.transfer_config = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK,
                                               max_concurrency=TRANSFERS, use_threads=True)
         self.lease_s = float(os.environ.get(ENV_LEASE, LEASE_S))
