@@ -343,5 +343,5 @@ def test_a_remote_that_accepts_but_never_answers_degrades_in_seconds(
     elapsed = time.perf_counter() - t
     silent.close()
     assert got.remote is None and got.lease is None and "unreachable" in got.warning
-    assert elapsed < 40, elapsed
+    assert elapsed < 60, elapsed  # two attempts of 10 s each, and their backoff
     assert capsys.readouterr().err.count("trtbuild: warning:") == 1
