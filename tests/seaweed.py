@@ -42,6 +42,15 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the process that started the server dies (a test run killed by a
+    timeout would otherwise leave the server running)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class Seaweed:
     """One `weed mini` process; `env()` is what a client needs (the standard AWS variables)."""
 
@@ -74,7 +83,8 @@ class Seaweed:
                 "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
                 f"-s3.config={config}", f"-bucket={BUCKET}", *(f"-{k}={v}" for k, v in self.ports.items())]
         log = open(self.root / "weed.log", "ab")  # noqa: SIM115 - the server's log lives as long as the process
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log, cwd=self.root, start_new_session=True)
+        self.proc = subprocess.Popen(args, stdout=log, stderr=log, cwd=self.root, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
