@@ -1,18 +1,20 @@
 """Quantizing a model's weights at build time: round to nearest, or GPTQ for int4.
 
-`quantize_state` turns a dense state dict (the model's fused layout) into the stored form of a quantized
-engine: every Linear of the decoder layers (`QUANTIZED`) becomes `quantize.py`'s buffers; the embedding
-table and the LM head stay in the compute dtype (the LM head's error lands directly on every logit, and a
-tied head is the embedding table itself).
+`rtn_state` and `gptq_state` turn a dense state dict (the model's fused layout) into the stored form of a
+quantized engine: every Linear of the decoder layers (`QUANTIZED`) becomes `quantize.py`'s buffers; the
+embedding table and the LM head stay in the compute dtype (the LM head's error lands directly on every logit,
+and a tied head is the embedding table itself).
 
-fp8 and int8 are round-to-nearest per output channel: on SmolLM2-135M that costs +1.6% and +0.5% of
-perplexity, within their budgets. Round-to-nearest int4 costs +27-31%, so int4 is calibrated by GPTQ
-(Frantar et al., 2022): each weight column is rounded in turn and the error it leaves is spread over the
-columns not yet rounded, in proportion to the inverse Hessian H = X^T X of the layer's inputs on the
-calibration text, so that the layer's output on that text, not its weights, stays close. GPTQ was chosen
-over AWQ's activation-aware scales because its result is stored in exactly the round-to-nearest format
-(AWQ needs a per-input-channel scale folded into the previous op or kept as one more buffer), so the
-decode kernel and the CPU graphs are the same for both methods.
+fp8 and int8 are round-to-nearest per output channel: on SmolLM2-135M that costs +0.96% and +0.30% of
+perplexity (benchmarks/RESULTS.md), within their budgets. Round-to-nearest int4 costs +50%, so int4 is
+calibrated by GPTQ (Frantar et al., 2022): each weight column is rounded in turn and the error it leaves is
+spread over the columns not yet rounded, in proportion to the inverse Hessian H = X^T X of the layer's inputs
+on the calibration text, so that the layer's output on that text, not its weights, stays close. Each group's
+scale and zero are chosen when its first column is reached, by a search over shrunk ranges that minimizes the
+group's rounding error weighted by each input's energy (`clipped_params`): +10.0% against +25.8% with the
+group's min and max. GPTQ was chosen over AWQ's activation-aware scales because its result is stored in
+exactly the round-to-nearest format (AWQ needs a per-input-channel scale folded into the previous op or kept
+as one more buffer), so the decode kernel and the CPU graphs are the same for both methods.
 
 Layers are calibrated in order, each on the outputs of the layers before it as already quantized
 (the standard sequential GPTQ): one pass of the embeddings, then two passes of each layer.
@@ -33,8 +35,12 @@ QUANTIZED = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward
 METHODS = ("gptq", "rtn")  # int4's; fp8 and int8 are always round to nearest
 GPTQ_BLOCK = 128  # columns updated together (a multiple of every int4 group)
 GPTQ_DAMP = 0.01  # share of H's mean diagonal added to it, for a well-conditioned inverse
-GPTQ_ACT_ORDER = False  # columns in order of decreasing input energy (H's diagonal), groups' parameters fixed first
-GPTQ_CLIP = False  # groups' parameters by a clipping search (`clipped_params`) instead of their min and max
+# columns in order of decreasing input energy (H's diagonal), the groups' parameters fixed first: off, +12.4%
+# perplexity on SmolLM2-135M against +10.0% without (benchmarks/RESULTS.md)
+GPTQ_ACT_ORDER = False
+# each group's scale and zero, when its first column is reached, by a clipping search (`clipped_params`) instead
+# of its min and max: on SmolLM2-135M +10.0% perplexity against +25.8% with min and max
+GPTQ_CLIP = True
 CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
@@ -156,8 +162,10 @@ def gptq_int4(w: Tensor, hessian: Tensor, group: int | None = None) -> dict[str,
     return _gptq_int4(w, hessian, group)
 
 
-def _gptq_int4(w: Tensor, hessian: Tensor, group: int | None, act_order: bool = GPTQ_ACT_ORDER,
-               clip: bool = GPTQ_CLIP) -> dict[str, Tensor]:
+def _gptq_int4(w: Tensor, hessian: Tensor, group: int | None, act_order: bool | None = None,
+               clip: bool | None = None) -> dict[str, Tensor]:
+    act_order = GPTQ_ACT_ORDER if act_order is None else act_order  # read at the call: settable for probes
+    clip = GPTQ_CLIP if clip is None else clip
     n, k = w.shape
     group = group or quantize.group_size(k)
     W = w.float().clone()
@@ -165,7 +173,7 @@ def _gptq_int4(w: Tensor, hessian: Tensor, group: int | None, act_order: bool = 
     dead = torch.diag(H) == 0  # inputs never seen: their weights do not matter
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    static = act_order or clip
+    static = act_order
     if static:
         # every group's scale and zero fixed before the columns move (act_order visits a group's columns
         # out of order, so they cannot be read off the group as it stands)
@@ -188,7 +196,8 @@ def _gptq_int4(w: Tensor, hessian: Tensor, group: int | None, act_order: bool = 
             if static:
                 s, z = scales[:, col // group, None], zeros[:, col // group, None]
             elif col % group == 0:
-                s, z = quantize.int4_params(W1[:, i:i + group], group)
+                s, z = (clipped_params(W1[:, i:i + group], group, torch.diag(H)[i1 + i:i1 + i + group]) if clip
+                        else quantize.int4_params(W1[:, i:i + group], group))
                 scales[:, col // group], zeros[:, col // group] = s[:, 0], z[:, 0]
             wcol = W1[:, i:i + 1]
             q = torch.round(wcol / s + z).clamp(0, 15)
