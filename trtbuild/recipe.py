@@ -251,10 +251,6 @@ def parse_recipe(doc: Any, path: Path) -> Recipe:
         max_pos = model.config.get("max_position_embeddings")
         if isinstance(max_pos, int) and max_pos < shapes.max_seq_len:
             c.add("shapes.max_seq_len", f"{shapes.max_seq_len} exceeds model.config.max_position_embeddings ({max_pos})")
-        window = model.config.get("sliding_window")
-        if isinstance(window, int) and window < shapes.max_seq_len:
-            c.add("shapes.max_seq_len", f"{shapes.max_seq_len} exceeds model.config.sliding_window ({window}); "
-                  "sliding-window attention is not implemented, keep max_seq_len within the window")
 
     if c.problems:
         raise RecipeError(str(path), c.problems)
