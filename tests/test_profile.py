@@ -188,6 +188,10 @@ def test_gpu_kernels_split_into_runs_by_their_order() -> None:
     overlapping = [kernel("a", 10, 1.0), kernel("b", 10.5, 2.5), kernel("c", 11, 1.0), kernel("d", 14, 1.0)]
     runs, _ = runs_of(overlapping, 1, cuda=True)
     assert runs == [[Op("a", 1.0), Op("b", 2.0), Op("c", 0.0), Op("d", 1.0)]]
+    # the step's mark reaches the device as a range over the whole step: no kernel, and it takes no kernel's time
+    marked = [kernel("trtbuild.profile.step", 9, 7.0), *overlapping]
+    runs, _ = runs_of(marked, 1, cuda=True)
+    assert runs == [[Op("a", 1.0), Op("b", 2.0), Op("c", 0.0), Op("d", 1.0)]]
 
 
 def test_ceilings_are_measured_once_per_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
