@@ -207,7 +207,9 @@ def test_every_command_the_readme_shows_exists() -> None:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("newcomer")
-    recipe = write_recipe(root, tiny_recipe_doc(name="nc"))
+    doc = tiny_recipe_doc(name="nc")
+    doc["model"]["config"]["tie_word_embeddings"] = True  # the LM head is the embedding: read once a step
+    recipe = write_recipe(root, doc)
     store = root / "engines"
     proc = run_cli("build", str(recipe), "--engines", str(store), "--json")
     assert proc.returncode == 0, proc.stderr
@@ -262,3 +264,16 @@ def test_the_readme_python_example_runs(tmp_path: Path) -> None:
                           timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "engines" / "v1").is_dir()
+
+
+@pytest.mark.slow
+def test_a_tied_lm_head_is_counted_once_in_the_bytes_a_step_reads(engine: dict[str, Any]) -> None:
+    from safetensors import safe_open
+
+    from trtbuild.runner import open_session
+
+    path = Path(engine["build"]["engine"]["path"]) / "weights.safetensors"
+    with safe_open(str(path), "pt") as f:  # every stored tensor is read once a step, the table as the LM head
+        stored = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    with open_session(load_recipe(engine["recipe"]), engine["store"], build=False) as session:
+        assert session.engine.weight_bytes == stored

@@ -87,8 +87,9 @@ class TorchEngine:
         t2 = time.perf_counter()
         # Bytes a decode step must read: every weight but the embedding table (a decode step
         # gathers a few rows of it), unless the table doubles as the LM head.
-        self.weight_bytes = sum(t.numel() * t.element_size() for k, t in weights.items()
-                                if k != "tok_embeddings.weight" or self.spec["tied_output"])
+        # A tied LM head is the embedding tensor under a second name: counted once.
+        read = {id(t): t for k, t in weights.items() if k != "tok_embeddings.weight" or self.spec["tied_output"]}
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in read.values())
         dtype = weights["tok_embeddings.weight"].dtype
         c, shapes = self.cfg, self.spec
         cache_shape = kv_cache_shape(c, shapes["max_batch_size"], shapes["max_seq_len"])
