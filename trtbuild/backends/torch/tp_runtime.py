@@ -38,6 +38,8 @@ class RankEngine:
             raise TrtbuildError(f"{root}: the graphs were compiled for process group '{expected}', this rank's "
                                 f"is '{group().group_name}'", hint="rebuild the engine (`trtbuild cache rm`)")
         self.rank, self.tp = rank, tp
+        # every rank creates it, now, in the same order: the replay of the collectives uses it (collectives_s)
+        self.probe_group = dist.new_group(backend=dist.get_backend())
         self.engine = TorchEngine(root / f"rank{rank}")
         if self.engine.device.startswith("cuda"):
             self.engine.device = f"cuda:{rank}"
@@ -80,9 +82,10 @@ class RankEngine:
 
     def collectives_s(self, batch: int, reps: int = 20) -> float:
         """The median time of one decode step's collectives replayed alone, with the step's shapes and
-        dtype on this group: an all-reduce of (B, 1, hidden) after the embedding and after each
-        row-parallel projection (2 a layer), and the all-gather of the logits. Each replay ends in a
-        device sync, so it counts the wait for the slowest rank, as the step does."""
+        dtype: an all-reduce of (B, 1, hidden) after the embedding and after each row-parallel projection
+        (2 a layer), and the all-gather of the logits. Each replay ends in a device sync, so it counts the
+        wait for the slowest rank, as the step does. On a process group of its own (same ranks, same
+        library): on gloo, eager collectives on the graphs' group made their next collectives hang now and then."""
         c, dev = self.engine.cfg, self.engine.device
         dtype = next(iter(self.engine._consts.values())).dtype
         x = torch.zeros(batch, 1, c.hidden_size, dtype=dtype, device=dev)
@@ -90,12 +93,12 @@ class RankEngine:
         out = torch.empty(self.tp * batch, logits.shape[1], dtype=dtype, device=dev)
         times = []
         for i in range(reps + 2):
-            dist.barrier()
+            dist.barrier(group=self.probe_group)
             sync(dev)
             t = time.perf_counter()
             for _ in range(2 * c.num_layers + 1):
-                dist.all_reduce(x)
-            dist.all_gather_into_tensor(out, logits)
+                dist.all_reduce(x, group=self.probe_group)
+            dist.all_gather_into_tensor(out, logits, group=self.probe_group)
             sync(dev)
             if i >= 2:  # the first two set the connections up
                 times.append(time.perf_counter() - t)
