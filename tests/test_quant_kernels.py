@@ -41,6 +41,17 @@ def test_quantized_decode_matmul_matches_the_dequantized_matmul(fmt: str, rows: 
     torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize(("rows", "k"), [(1, 512), (3, 1536), (2, 256)])
+def test_int4_steps_of_several_groups_gather_each_groups_scale_and_zero(rows: int, k: int) -> None:
+    """Steps of up to 512 columns: 4, 4 and 2 groups of 128 a step (k 1536 and 256: the most that divide K)."""
+    from trtbuild.kernels.quant_matmul import MatmulConfig, quant_matmul
+
+    x, stored, want = _case("int4", rows, 24, k, k + rows)
+    got = quant_matmul(x, stored["qweight"], stored["scale"], stored["zero"], MatmulConfig(8, 512, 4, 1))
+    tol = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
 def test_a_scale_or_nibble_read_wrongly_would_be_caught() -> None:
     """The check above is not vacuous: swapping the nibbles of one byte changes the result beyond its tolerance."""
     from trtbuild.kernels.quant_matmul import MatmulConfig, quant_matmul

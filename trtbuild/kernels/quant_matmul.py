@@ -4,10 +4,11 @@ weight, dequantized in registers (models/quantize.py has the formats).
 As `decode_matmul.py` for dense weights: each program owns BLOCK_N output columns and streams their rows
 of the weight once, so a decode step reads the quantized bytes, not a dequantized copy. fp8 and int8 rows
 are widened to the activations' dtype (exact: both fit bf16) and the per-channel scale multiplies the fp32
-sums once, after the loop. int4 steps through K one group at a time (BLOCK_K = the group): one load of
-the group's G/2 bytes per row gives both nibbles, the low ones for the first half of the group's columns
-and the high ones for the second (the split-halves packing), each (q - zero) * scale in fp32 and rounded to
-the activations' dtype as the reference dequantization rounds, then two dots with the two halves of x.
+sums once, after the loop. int4 steps through K several whole groups at a time: one load of the step's
+bytes per row gives both nibbles, the low ones for the first half of each group's columns and the high ones
+for the second (the split-halves packing), each (q - zero) * scale in fp32 (the group's scale and zero
+gathered per byte) and rounded to the activations' dtype as the reference dequantization rounds, then two
+dots with the matching columns of x.
 
 Registered as the custom op `trtbuild::quant_matmul`, which the decode graphs of a quantized CUDA engine
 call for every quantized Linear (`Linear.decode_config`); the fusions stay outside it. Imported only where
@@ -29,9 +30,11 @@ from trtbuild.kernels.grid_dependency import release_successor, wait_for_predece
 from trtbuild.kernels.matmul_configs import MatmulConfig
 
 MAX_ROWS = 16
-# Fixed configurations until the build times them: 4 warps stream BLOCK_N rows, BLOCK_K columns a step
-# (int4 steps one group, whatever block_k says).
-CONFIGS = {"fp8": MatmulConfig(8, 256, 4, 3), "int8": MatmulConfig(8, 256, 4, 3), "int4": MatmulConfig(8, 128, 4, 3)}
+# Fixed configurations until the build times them: 4 warps stream BLOCK_N rows, BLOCK_K columns a step (int4:
+# the most whole groups that fit BLOCK_K and divide K). The shapes of the dense kernel's fastest one-row
+# candidates on the H100/H200 (n2k2048, n4k2048: RESULTS.md) in bytes a step; 8 rows and 256 columns (one
+# int4 group a step) ran the 1B decode at 3.6x (fp8) and 10x (int4) its floor on an H100.
+CONFIGS = {"fp8": MatmulConfig(4, 2048, 4, 2), "int8": MatmulConfig(4, 2048, 4, 2), "int4": MatmulConfig(4, 2048, 4, 2)}
 
 
 def source_digest() -> str:
@@ -52,7 +55,7 @@ def _acc_dot(acc, x, w, USE_DOT: tl.constexpr):
 @triton.jit
 def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT4: tl.constexpr,
-                         USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                         GROUP: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -65,14 +68,20 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, 
     q_rows = q_ptr + offs_n[:, None] * stride_qn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INT4:
-        HALF: tl.constexpr = BLOCK_K // 2
-        offs_h = tl.arange(0, HALF)
-        for g in range(0, K // BLOCK_K):
-            packed = tl.load(q_rows + g * HALF + offs_h[None, :], mask=n_mask[:, None], other=0)
-            scale = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            zero = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            x_lo = tl.load(x_rows + g * BLOCK_K + offs_h[None, :], mask=m_mask[:, None], other=0.0)
-            x_hi = tl.load(x_rows + g * BLOCK_K + HALF + offs_h[None, :], mask=m_mask[:, None], other=0.0)
+        # BLOCK_K columns a step, GROUP (a divisor of BLOCK_K) to a scale: the step's BLOCK_K / 2 bytes of a row
+        # are BLOCK_K / GROUP groups' bytes back to back, byte j of group g holding columns g * GROUP + j (low
+        # nibble) and g * GROUP + GROUP / 2 + j (high)
+        HALF: tl.constexpr = GROUP // 2
+        offs_b = tl.arange(0, BLOCK_K // 2)
+        grp = offs_b // HALF
+        col_lo = offs_b + grp * HALF  # the column of each byte's low nibble within the step
+        for k0 in range(0, K, BLOCK_K):
+            packed = tl.load(q_rows + k0 // 2 + offs_b[None, :], mask=n_mask[:, None], other=0)
+            g_idx = k0 // GROUP + grp[None, :]
+            scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + g_idx, mask=n_mask[:, None], other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + offs_n[:, None] * stride_sn + g_idx, mask=n_mask[:, None], other=0.0).to(tl.float32)
+            x_lo = tl.load(x_rows + k0 + col_lo[None, :], mask=m_mask[:, None], other=0.0)
+            x_hi = tl.load(x_rows + k0 + HALF + col_lo[None, :], mask=m_mask[:, None], other=0.0)
             w_lo = (((packed & 15).to(tl.float32) - zero) * scale).to(x_lo.dtype)
             w_hi = (((packed >> 4).to(tl.float32) - zero) * scale).to(x_lo.dtype)
             acc = _acc_dot(acc, x_lo, w_lo, USE_DOT)
@@ -107,12 +116,19 @@ def _launch(kernel: object, x: Tensor, qweight: Tensor, scale: Tensor, zero: Ten
     if m > MAX_ROWS or x.stride(1) != 1 or qweight.stride(1) != 1 or qweight.shape[1] * (2 if int4 else 1) != k:
         raise ValueError(f"quant_matmul takes x [<=16, K] and a quantized weight of K columns with contiguous rows, "
                          f"got {tuple(x.shape)}, {tuple(qweight.shape)} {qweight.dtype}")
-    block_k = k // scale.shape[1] if int4 else config.block_k  # int4: one group a step
+    group = k // scale.shape[1] if int4 else 0
+    # int4: a power of two of whole groups a step (Triton's ranges are powers of two; so are the groups), the
+    # most that fit config.block_k and divide K
+    block_k = config.block_k
+    if int4:
+        block_k = group
+        while block_k * 2 <= config.block_k and k % (block_k * 2) == 0:
+            block_k *= 2
     dot = m > 1
     kernel[(triton.cdiv(n, config.block_n),)](  # type: ignore[index]
         x, qweight, scale, scale if zero is None else zero, y, m, n, k, x.stride(0), qweight.stride(0),
         scale.stride(0), y.stride(0), BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=config.block_n,
-        BLOCK_K=block_k, INT4=int4, USE_DOT=dot, EVEN_K=k % block_k == 0, PDL=waits_on(x.device),
+        BLOCK_K=block_k, INT4=int4, GROUP=max(group, 2), USE_DOT=dot, EVEN_K=k % block_k == 0, PDL=waits_on(x.device),
         num_warps=config.warps, num_stages=config.stages)
 
 
