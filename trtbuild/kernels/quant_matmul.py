@@ -117,17 +117,19 @@ def _launch(kernel: object, x: Tensor, qweight: Tensor, scale: Tensor, zero: Ten
         raise ValueError(f"quant_matmul takes x [<=16, K] and a quantized weight of K columns with contiguous rows, "
                          f"got {tuple(x.shape)}, {tuple(qweight.shape)} {qweight.dtype}")
     group = k // scale.shape[1] if int4 else 0
-    # int4: a power of two of whole groups a step (Triton's ranges are powers of two; so are the groups), the
-    # most that fit config.block_k and divide K
-    block_k = config.block_k
-    if int4:
-        block_k = group
-        while block_k * 2 <= config.block_k and k % (block_k * 2) == 0:
-            block_k *= 2
     dot = m > 1
-    kernel[(triton.cdiv(n, config.block_n),)](  # type: ignore[index]
+    # several rows: a tensor-core dot, which takes 16 columns or more, in the dense kernel's multi-row shapes
+    # (a 16 x 2048 tile of x and of w would not fit the registers)
+    block_n, block_k = (max(16, config.block_n), min(config.block_k, 256)) if dot else (config.block_n, config.block_k)
+    # int4: a power of two of whole groups a step (Triton's ranges are powers of two; so are the groups), the
+    # most that fit block_k and divide K
+    if int4:
+        limit, block_k = block_k, group
+        while block_k * 2 <= limit and k % (block_k * 2) == 0:
+            block_k *= 2
+    kernel[(triton.cdiv(n, block_n),)](  # type: ignore[index]
         x, qweight, scale, scale if zero is None else zero, y, m, n, k, x.stride(0), qweight.stride(0),
-        scale.stride(0), y.stride(0), BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=config.block_n,
+        scale.stride(0), y.stride(0), BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=block_n,
         BLOCK_K=block_k, INT4=int4, GROUP=max(group, 2), USE_DOT=dot, EVEN_K=k % block_k == 0, PDL=waits_on(x.device),
         num_warps=config.warps, num_stages=config.stages)
 
