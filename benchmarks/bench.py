@@ -203,8 +203,6 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
                    "aten-attention": ("decode_attention", "aten", "no trtbuild decode attention kernel"),
                    "attention-unfused": ("decode_attention", "kernel-unfused",
                                          "trtbuild's attention kernel without rope and the cache writes"),
-                   "attention-early": ("decode_attention", "kernel-early",
-                                       "trtbuild's attention kernel reading its first tile before the PDL wait"),
                    "fused": ("decode_fusion", "fused", "decode matmul kernel fused with the norms, gating and residual adds"),
                    "sdpa-prefill": ("prefill_attention", "sdpa", "prefill attention through SDPA's dispatch"),
                    "cudnn-prefill": ("prefill_attention", "cudnn", "prefill attention through cuDNN's"),
@@ -491,7 +489,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma list of {', '.join(VARIANTS)}, engine@LEVEL (the recipe at tactics level LEVEL), "
                          "engine@cublas / engine@kernel (options.decode_matmul), "
-                         "engine@aten-attention / engine@attention-unfused / engine@attention-early "
+                         "engine@aten-attention / engine@attention-unfused "
                          "(options.decode_attention), "
                          "engine@fused (options.decode_fusion), "
                          "engine@sdpa-prefill / engine@cudnn-prefill (options.prefill_attention), "

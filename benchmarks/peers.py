@@ -77,9 +77,7 @@ def decode_kernels(manifest: dict[str, Any]) -> str:
     attention = manifest.get("tactics", {}).get("decode_attention", {}).get("used")
     if attention:
         label = {"kernel": "trtbuild kernel (with rope and the cache writes)",
-                 "kernel-unfused": "trtbuild kernel (attention only)",
-                 "kernel-early": "trtbuild kernel (with rope and the cache writes, first reads before the PDL wait)"
-                 }.get(attention, "aten")
+                 "kernel-unfused": "trtbuild kernel (attention only)"}.get(attention, "aten")
         parts.append(f"decode attention: {label}")
     prompt = manifest.get("tactics", {}).get("prefill_attention", {})
     if prompt.get("used"):

@@ -251,13 +251,12 @@ def test_prefill_attention_through_cudnn_is_compiled_into_the_prefill_graph_and_
     assert short[0][:4] == want_short[0][:4]
 
 
-@pytest.mark.parametrize("mode", ["kernel", "kernel-unfused", "kernel-early"])
+@pytest.mark.parametrize("mode", ["kernel", "kernel-unfused"])
 def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_eager(tmp_path: Path, mode: str) -> None:
-    """options.decode_attention kernel (rope and the cache writes in the kernel), kernel-unfused and
-    kernel-early (first reads before the PDL wait, on Hopper) on a bf16 model with head_dim 16 (the kernel's
-    smallest): the decode graphs call trtbuild's attention kernel, prefill keeps SDPA, and the leading
-    tokens are the eager model's, across two cache windows and at both batch sizes (so the cache the
-    kernel writes is what later steps and windows read)."""
+    """options.decode_attention kernel (rope and the cache writes in the kernel) and kernel-unfused on a
+    bf16 model with head_dim 16 (the kernel's smallest): the decode graphs call trtbuild's attention kernel,
+    prefill keeps SDPA, and the leading tokens are the eager model's, across two cache windows and at both
+    batch sizes (so the cache the kernel writes is what later steps and windows read)."""
     import json
 
     from .conftest import TINY_CONFIG
@@ -279,14 +278,11 @@ def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_
     assert one[0][:4] == want[0][:4]
 
 
-@pytest.mark.parametrize("attention", ["kernel", "kernel-early"])
-def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(tmp_path: Path, attention: str) -> None:
+def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(tmp_path: Path) -> None:
     """Programmatic dependent launch (trtbuild/backends/torch/pdl.py) on Hopper: the decode graphs of an
     engine whose matmuls and attention go through trtbuild's kernels are captured with programmatic
     edges into those kernels and Inductor's, and every token equals the same engine's with its graphs
-    captured serialized (TRTBUILD_PDL=0), at both batch sizes, across two cache windows. With
-    kernel-early the attention reads the cache and the position while the QKV projection still runs:
-    a read of anything that projection or this step writes would show as a token that differs."""
+    captured serialized (TRTBUILD_PDL=0), at both batch sizes, across two cache windows."""
     import json
     import os
 
@@ -297,7 +293,7 @@ def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(
     if pdl.available(torch.cuda.get_device_capability) is not None:
         pytest.skip(f"no PDL here: {pdl.available(torch.cuda.get_device_capability)}")
     doc = tiny_recipe_doc(precision="bf16", tactics={"level": "default"},
-                          options={"decode_matmul": "kernel", "decode_attention": attention},
+                          options={"decode_matmul": "kernel", "decode_attention": "kernel"},
                           shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
     doc["model"]["config"] = {**TINY_CONFIG, "hidden_size": 64}  # 4 heads of 16: the attention kernel serves it
     recipe = load_recipe(write_recipe(tmp_path, doc))

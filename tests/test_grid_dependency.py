@@ -49,16 +49,16 @@ def matmul_args(pdl: bool) -> dict[str, Any]:
                 GATE=False, RESIDUAL=False, PDL=pdl, SPLIT=1, K_SLICE=0)
 
 
-def attention_args(pdl: bool, early: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+def attention_args(pdl: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     bf = torch.bfloat16
     kc, pos = torch.zeros(1, 2, 48, 16, dtype=bf), torch.zeros(1, dtype=torch.long)
     o, ml = torch.zeros(2, 4, 16, 16), torch.zeros(2, 4, 16, 2)
     partial = dict(q_ptr=torch.zeros(1, 1, 128, dtype=bf), rope_ptr=torch.zeros(48, 8, 2), k_ptr=kc, v_ptr=kc.clone(),
                    pos_ptr=pos, slot_ptr=pos.clone(), o_ptr=o, ml_ptr=ml, KV=2, stride_qb=128, stride_qh=16, stride_kb=1536, stride_kh=768,
                    stride_ks=16, stride_vb=1536, stride_vh=768, stride_vs=16, REP=2, BLOCK_R=16, D=16, BLOCK_S=32,
-                   SPLITS=4, SCALE=0.25, ROPE=True, PDL=pdl, EARLY=early)
+                   SPLITS=4, SCALE=0.25, ROPE=True, PDL=pdl)
     merge = dict(o_ptr=o, ml_ptr=ml, y_ptr=torch.zeros(1, 1, 4, 16, dtype=bf), pos_ptr=pos, KV=2, stride_yb=64,
-                 stride_yh=16, REP=2, BLOCK_R=16, D=16, SPLITS=4, BLOCK_S=32, PDL=pdl, EARLY=early)
+                 stride_yh=16, REP=2, BLOCK_R=16, D=16, SPLITS=4, BLOCK_S=32, PDL=pdl)
     return partial, merge
 
 
@@ -150,12 +150,6 @@ def test_the_wait_leaves_what_inductor_sees_each_kernel_write_unchanged(hopper_t
     for (kernel, plain), (_, waiting) in zip(kernels(False), kernels(True), strict=True):
         assert written(kernel, waiting) == written(kernel, plain), kernel.__name__
     assert written(*kernels(True)[0]) == ["y_ptr"]
-    # options.decode_attention kernel-early: its wait after the first reads, the same writes seen
-    from trtbuild.kernels import decode_attention as da
-
-    for kernel, early, plain in zip((da._decode_attention_partial, da._decode_attention_merge),
-                                    attention_args(True, early=True), attention_args(False), strict=True):
-        assert written(kernel, early) == written(kernel, plain), kernel.__name__
 
 
 def test_the_wait_comes_before_every_memory_access_and_keeps_the_vector_loads(hopper_target: None) -> None:
@@ -171,33 +165,11 @@ def test_the_wait_comes_before_every_memory_access_and_keeps_the_vector_loads(ho
         assert memory_ops(with_wait) == memory_ops(without), kernel.__name__  # e.g. v4 loads stay v4
 
 
-@pytest.mark.parametrize("kernel_name", ["_decode_attention_partial", "_decode_attention_merge"])
-def test_reading_early_moves_only_what_no_kernel_of_the_step_writes_before_the_wait(hopper_target: None,
-                                                                                     kernel_name: str) -> None:
-    """options.decode_attention kernel-early: before its wait a launch reads only the position, the cache row,
-    the rope table and the cache (slots written by earlier steps), and writes nothing; every read of what the
-    predecessor writes (the QKV output, the partials) and every store comes after it."""
-    from trtbuild.kernels import decode_attention as da
-
-    kernel = getattr(da, kernel_name)
-    args = dict(zip(("_decode_attention_partial", "_decode_attention_merge"), attention_args(True, early=True),
-                    strict=True))[kernel_name]
-    # the PTX parameters: the arguments that are not compile-time constants, in order (then Triton's own)
-    names = [n for n in kernel.arg_names if not n.isupper()]
-    lines = ptx(kernel, args)
-    wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
-    found = [(i, op, {"wait" if n == WAIT else names[n] for n in params
-                      if n == WAIT or n < len(names) and names[n].endswith("_ptr")})
-             for i, op, params in accesses(lines, kernel_name)]
-    early = [(op, params) for i, op, params in found if i < wait]
-    assert early and all(op.startswith("ld.") and "wait" not in params for op, params in early)
-    assert set().union(*(params for _, params in early)) == (
-        {"pos_ptr", "slot_ptr", "rope_ptr", "k_ptr", "v_ptr"} if kernel_name.endswith("partial") else {"pos_ptr"})
-    late = {"q_ptr", "o_ptr", "ml_ptr", "y_ptr"}
-    assert {"o_ptr", "ml_ptr"} <= set().union(*(params for _, _, params in found))  # the pass sees them
-    # after the wait in the code and tied to it by data, so no compiler may move them above it
-    assert all(i > wait and "wait" in params for i, op, params in found if params & late or op.startswith("st."))
-    # the same kernel without kernel-early: every access after the wait and tied to it
-    plain = ptx(kernel, args | {"EARLY": False})
-    plain_wait = next(i for i, line in enumerate(plain) if line.startswith("griddepcontrol.wait"))
-    assert all(i > plain_wait and WAIT in params for i, _, params in accesses(plain, kernel_name))
+def test_every_memory_access_is_tied_to_the_wait_by_data(hopper_target: None) -> None:
+    """Each global load and store's address, value or predicate derives from the wait's zero, so no compiler
+    may move it above the wait: a read of what the predecessor writes must not see the old contents."""
+    for kernel, args in kernels(True):
+        lines = ptx(kernel, args)
+        wait = next(i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait"))
+        found = accesses(lines, kernel.__name__)
+        assert found and all(i > wait and WAIT in params for i, _, params in found), kernel.__name__

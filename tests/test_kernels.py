@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -80,31 +79,7 @@ def test_decode_attention_with_rope_rotates_writes_the_cache_and_attends_as_the_
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("batch", "kv_heads", "head_dim", "pos", "slots"),
-                         [(1, 2, 16, 0, 64), (1, 2, 16, 31, 64), (1, 2, 16, 32, 64), (2, 2, 16, 40, 64),
-                          (3, 2, 16, 250, 300), (1, 4, 32, 1100, 1200)])
-def test_reading_early_gives_the_default_kernels_result_and_cache_bit_for_bit(
-        batch: int, kv_heads: int, head_dim: int, pos: int, slots: int) -> None:
-    """options.decode_attention kernel-early takes each slice's first tile out of the loop (loaded before the
-    PDL wait on a GPU): the same output and cache writes as the default kernel, exactly, for a first tile
-    that is empty (slot 0 only; pos at a tile's start), partly filled, whole, and followed by more tiles
-    (position 1100 at batch 1: 64 slots a slice)."""
-    from trtbuild.kernels.decode_attention import decode_attention_rope
-
-    heads = 2 * kv_heads
-    g = torch.Generator().manual_seed(pos)
-    rope = torch.rand(slots, head_dim // 2, 2, generator=g).to(DEVICE)
-    qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE)
-    caches = [torch.randn(batch + 1, kv_heads, slots, head_dim, generator=g).to(DEVICE) for _ in range(2)]
-    k0, v0 = (c.clone() for c in caches)
-    p = torch.tensor([pos], device=DEVICE)
-    want = decode_attention_rope(qkv, rope, k0, v0, p, heads)
-    got = decode_attention_rope(qkv, rope, caches[0], caches[1], p, heads, early=True)
-    assert torch.equal(got, want) and torch.equal(caches[0], k0) and torch.equal(caches[1], v0)
-    assert not got.isnan().any()
-
-
-@pytest.mark.parametrize("attention", ["kernel", "kernel-unfused", "kernel-early"])
+@pytest.mark.parametrize("attention", ["kernel", "kernel-unfused"])
 def test_decode_steps_through_the_attention_kernel_give_the_logits_of_the_aten_model(attention: str) -> None:
     """A prompt through the model's ATen path, then decode steps with every Attention routed to the kernel
     (as a decode graph routes them): the same logits as the unrouted model, step after step, so the cache
@@ -259,8 +234,8 @@ def test_a_model_with_its_norm_gains_folded_computes_what_the_unfolded_one_does(
         torch.testing.assert_close(got, model(step, torch.tensor([3], device=DEVICE)), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rope", [False, True, "early"])
-def test_decode_attention_reads_only_the_slices_it_wrote(monkeypatch: pytest.MonkeyPatch, rope: bool | str) -> None:
+@pytest.mark.parametrize("rope", [False, True])
+def test_decode_attention_reads_only_the_slices_it_wrote(monkeypatch: pytest.MonkeyPatch, rope: bool) -> None:
     """The partial kernel writes nothing for the slices past the filled length and for its padding rows,
     and the merge must not read them: with the scratch buffers starting as NaN, the result is still the
     model's (a read of an unwritten partial would make it NaN)."""
@@ -279,10 +254,9 @@ def test_decode_attention_reads_only_the_slices_it_wrote(monkeypatch: pytest.Mon
     if rope:
         table = torch.rand(64, d // 2, 2, generator=g).to(DEVICE)
         qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * d, generator=g).to(DEVICE)
-        early = rope == "early"
-        want = decode_attention.decode_attention_rope(qkv, table, k_cache.clone(), v_cache.clone(), p, heads, early)
+        want = decode_attention.decode_attention_rope(qkv, table, k_cache.clone(), v_cache.clone(), p, heads)
         monkeypatch.setattr(torch, "empty", nan_empty)
-        got = decode_attention.decode_attention_rope(qkv, table, k_cache.clone(), v_cache.clone(), p, heads, early)
+        got = decode_attention.decode_attention_rope(qkv, table, k_cache.clone(), v_cache.clone(), p, heads)
     else:
         q = torch.randn(batch, 1, heads, d, generator=g).to(DEVICE)
         want = decode_attention.decode_attention(q, k_cache, v_cache, p)
@@ -291,40 +265,6 @@ def test_decode_attention_reads_only_the_slices_it_wrote(monkeypatch: pytest.Mon
     monkeypatch.undo()
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-
-
-def test_the_attention_probes_chain_runs_matmul_then_attention_each_way_under_the_pdl_edit(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """benchmarks/probes/attention_probe.py --chain, dry-run through the interpreter before device time goes to it:
-    each of its three chains runs (the shapes fit: QKV matmul, attention from its output, the next layer's
-    input) and is timed with the PDL edit; the early chain leaves the caches the default one does."""
-    attention_probe = benchmark_module("attention_probe")
-    from trtbuild.models.llama import LlamaConfig, rope_table
-
-    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
-                      qkv_bias=False, o_bias=False, mlp_bias=False)
-    g = torch.Generator().manual_seed(5)
-    weights = [(torch.randn(128, 64, generator=g) * 0.1).to(DEVICE) for _ in range(2)]
-    caches = [[torch.randn(1, 2, 64, 16, generator=g).to(DEVICE) for _ in range(2)] for _ in range(2)]
-    edits, ran = [], []
-
-    def fake_graph_seconds(calls: Callable[[], object], reps: int = 15, edit: object = None) -> float:
-        edits.append(edit)
-        before = [c.clone() for layer in caches for c in layer]
-        calls()
-        ran.append([c.clone() for layer in caches for c in layer])
-        for cache, saved in zip((c for layer in caches for c in layer), before, strict=True):
-            cache.copy_(saved)  # each chain starts from the same caches
-        return 1.0
-
-    monkeypatch.setattr(attention_probe, "graph_seconds", fake_graph_seconds)
-    monkeypatch.setattr(attention_probe, "pdl_edges", lambda device: "the pdl edit")
-    got = attention_probe.chain_us(cfg, caches, weights, rope_table(cfg, 64).to(DEVICE), 1,
-                                   torch.tensor([40], device=DEVICE), 3)
-    assert got == {"qkv only": 0.5e6, "rope": 0.5e6, "early": 0.5e6} and edits == ["the pdl edit"] * 3
-    assert all(torch.equal(a, b) for a, b in zip(ran[1], ran[2], strict=True))  # rope and early write alike
-    assert not all(torch.equal(a, b) for a, b in zip(ran[0], ran[1], strict=True))  # the matmuls alone write none
 
 
 def test_the_matmul_probe_times_extra_configurations_beside_the_builds_and_plans_the_step_with_the_fastest(
@@ -401,8 +341,7 @@ def test_the_matmul_probe_takes_configuration_names_or_wide_and_names_a_bad_one(
             probe.parse_configs(f"n4k1024w4s1,{bad}")
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_decode_attention_serves_each_sequence_at_its_own_position_in_its_own_cache_row(early: bool) -> None:
+def test_decode_attention_serves_each_sequence_at_its_own_position_in_its_own_cache_row() -> None:
     """A ragged batch in one launch: three sequences at positions 0, 40 and 250 in cache rows 2, 0 and 3 (row 1
     and the rest of each row untouched) give what each gets alone through the model's ATen code: its query and
     new key rotated by its own rope row, its key and value stored at its own slot of its own row, attention over
@@ -426,7 +365,7 @@ def test_decode_attention_serves_each_sequence_at_its_own_position_in_its_own_ca
         q, _, _ = rope_and_store(qkv[i:i + 1], rope[pos], pos, slot, k_want, v_want, cfg)
         wants.append(_cached_attention(q.transpose(1, 2), k_want[r:r + 1], v_want[r:r + 1], pos,
                                        torch.arange(p + 1, device=DEVICE)).transpose(1, 2))
-    got = decode_attention_rope(qkv, rope, k_cache, v_cache, torch.tensor(positions, device=DEVICE), heads, early,
+    got = decode_attention_rope(qkv, rope, k_cache, v_cache, torch.tensor(positions, device=DEVICE), heads,
                                 slots=torch.tensor(rows, device=DEVICE))
     torch.testing.assert_close(k_cache, k_want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v_cache, v_want, atol=0, rtol=0)

@@ -237,7 +237,7 @@ def test_backend_checks_its_own_options() -> None:
             in problems_of(tiny_recipe_doc(options={"prefill_attention": "flash"})))
     for mode in ("auto", "sdpa", "cudnn"):
         parse_recipe(tiny_recipe_doc(options={"prefill_attention": mode}), Path("r.yaml"))
-    assert ("options.decode_attention: expected one of auto, aten, kernel, kernel-unfused, kernel-early, got 'flash'"
+    assert ("options.decode_attention: expected one of auto, aten, kernel, kernel-unfused, got 'flash'"
             in problems_of(tiny_recipe_doc(options={"decode_attention": "flash"})))
     assert ("options.decode_matmul: expected one of auto, cublas, kernel, got 'triton'"
             in problems_of(tiny_recipe_doc(options={"decode_matmul": "triton"})))
@@ -246,7 +246,7 @@ def test_backend_checks_its_own_options() -> None:
                for p in problems_of(tiny_recipe_doc(options={"decode_matmul": "kernel"}, tactics={"level": "none"})))
     for mode in ("auto", "cublas", "kernel"):
         parse_recipe(tiny_recipe_doc(options={"decode_matmul": mode}, tactics={"level": "default"}), Path("r.yaml"))
-    for mode in ("auto", "aten", "kernel", "kernel-unfused", "kernel-early"):
+    for mode in ("auto", "aten", "kernel", "kernel-unfused"):
         parse_recipe(tiny_recipe_doc(options={"decode_attention": mode}), Path("r.yaml"))
     # YAML reads a bare `off` as False: the mode is `none`, and the error says so
     assert ("options.decode_fusion: expected one of epilogue, none, fused, got False"

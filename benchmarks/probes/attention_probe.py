@@ -14,15 +14,9 @@ over all layers:
 It also reports the largest difference between the aten and kernel outputs, and between rope and split
 (bf16).
 
-With `--chain` (Hopper), each layer is also timed as a decode step runs it: trtbuild's decode matmul for
-the QKV projection (over that layer's own random weights), then the attention from its output, the graph's
-edges made programmatic as in the engine (`decode_kernels.pdl_edges`), for `rope` (options.decode_attention
-kernel) and `early` (kernel-early: the position, the rope row and the first cached tile read before the
-PDL wait). `qkv only` is the matmuls alone, so `chain - qkv only` is what the attention adds to a step.
-
 A probe for choosing a default, not a benchmark of the engine (bench.py is that). Needs CUDA + Triton.
 
-    python benchmarks/probes/attention_probe.py recipes/llama-3.1-8b.yaml recipes/llama-3.2-1b.yaml --chain --out $OUT
+    python benchmarks/probes/attention_probe.py recipes/llama-3.1-8b.yaml recipes/llama-3.2-1b.yaml --out $OUT
 """
 
 from __future__ import annotations
@@ -38,43 +32,14 @@ import probe_report  # noqa: E402  (a sibling script's module: this folder is on
 import torch  # noqa: E402
 
 from trtbuild.backends.torch.decode_graphs import decode_windows  # noqa: E402
-from trtbuild.backends.torch.decode_kernels import pdl_edges  # noqa: E402
 from trtbuild.kernels.decode_attention import (  # noqa: E402
     decode_attention, decode_attention_rope, num_splits)
 from trtbuild.timing import graph_seconds  # noqa: E402
-from trtbuild.kernels.decode_matmul import decode_matmul  # noqa: E402
 from trtbuild.models.llama import LlamaConfig, _cached_attention, rope_and_store, rope_table  # noqa: E402
-from trtbuild.kernels.matmul_configs import MatmulConfig  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 
 
-def chain_us(cfg: LlamaConfig, caches: list[list[torch.Tensor]], qkv_weights: list[torch.Tensor], rope: torch.Tensor,
-             b: int, pos: torch.Tensor, reps: int) -> dict[str, float]:
-    """µs a layer of QKV matmul -> attention with programmatic edges (--chain), for the default kernel and
-    kernel-early, and of the matmuls alone. Each layer's input is the previous layer's attention output
-    (reshaped), so the chain is one dependent sequence, as in a step."""
-    dev = pos.device
-    hidden = cfg.num_heads * cfg.head_dim  # the QKV projection reads the attention width here
-    config = MatmulConfig(2, min(4096, hidden), 4, 3) if b == 1 else MatmulConfig(64, 256, 4, 4)
-    x0 = torch.randn(b, hidden, device=dev, dtype=qkv_weights[0].dtype)
-    edit = pdl_edges(str(dev))
-    out: dict[str, float] = {}
-    for name in ("qkv only", "rope", "early"):
-        def run(name: str = name) -> None:
-            x = x0
-            for w, (k, v) in zip(qkv_weights, caches, strict=True):
-                qkv = decode_matmul(x, w, config)
-                if name == "qkv only":
-                    x = qkv[:, :hidden]
-                else:
-                    x = decode_attention_rope(qkv.view(b, 1, -1), rope, k, v, pos, cfg.num_heads,
-                                              early=name == "early").view(b, hidden)
-
-        out[name] = graph_seconds(run, reps, edit=edit) / cfg.num_layers * 1e6
-    return out
-
-
-def probe_recipe(path: str, batches: list[int], positions: list[int], reps: int, chain: bool) -> dict[str, Any]:
+def probe_recipe(path: str, batches: list[int], positions: list[int], reps: int) -> dict[str, Any]:
     recipe = load_recipe(path)
     assert recipe.model.config is not None, "the probe takes recipes with an inline (synthetic) config"
     cfg = LlamaConfig.from_hf(recipe.model.config)
@@ -91,8 +56,6 @@ def probe_recipe(path: str, batches: list[int], positions: list[int], reps: int,
         qkv, table, pos.reshape(1, 1), torch.arange(qkv.shape[0], device=qkv.device), k, v, cfg)[0], dynamic=False)
     rope = rope_table(cfg, shapes.max_seq_len).to(dev)
     width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    qkv_weights = [torch.randn(width, cfg.num_heads * cfg.head_dim, device=dev, dtype=dtype, generator=gen) * 0.02
-                   for _ in range(cfg.num_layers)] if chain else []
     out: dict[str, Any] = {"recipe": recipe.name, "layers": cfg.num_layers, "heads": cfg.num_heads,
                            "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rows": []}
     for b in batches:
@@ -152,19 +115,12 @@ def probe_recipe(path: str, batches: list[int], positions: list[int], reps: int,
                    "kernel_TBps": kv_bytes / kernel_s / 1e12, "max_abs_diff": err,
                    "rope_us_per_layer": rope_s / cfg.num_layers * 1e6, "split_us_per_layer": split_s / cfg.num_layers * 1e6,
                    "rope_max_abs_diff": rope_err}
-            if chain:
-                row["chain_us_per_layer"] = chain_us(cfg, caches, qkv_weights, rope, b, pos, reps)
             out["rows"].append(row)
             print(f"{recipe.name} b{b} pos {p:5d} (window {window:5d}): aten {row['aten_us_per_layer']:7.2f} us/layer, "
                   f"kernel {row['kernel_us_per_layer']:7.2f} us/layer ({row['kernel_TBps']:.2f} TB/s), "
                   f"step {row['step_saving_us']:+8.1f} us saved, max |diff| {err:.3g}; from QKV: rope in the kernel "
                   f"{row['rope_us_per_layer']:7.2f} us/layer, split {row['split_us_per_layer']:7.2f} us/layer, "
                   f"max |diff| {rope_err:.3g}", flush=True)
-            if chain:
-                c = row["chain_us_per_layer"]
-                print(f"    chain with PDL, us/layer: qkv only {c['qkv only']:.2f}, + attention {c['rope']:.2f} "
-                      f"(adds {c['rope'] - c['qkv only']:.2f}), + early attention {c['early']:.2f} "
-                      f"(adds {c['early'] - c['qkv only']:.2f})", flush=True)
     return out
 
 
@@ -175,10 +131,9 @@ def main() -> None:
     ap.add_argument("--positions", default="200,1000,4000")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--chain", action="store_true", help="also time QKV matmul -> attention chains with PDL (Hopper)")
     args = ap.parse_args()
     batches, positions = [int(b) for b in args.batches.split(",")], [int(p) for p in args.positions.split(",")]
-    probe_report.run(args.recipes, lambda path: probe_recipe(path, batches, positions, args.reps, args.chain), args.out,
+    probe_report.run(args.recipes, lambda path: probe_recipe(path, batches, positions, args.reps), args.out,
                      "attention-probe.json")
 
 

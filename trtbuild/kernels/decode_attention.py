@@ -19,8 +19,6 @@ rotates the query and the new key and writes the new key and value into the cach
 of a 1B step, those were three Inductor kernels per layer (56 us of 1111 at batch 1, plus their launch
 gaps) for a few kilobytes each; here they are a few loads in programs that run anyway.
 `trtbuild::decode_attention` attends only (options.decode_attention: kernel-unfused, for A/B runs).
-`trtbuild::decode_attention_rope_early` is the default op with its launches' first reads moved before
-their PDL waits (options.decode_attention: kernel-early, opt-in until measured).
 Used for 16-bit models only: its dots run on tensor cores, which would round fp32 to tf32.
 Imported only where Triton and a GPU are present; lives with the model code because its source is
 part of every engine's key.
@@ -87,11 +85,8 @@ def _rotate(ptr, cos, sin, d, HALF: tl.constexpr, mask):
 def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, o_ptr, ml_ptr, KV,
                               stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                               REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
-                              SPLITS: tl.constexpr, SCALE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr,
-                              EARLY: tl.constexpr):
-    # EARLY needs ROPE: without it the predecessor writes slot pos, which then belongs in the loop
-    tl.static_assert(ROPE or not EARLY)
-    if PDL and not EARLY:  # may start before the QKV projection completes (grid_dependency.py): every address waits for it
+                              SPLITS: tl.constexpr, SCALE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # may start before the QKV projection completes (grid_dependency.py): every address waits for it
         z = wait_for_predecessor()
         q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, o_ptr, ml_ptr = (
             q_ptr + z, rope_ptr + z, k_ptr + z, v_ptr + z, pos_ptr + z, slot_ptr + z, o_ptr + z, ml_ptr + z)
@@ -114,18 +109,6 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, 
         j = d % (D // 2)
         cos = tl.load(rope_ptr + pos * D + 2 * j)
         sin = tl.load(rope_ptr + pos * D + 2 * j + 1)
-    if EARLY:
-        # Before the wait, what no kernel of this step writes: the position and the cache row (set after the
-        # previous step's last kernel), the rope table, and the slice's first tile of cached slots before pos
-        # (written by earlier steps; slot pos is this kernel's own). Their round trips then overlap the
-        # QKV projection's tail instead of following it; only the QKV output is read after the wait.
-        first = start + tl.arange(0, BLOCK_S)
-        first_mask = first < tl.minimum(end, pos)
-        k_first = tl.load(k_base + first[:, None] * stride_ks + d[None, :], mask=first_mask[:, None], other=0.0)
-        v_first = tl.load(v_base + first[:, None] * stride_vs + d[None, :], mask=first_mask[:, None], other=0.0)
-        if PDL:
-            z = wait_for_predecessor()
-            q_ptr, o_ptr, ml_ptr = q_ptr + z, o_ptr + z, ml_ptr + z
     # query head kv * REP + r uses KV head kv (Hugging Face's repeat_kv order); rows past REP are
     # padding for the tensor-core dot, masked to zero and never stored
     q_rows = q_ptr + b * stride_qb + (kv * REP + r)[:, None] * stride_qh
@@ -152,17 +135,7 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, 
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
-    loop_start = start
-    if EARLY:  # the loop's first step, from the tile loaded before the wait
-        scores = tl.where(first_mask[None, :], tl.dot(q, tl.trans(k_first)) * SCALE, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty tile leaves the slice empty, not NaN
-        p = tl.exp(scores - m_ref[:, None])
-        total = tl.sum(p, 1)
-        acc = tl.dot(p.to(v_first.dtype), v_first)
-        m = m_new
-        loop_start = start + BLOCK_S
-    for s0 in range(loop_start, loop_end, BLOCK_S):
+    for s0 in range(start, loop_end, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         s_mask = s < loop_end
         k = tl.load(k_base + s[:, None] * stride_ks + d[None, :], mask=s_mask[:, None], other=0.0)
@@ -203,18 +176,15 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, 
 @triton.jit
 def _decode_attention_merge(o_ptr, ml_ptr, y_ptr, pos_ptr, KV, stride_yb, stride_yh,
                             REP: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                            BLOCK_S: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+                            BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """One query head's output from the SPLITS partials of its sequence and KV head."""
-    if PDL and not EARLY:  # may start before the partials are written: every address waits for them
+    if PDL:  # may start before the partials are written: every address waits for them
         z = wait_for_predecessor()
         o_ptr, ml_ptr, y_ptr, pos_ptr = o_ptr + z, ml_ptr + z, y_ptr + z, pos_ptr + z
     pid = tl.program_id(0)  # sequence * heads + head
     b = pid // (KV * REP)
     h = pid % (KV * REP)
     filled = tl.load(pos_ptr + b) + 1
-    if PDL and EARLY:  # the position before the wait (no kernel of this step writes it), the partials after
-        z = wait_for_predecessor()
-        o_ptr, ml_ptr, y_ptr = o_ptr + z, ml_ptr + z, y_ptr + z
     sp = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
     # the slices that hold filled slots, the only ones the partial kernel wrote (slice 0 always: the
@@ -232,10 +202,9 @@ def _decode_attention_merge(o_ptr, ml_ptr, y_ptr, pos_ptr, KV, stride_yb, stride
 
 
 def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache: Tensor, v_cache: Tensor,
-         pos: Tensor, slots: Tensor, heads: int, early: bool = False) -> Tensor:
+         pos: Tensor, slots: Tensor, heads: int) -> Tensor:
     """q: [B, 1, H, D] after rope, or with `rope` the QKV projection's output [B, 1, (H + 2 KV) D]; pos and
-    slots [B] (each sequence's position and cache row, contiguous). `early` (with `rope` only): the kernels
-    read what no kernel of the step writes before their PDL waits."""
+    slots [B] (each sequence's position and cache row, contiguous)."""
     b, t = q.shape[:2]
     kv, d = k_cache.shape[1], k_cache.shape[3]
     width = (heads + 2 * kv) * d if rope is not None else d
@@ -259,10 +228,10 @@ def _run(partial: object, merge: object, q: Tensor, rope: Tensor | None, k_cache
         # the scale a compile-time constant: AOTInductor passes a float argument as fp64, which would
         # promote the scores and the running maximum to fp64 (refused by Triton inside the loop)
         REP=rep, BLOCK_R=block_r, D=d, BLOCK_S=BLOCK_S, SPLITS=splits, SCALE=d**-0.5, ROPE=rope is not None,
-        PDL=pdl, EARLY=early, num_warps=4)
+        PDL=pdl, num_warps=4)
     merge[(b * heads,)](  # type: ignore[index]
         o, ml, y, pos, kv, y.stride(0), y.stride(2), REP=rep, BLOCK_R=block_r, D=d, SPLITS=splits, BLOCK_S=BLOCK_S,
-        PDL=pdl, EARLY=early, num_warps=1)
+        PDL=pdl, num_warps=1)
     return y
 
 
@@ -282,13 +251,12 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, s
 
 
 def decode_attention_rope(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                          heads: int, early: bool = False, slots: Tensor | None = None) -> Tensor:
+                          heads: int, slots: Tensor | None = None) -> Tensor:
     """The same from the QKV projection's output [B, 1, (H + 2 KV) D]: rotates each sequence's query and new
     key by rope[pos[b]] (the model's (max_seq_len, D/2, 2) table), stores the new key and value in cache
-    row slots[b] at slot pos[b], then attends. Returns [B, 1, H, D]. An eager launch; `early` as in `_run`."""
+    row slots[b] at slot pos[b], then attends. Returns [B, 1, H, D]. An eager launch."""
     pos, slots = _rows(qkv.shape[0], pos, slots)
-    return _run(_decode_attention_partial, _decode_attention_merge, qkv, rope, k_cache, v_cache, pos, slots, heads,
-                early)
+    return _run(_decode_attention_partial, _decode_attention_merge, qkv, rope, k_cache, v_cache, pos, slots, heads)
 
 
 @triton_op("trtbuild::decode_attention", mutates_args=())
@@ -305,11 +273,3 @@ def decode_attention_rope_op(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache
     return _run(wrap_triton(_decode_attention_partial), wrap_triton(_decode_attention_merge), qkv, rope, k_cache, v_cache,
                 pos, slots, heads)
 
-
-@triton_op("trtbuild::decode_attention_rope_early", mutates_args=("k_cache", "v_cache"))
-def decode_attention_rope_early_op(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
-                                   slots: Tensor, heads: int) -> Tensor:
-    """The same, reading the position, the cache row, the rope row and each slice's first cached tile before
-    the PDL wait (options.decode_attention: kernel-early)."""
-    return _run(wrap_triton(_decode_attention_partial), wrap_triton(_decode_attention_merge), qkv, rope, k_cache, v_cache,
-                pos, slots, heads, early=True)

@@ -312,9 +312,8 @@ class Linear(nn.Linear):
 
 class Attention(nn.Module):
     # Set by the backend only while it exports a decode graph that uses trtbuild's decode attention
-    # kernel (options.decode_attention): "kernel" (rope, the cache writes and attention in one custom op),
-    # "kernel-early" (the same op with its first reads before its PDL waits) or "kernel-unfused" (the
-    # kernel attends; rope and the cache writes stay the model's ATen code).
+    # kernel (options.decode_attention): "kernel" (rope, the cache writes and attention in one custom op)
+    # or "kernel-unfused" (the kernel attends; rope and the cache writes stay the model's ATen code).
     # Prefill, CPU builds and eager runs keep "aten": `_cached_attention`.
     decode_kernel: str = "aten"
     # Set by the backend only while it exports the prefill graph: "sdpa" or "cudnn" (causal_attention).
@@ -345,12 +344,11 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q_size = c.num_heads * c.head_dim
         qkv = self.wqkv(x, norm=norm)
-        if self.decode_kernel in ("kernel", "kernel-early"):
-            from trtbuild.kernels import decode_attention  # needs Triton: CUDA builds only
+        if self.decode_kernel == "kernel":
+            from trtbuild.kernels.decode_attention import decode_attention_rope_op  # needs Triton: CUDA builds only
 
-            op = (decode_attention.decode_attention_rope_early_op if self.decode_kernel == "kernel-early"
-                  else decode_attention.decode_attention_rope_op)
-            y = op(qkv, rope, k_cache, v_cache, pos.expand(b, 1).reshape(b).contiguous(), slots, c.num_heads)
+            y = decode_attention_rope_op(qkv, rope, k_cache, v_cache, pos.expand(b, 1).reshape(b).contiguous(), slots,
+                                         c.num_heads)
             return self.wo(y.reshape(b, t, q_size), residual=residual)
         if c.local_rope_theta is not None:
             table = table[..., 2 * self.rope_pair:2 * self.rope_pair + 2]

@@ -28,12 +28,12 @@ DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
 # cache writes in the same launch; aten = the masked attention Inductor compiles from the model code;
 # kernel = the kernel, or a recipe error where it cannot serve; kernel-unfused = the kernel for the
 # attention alone, rope and the cache writes compiled by Inductor (what the kernel did before the
-# ninth session, kept for A/B runs); kernel-early = the kernel's launches reading the position, the rope
-# row and each slice's first cached tile before their PDL waits (opt-in until measured on a GPU: the
-# twenty-seventh session wrote it with no device lent). (A one-launch mode, the last program of each
+# ninth session, kept for A/B runs). (A one-launch mode, the last program of each
 # sequence and KV head merging the partials, measured slower on the H200 and was removed: RESULTS.md,
-# eleventh session.)
-DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused", "kernel-early")
+# eleventh session.) (A mode whose
+# launches read the position, the rope row and their first cached tile before the PDL wait measured level with the
+# default on the H100, 1B bf16, and was removed: RESULTS.md, "Tried, not kept".)
+DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
 # options.decode_fusion: epilogue (the default since the fifteenth session) = a decode matmul through the
 # kernel also does what comes after it at its call site: the SiLU gating of gate/up and the residual adds
 # (one launch instead of two), never the norm before it (the eighth session measured the fused norm
@@ -276,7 +276,7 @@ def fusion_of(linear: Any, mode: str) -> str:
 
 def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, str]:
     """Whether the decode graphs use trtbuild's decode attention kernel, and how:
-    {"used": "kernel" | "kernel-unfused" | "kernel-early" | "aten", "note"}."""
+    {"used": "kernel" | "kernel-unfused" | "aten", "note"}."""
     if mode == "aten":
         return {"used": "aten", "note": "options.decode_attention is aten"}
     why = None if device.startswith("cuda") else "a CPU build"
@@ -292,7 +292,7 @@ def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, st
 
         why = attention_kernel_limits(cfg)
     if why is None:
-        return {"used": mode if mode in ("kernel-unfused", "kernel-early") else "kernel",
+        return {"used": "kernel-unfused" if mode == "kernel-unfused" else "kernel",
                 "note": f"options.decode_attention is {mode}"}
     if mode.startswith("kernel"):
         raise TrtbuildError(f"options.decode_attention: {mode!r} cannot serve this build: {why}")
