@@ -195,9 +195,10 @@ def section_70b(args: argparse.Namespace, link: dict[str, Any], work: Path) -> d
     path = recipe_file(base, args.tp70, work, config, "llama-70b-shape-tp4" if not args.quick else None)
     env = {**os.environ, "TRTBUILD_ENGINES": str(args.engines), "PYTHONPATH": str(REPO)}
     out: dict[str, Any] = {"recipe": path.name, "tp": args.tp70}
+    prompt, new = ("8", "16") if args.quick else ("128", "32")
     for step, argv in (("build", ["build", str(path), "--json"]),
                        ("run", ["run", str(path), "--no-build", "--json", "--batch-size", "1",
-                                "--input-len", "128", "--output-len", "32"])):
+                                "--input-len", prompt, "--output-len", new])):
         t = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "trtbuild", *argv], env=env, capture_output=True, text=True)
         out[f"{step}_process_s"] = time.perf_counter() - t
