@@ -258,7 +258,7 @@ class TorchAOTIBackend:
 def save_weights(tensors: dict[str, Any], path: Path) -> None:
     """safetensors' save_file, with its I/O failures raised as the OSError they are: it reports them as
     SafetensorError("... (os error 28)"), which the builder would not recognize as a full disk (an 8B
-    build on the H200 hit one: RESULTS.md, tenth session) and the CLI would show as a crash."""
+    build on the H200 hit one: RESULTS.md, 2026-12-04) and the CLI would show as a crash."""
     from safetensors.torch import save_file
 
     try:

@@ -27,25 +27,23 @@ DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
 # build of a 16-bit model, head_dim a power of two), with the rotation of the query and new key and the
 # cache writes in the same launch; aten = the masked attention Inductor compiles from the model code;
 # kernel = the kernel, or a recipe error where it cannot serve; kernel-unfused = the kernel for the
-# attention alone, rope and the cache writes compiled by Inductor (what the kernel did before the
-# ninth session, kept for A/B runs). (A one-launch mode, the last program of each
-# sequence and KV head merging the partials, measured slower on the H200 and was removed: RESULTS.md,
-# eleventh session.) (A mode whose
+# attention alone, rope and the cache writes compiled by Inductor (kept for A/B runs). (A one-launch mode, the last program of each
+# sequence and KV head merging the partials, measured slower on the H200 and was removed: RESULTS.md.) (A mode whose
 # launches read the position, the rope row and their first cached tile before the PDL wait measured level with the
 # default on the H100, 1B bf16, and was removed: RESULTS.md, "Tried, not kept".)
 DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
-# options.decode_fusion: epilogue (the default since the fifteenth session) = a decode matmul through the
+# options.decode_fusion: epilogue (the default) = a decode matmul through the
 # kernel also does what comes after it at its call site: the SiLU gating of gate/up and the residual adds
-# (one launch instead of two), never the norm before it (the eighth session measured the fused norm
+# (one launch instead of two), never the norm before it (the H200 measured the fused norm
 # doubling the kernel's time on its 2-16-row path). On the H200 it took 157 / 104 us off the 8B step at
 # batch 1 / 8 (run drift 2-6 us) and 21 us off the 1B step at batch 8 (+3 us at batch 1): RESULTS.md,
-# fourteenth and fifteenth sessions. Each fused call site is timed against cuBLAS plus Inductor's ops and
+# RESULTS.md. Each fused call site is timed against cuBLAS plus Inductor's ops and
 # against the kernel alone plus those ops, so it is used only where it measured faster.
 # none = the kernel does the matmul alone and Inductor compiles the norms, gating and adds around it;
 # fused = the norms too, with each norm's gain folded into the weights after it at build time
 # (`Transformer.fold_norm_gains`: the kernel then only sums x's squares as it streams; the gain's loads and
-# per-element scaling measured +2.8 us on the 8B QKV call at batch 1, eighth session). Opt-in: on the H200
-# it took 31-32 kernels off the 8B step and no time (-9 / 0 us at batch 1 / 8, drift 6-7 us; sixteenth session).
+# per-element scaling measured +2.8 us on the 8B QKV call at batch 1, H200). Opt-in: on the H200
+# it took 31-32 kernels off the 8B step and no time (-9 / 0 us at batch 1 / 8, drift 6-7 us; H200).
 # The first mode of each option is its default.
 DECODE_FUSION_MODES = ("epilogue", "none", "fused")
 # a call site's fusion under `epilogue`: its norm stays outside the kernel
@@ -54,13 +52,13 @@ EPILOGUE = {"none": "none", "norm": "none", "residual": "residual", "norm_gate":
 # options.decode_split_k: none (the default) = each program of the decode matmul streams whole weight rows;
 # timed = split-K configurations (each block of columns shared by 2 or 4 programs, each a slice of k, and a
 # small kernel adding their fp32 partial sums) are timed with the others, for the plain matmul. Opt-in:
-# on the H200, −22 µs a 1B step at batch 1, none kept at 8B (RESULTS.md, fourteenth session).
+# on the H200, −22 µs a 1B step at batch 1, none kept at 8B (RESULTS.md).
 DECODE_SPLIT_K_MODES = ("none", "timed")
 # options.decode_timing: how the selection's CUDA graphs join the launches they time. serialized (the
 # default) = full edges, each launch starting after the previous one completes; pdl = programmatic edges
 # where the kernel waits (backends/pdl.py), as the decode graphs run them on Hopper. The kernels' rank can
 # differ: in a PDL chain of 4096x4096 GEMVs on the H200, n4k1024 took 12.02 us a link serialized and 10.71
-# with PDL, n8k1024 11.33 and 11.08 (RESULTS.md, seventeenth session), and the selection, timing serialized,
+# with PDL, n8k1024 11.33 and 11.08 (RESULTS.md), and the selection, timing serialized,
 # picks by the first column. Opt-in until measured in the engine.
 DECODE_TIMING_MODES = ("serialized", "pdl")
 OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES,
@@ -174,8 +172,8 @@ def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str,
     kernel with its epilogue and Inductor's norm before it (its time + unfused_us - the epilogue site's
     unfused_us: the norm's share of Inductor's code). The third is there because on the H200 the fused
     norm doubled the kernel's time on its tensor-core path while the plain kernel still beat cuBLAS
-    (RESULTS.md, eighth session); the fourth because the norm inside the one-row gate/up kernel still
-    cost ~7 us a call at 8B (sixteenth session). `kernel` mode takes the fastest fused configuration
+    (RESULTS.md); the fourth because the norm inside the one-row gate/up kernel still
+    cost ~7 us a call at 8B (H200). `kernel` mode takes the fastest fused configuration
     (None if none ran)."""
     fusion = result.get("fusion", "none")
     if mode == "kernel":
@@ -189,7 +187,7 @@ def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str,
     ways = [(unfused if choice == "cublas" else result["candidates"][choice], choice,
              fusion if choice != "cublas" else "none")]
     # Inductor's share of a way (its ops around the matmul) is a difference of two timings, each with a few
-    # µs of noise; it is never taken below nothing. On the H200 (2026-12-05, call 53) cuBLAS + the gating
+    # µs of noise; it is never taken below nothing. On the H200 (2026-12-05) cuBLAS + the gating
     # timed 3.5 µs *faster* than cuBLAS alone, so the plain kernel + "−3.5 µs" of gating beat the fused
     # kernel on paper and the build added a kernel to every layer: +180 µs an 8B step at batch 1.
     if plain is not None and (alone := fastest(plain)) is not None:
