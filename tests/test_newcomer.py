@@ -239,7 +239,8 @@ def test_a_corrupt_entry_found_by_verify_is_reported_quarantined_and_rebuilt(eng
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
-    proc = run_cli("run", str(engine["recipe"]), "--engines", str(store), "--verify", "--iterations", "1")
+    proc = run_cli("run", str(engine["recipe"]), "--engines", str(store), "--verify", "--iterations", "1",
+                   env={"COLUMNS": "400"})  # the table's note unwrapped
     assert proc.returncode == 0, proc.stderr
     out = " ".join((proc.stdout + proc.stderr).split())
     assert "the entry was corrupt" in out and "sha256 differs" in out and str(store / "quarantine") in out
