@@ -118,11 +118,15 @@ def quality(text: Path, where: Path, engines: str | None) -> list[dict[str, Any]
     return rows
 
 
-def eager_quality(text: Path, window: int = SHAPES["max_seq_len"]) -> list[dict[str, Any]]:
-    """Perplexity of each precision's stored weights without compiling engines: the build's quantization step
-    (`backends/torch/quantized.py`) and `trtbuild eval`'s eager perplexity (`evaluate.perplexity`) on its
-    result. What `trtbuild eval` reports for the engines' perplexity; no agreement figures (those need
-    the compiled engines)."""
+TEXTS = sorted((Path(__file__).parent / "texts").glob("[a-z]*.*"))  # prose, code, docs, licence (texts/README.md)
+
+
+def eager_quality(texts: list[Path], window: int = SHAPES["max_seq_len"],
+                  precisions: tuple[str, ...] = PRECISIONS) -> list[dict[str, Any]]:
+    """Perplexity of each precision's stored weights on each text, without compiling engines: the build's
+    quantization step (`backends/torch/quantized.py`) and `trtbuild eval`'s eager perplexity
+    (`evaluate.perplexity`, windows of 512 a half-window apart) on its result. What `trtbuild eval` reports
+    for the engines' perplexity; no agreement figures (those need the compiled engines)."""
     import time
     from types import SimpleNamespace
 
@@ -130,16 +134,16 @@ def eager_quality(text: Path, window: int = SHAPES["max_seq_len"]) -> list[dict[
 
     from trtbuild.backends.torch.export import place_model
     from trtbuild.backends.torch.quantized import quantize_weights
-    from trtbuild.evaluate import perplexity, text_ids
+    from trtbuild.evaluate import eager_scorer, perplexity, text_ids
     from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
 
     model_dir = folder()
     _, cfg = read_config(model_dir)
-    ids, _ = text_ids(text, model_dir / "tokenizer.json", cfg.vocab_size)
+    ids = {t.name: text_ids(t, model_dir / "tokenizer.json", cfg.vocab_size)[0] for t in texts}
     dense = convert_hf_state_dict(load_weights(model_dir, cfg, torch.float32), cfg)
     shapes = SimpleNamespace(max_batch_size=4, max_input_len=window, max_seq_len=window)
     rows = []
-    for precision in PRECISIONS:
+    for precision in precisions:
         name, _, method = precision.partition(":")
         t = time.perf_counter()
         state, record = dict(dense), None
@@ -147,28 +151,34 @@ def eager_quality(text: Path, window: int = SHAPES["max_seq_len"]) -> list[dict[
             recipe = SimpleNamespace(precision=name, options={"int4_method": method} if method else {})
             state, record = quantize_weights(state, cfg, recipe, model_dir / "tokenizer.json", "cpu", lambda m: None)
         dtype = torch.float32 if name == "fp32" else torch.bfloat16
-        model = place_model(cfg, shapes, dtype, "cpu", state)
-        rows.append({"precision": precision, **perplexity(model, ids, window), "quantization": record,
+        score = eager_scorer(place_model(cfg, shapes, dtype, "cpu", state))
+        ppl = {text: perplexity(score, i, window)["perplexity"] for text, i in ids.items()}
+        rows.append({"precision": precision, "perplexity": ppl, "quantization": record,
                      "seconds": round(time.perf_counter() - t, 1)})
         print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]["perplexity"]
+    print(f"{'':12s}" + "".join(f"{text:>18s}" for text in ids))
     for r in rows:
-        print(f"{r['precision']:12s} ppl {r['perplexity']:8.4f}  {100 * (r['perplexity'] / rows[0]['perplexity'] - 1):+6.2f}%")
+        print(f"{r['precision']:12s}" + "".join(
+            f"{r['perplexity'][text]:9.3f} {100 * (r['perplexity'][text] / base[text] - 1):+6.2f}%" for text in ids))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("folder", "quality", "eager-quality"))
-    parser.add_argument("--text", type=Path, default=Path("/usr/share/common-licenses/GPL-3"))
+    parser.add_argument("--text", type=Path, action="append", help="a text to score (repeatable); quality: one, "
+                        "GPL-3 by default; eager-quality: the four of benchmarks/texts/ by default")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help="eager-quality: which, comma-separated")
     parser.add_argument("--recipes", type=Path, default=CACHE / "recipes")
     parser.add_argument("--engines", default=None)
     args = parser.parse_args()
     if args.what == "folder":
         print(folder())
     elif args.what == "eager-quality":
-        eager_quality(args.text)
+        eager_quality(args.text or TEXTS, precisions=tuple(args.precisions.split(",")))
     else:
-        quality(args.text, args.recipes, args.engines)
+        quality((args.text or [Path("/usr/share/common-licenses/GPL-3")])[0], args.recipes, args.engines)
 
 
 if __name__ == "__main__":

@@ -780,6 +780,10 @@ def _remote_prune(url: str, max_size: int | None, older_than: float | None, dry_
 @recipe_arg
 @click.option("--text", "text_file", required=True, type=click.Path(dir_okay=False),
               help="A text file (UTF-8); its perplexity is measured in windows of the engine's max_seq_len.")
+@click.option("--stride", type=click.IntRange(min=1), default=None,
+              help="Tokens between the starts of two windows (default half a window); each token is scored once.")
+@click.option("--eager", is_flag=True, help="Score with the eager model over the engine's weights (CPU) instead of "
+                                            "the engine's compiled scoring graph: a cross-check.")
 @click.option("--against", default=None, type=click.Path(dir_okay=False),
               help="Another recipe: greedy-token agreement with its engine on prompts from the text, and the "
                    "largest logit difference.")
@@ -787,8 +791,8 @@ def _remote_prune(url: str, max_size: int | None, older_than: float | None, dry_
 @click.option("--no-build", is_flag=True, help="Never build; a missing engine is an error.")
 @json_option
 @quiet_option
-def eval_cmd(recipe: str, text_file: str, against: str | None, engines: str | None, no_build: bool,
-             as_json: bool, quiet: bool) -> None:
+def eval_cmd(recipe: str, text_file: str, stride: int | None, eager: bool, against: str | None, engines: str | None,
+             no_build: bool, as_json: bool, quiet: bool) -> None:
     """Quality of an engine: perplexity over a text, and agreement with another engine (docs/quantization.md)."""
     from pathlib import Path
 
@@ -798,13 +802,15 @@ def eval_cmd(recipe: str, text_file: str, against: str | None, engines: str | No
     if not Path(text_file).is_file():
         raise InputError(f"{text_file}: --text: file not found")
     with _progress(as_json or quiet) as progress:
-        result = evaluate(r, Path(text_file), engines, other, build=not no_build, progress=progress)
+        result = evaluate(r, Path(text_file), engines, other, build=not no_build, progress=progress, stride=stride,
+                          eager=eager)
     if as_json:
         click.echo(json.dumps(result))
         return
     click.echo(f"{result['recipe']} ({result['precision']}): perplexity {result['perplexity']:.4f} over "
-               f"{result['tokens_scored']} tokens of {result['text']} ({result['windows']} windows of "
-               f"{result['window']}, tokens from {result['tokens_from']})")
+               f"{result['tokens_scored']} tokens of {result['text']} ({result['windows']} windows of at most "
+               f"{result['window']}, {result['stride']} apart; tokens from {result['tokens_from']}; scored by "
+               f"{result['scored_by']})")
     if "against" in result:
         a = result["against"]
         click.echo(f"against {a['recipe']} ({a['precision']}): greedy tokens agree {a['greedy_agreement']:.1%} "

@@ -128,6 +128,38 @@ class TorchEngine:
             self._preloaded = None
         self._consts = {}
 
+    def constants(self) -> dict[str, Any]:
+        """The tensors every graph runs on, by their constant names ("model.<param>", the caches, the rope
+        table): what a graph compiled later (`score_graph.py`) is exported from and handed."""
+        return dict(self._consts)
+
+    def attach_graph(self, name: str, so: Path) -> None:
+        """Load one more compiled graph over this engine's weights and caches (the scoring graph)."""
+        model = _Model(so, self.device)
+        missing = [n for n in model.fqns() if n not in self._consts]
+        if missing:
+            raise TrtbuildError(f"{so}: the compiled graph expects constants this engine does not have: "
+                                f"{', '.join(missing[:3])}")
+        model.load_constants(self._consts)
+        self._packages[name] = model
+
+    def score(self, tokens: Any) -> Any:
+        """Every position's logits (B, T, V) of prompts (B, T) from position 0, through the scoring graph
+        (`attach_graph("score", ...)`), on the engine's device; the prompts are written into cache rows
+        0..B-1, so this must not run while slots are in use."""
+        import torch
+
+        if "score" not in self._packages:
+            raise TrtbuildError("this engine has no scoring graph loaded (backends/torch/score_graph.attach)")
+        b, t = tokens.shape
+        if not 0 < b <= self.max_batch_size or not 0 < t <= self.max_seq_len:
+            raise InputError(f"score: {b} prompts of {t} tokens do not fit the engine (at most {self.max_batch_size} "
+                             f"of {self.max_seq_len})")
+        tokens = tokens.to(self.device)
+        with torch.no_grad():
+            return self._packages["score"](tokens, torch.arange(t, device=self.device),
+                                           torch.arange(b, device=self.device))[0]
+
     def bucket_for(self, batch: int) -> int:
         for b in self.buckets:
             if b >= batch:
