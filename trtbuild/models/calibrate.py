@@ -42,6 +42,23 @@ GPTQ_ACT_ORDER = False
 # of its min and max: on SmolLM2-135M +10.0% perplexity against +25.8% with min and max
 GPTQ_CLIP = True
 CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+# int4: the Linears kept at 8 bits (int8 per output channel, round to nearest), as (layer, Linear) with layer
+# "first", "last" or "all"; the most sensitive ones by GPTQ's relative output error on SmolLM2-135M
+# (docs/quantization.md). Empty: every Linear in int4.
+INT4_KEPT_INT8: tuple[tuple[str, str], ...] = ()
+
+
+def stored_format(name: str, fmt: str, names: list[str]) -> str:
+    """The format Linear `name` ("layers.<i>.<linear>", one of `names`) is stored in by an engine of format
+    `fmt`: `fmt`, except int4's `INT4_KEPT_INT8`, which stay int8."""
+    if fmt != "int4" or not INT4_KEPT_INT8:
+        return fmt
+    last = max(int(n.split(".")[1]) for n in names)
+    i, linear = int(name.split(".")[1]), name.split(".", 2)[2]
+    for layer, kept in INT4_KEPT_INT8:
+        if linear == kept and (layer == "all" or (layer == "first" and i == 0) or (layer == "last" and i == last)):
+            return "int8"
+    return fmt
 
 
 def quantized_names(state: dict[str, Tensor]) -> list[str]:
@@ -54,9 +71,10 @@ def empty_quantized(state: dict[str, Tensor], fmt: str) -> dict[str, Tensor]:
     """`state` with each quantized Linear's weight replaced by uninitialized buffers of format `fmt`: what a
     compile worker exports from (a graph does not depend on the weights' values, only their shapes)."""
     out = dict(state)
-    for name in quantized_names(state):
+    names = quantized_names(state)
+    for name in names:
         n, k = out.pop(name + ".weight").shape
-        for buf, (shape, dtype) in quantize.stored_shapes(fmt, n, k).items():
+        for buf, (shape, dtype) in quantize.stored_shapes(stored_format(name, fmt, names), n, k).items():
             out[f"{name}.{buf}"] = torch.empty(shape, dtype=dtype)
     return out
 
@@ -64,9 +82,10 @@ def empty_quantized(state: dict[str, Tensor], fmt: str) -> dict[str, Tensor]:
 def rtn_state(state: dict[str, Tensor], fmt: str) -> dict[str, Tensor]:
     """Round-to-nearest of every quantized Linear (per channel for fp8/int8, per group for int4)."""
     out = dict(state)
-    for name in quantized_names(state):
+    names = quantized_names(state)
+    for name in names:
         w = out.pop(name + ".weight")
-        out.update({f"{name}.{k}": v.cpu() for k, v in quantize.quantize(fmt, w).items()})
+        out.update({f"{name}.{k}": v.cpu() for k, v in quantize.quantize(stored_format(name, fmt, names), w).items()})
     return out
 
 
@@ -90,11 +109,36 @@ def calibration_tokens(tokenizer: Path | None, vocab_size: int, window: int, tex
 
 
 @torch.no_grad()
-def gptq_state(model: Any, tokens: Tensor, progress: Callable[[str], None] = lambda m: None) -> dict[str, Tensor]:
+def generated_tokens(model: Any, starts: Tensor, length: int, seed: int = 0) -> Tensor:
+    """(len(starts), length) tokens the model writes itself, one sequence from each start token, sampled at
+    temperature 1 from its full distribution (data-free calibration, as LLM-QAT's): text in the model's own
+    distribution, of every kind it knows, which no shipped text covers. Seeded, so a build is repeatable.
+    `model` is a dense `llama.Transformer` with at least len(starts) cache rows and `length` slots; it writes
+    rows 0..len(starts)-1 of its caches."""
+    n = starts.shape[0]
+    device = starts.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = torch.empty(n, length, dtype=torch.long, device=device)
+    out[:, 0] = starts
+    slots = torch.arange(n, device=device)
+    for i in range(length - 1):
+        pos = torch.full((n, 1), i, dtype=torch.long, device=device)
+        # the span: only the slots written so far are read (a step at position i attends over 0..i)
+        logits = model(out[:, i:i + 1], pos, slots=slots, span=torch.arange(i + 1, device=device)).float()
+        out[:, i + 1] = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)[:, 0]
+    return out
+
+
+@torch.no_grad()
+def gptq_state(model: Any, tokens: Tensor, progress: Callable[[str], None] = lambda m: None,
+               errors: dict[str, float] | None = None) -> dict[str, Tensor]:
     """GPTQ int4 of `model`'s decoder Linears, calibrated on `tokens` (B, T) run as B prompts. `model` is a
     dense `llama.Transformer` with at least B cache rows and T slots; its weights are overwritten with the
     dequantized result as it goes (each layer must see its predecessors quantized). Returns the quantized
-    Linears' buffers by state-dict name, on the CPU."""
+    Linears' buffers by state-dict name, on the CPU. `errors`, where given, receives each Linear's relative
+    output error on the calibration tokens, tr(dW H dW^T) / tr(W H W^T): how sensitive it is to int4."""
+    names = [f"layers.{i}.{n}" for i, layer in enumerate(model.layers) for n, _ in layer.named_modules()
+             if n.endswith(QUANTIZED)]
     layers = list(model.layers)
     calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
@@ -138,8 +182,15 @@ def gptq_state(model: Any, tokens: Tensor, progress: Callable[[str], None] = lam
             for h in handles:
                 h.remove()
         for name, m in linears.items():
-            stored = gptq_int4(m.weight, hessians[name] * (2.0 / counts[name]))
-            m.weight.copy_(quantize.dequantize("int4", stored["qweight"], stored["scale"], stored["zero"], m.weight.dtype))
+            fmt = stored_format(f"layers.{i}.{name}", "int4", names)
+            h = hessians[name] * (2.0 / counts[name])
+            stored = gptq_int4(m.weight, h) if fmt == "int4" else quantize.quantize(fmt, m.weight)
+            back = quantize.dequantize(fmt, stored["qweight"], stored["scale"], stored.get("zero"), m.weight.dtype)
+            if errors is not None:
+                dw = (back.float() - m.weight.float()).to(h.device)
+                w = m.weight.float()
+                errors[f"layers.{i}.{name}"] = float(((dw @ h) * dw).sum() / ((w @ h) * w).sum())
+            m.weight.copy_(back)
             out.update({f"layers.{i}.{name}.{k}": v.cpu() for k, v in stored.items()})
         x = layer(x, *args[1:], **kwargs)
         progress(f"GPTQ: layer {i + 1} of {len(layers)} quantized")
