@@ -297,3 +297,44 @@ def test_a_compressed_tensors_scheme_trtbuild_does_not_read_is_refused_by_name(t
     with pytest.raises(InputError, match="config.json: quantization_config: compressed-tensors"):
         fp8_scheme(raw, tmp_path / "config.json")
     assert fp8_scheme({"model_type": "llama"}, tmp_path / "config.json") is None
+
+
+def test_data_free_calibration_samples_the_models_own_text_repeatably(tmp_path: Path) -> None:
+    """calibrate.generated_tokens: each sequence starts at its start token, a seed gives the same text again,
+    another seed other text, and every token is one the model gives a real probability after its context."""
+    from trtbuild.backends.torch.export import place_model
+
+    cfg, state = _tiny_state(make_hf_folder(tmp_path / "m"))
+    model = place_model(cfg, SimpleNamespace(max_batch_size=3, max_input_len=24, max_seq_len=24), torch.float32,
+                        "cpu", state)
+    starts = torch.tensor([3, 50, 100])
+    a = calibrate.generated_tokens(model, starts, 24, seed=0)
+    assert a.shape == (3, 24) and torch.equal(a[:, 0], starts)
+    assert torch.equal(calibrate.generated_tokens(model, starts, 24, seed=0), a)
+    assert not torch.equal(calibrate.generated_tokens(model, starts, 24, seed=1), a)
+    with torch.no_grad():
+        logits = model(a, torch.arange(24), all_logits=True, from_start=True)
+    chosen = torch.softmax(logits[:, :-1].float(), -1).gather(-1, a[:, 1:, None])
+    assert float(chosen.min()) > 1e-6  # sampled from the model's distribution, never an impossible token
+
+
+def test_int4_linears_kept_at_int8_are_int8_in_every_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """INT4_KEPT_INT8: the first layer's down projection stays int8 in GPTQ's result, round to nearest's, and the
+    empty buffers a compile worker exports from, so that the build's graphs and the workers' are the same."""
+    from trtbuild.backends.torch.quantized import quantize_weights
+
+    monkeypatch.setattr(calibrate, "INT4_KEPT_INT8", (("first", "feed_forward.w2"),))
+    cfg, dense = _tiny_state(make_hf_folder(tmp_path / "m"))
+    gptq, record = quantize_weights(dict(dense), cfg, SimpleNamespace(precision="int4_wo", options={}), None, "cpu",
+                                    lambda m: None)
+    rtn = calibrate.rtn_state(dict(dense), "int4")
+    empty = calibrate.empty_quantized(dict(dense), "int4")
+    assert record["kept_int8"] == ["layers.0.feed_forward.w2"]
+    for stored in (gptq, rtn, empty):
+        assert stored["layers.0.feed_forward.w2.qweight"].dtype == torch.int8
+        assert "layers.0.feed_forward.w2.zero" not in stored
+        assert stored["layers.1.feed_forward.w2.qweight"].dtype == torch.uint8
+        assert stored["layers.0.feed_forward.w13.qweight"].dtype == torch.uint8
+        assert {k: (v.shape, v.dtype) for k, v in stored.items() if k.endswith(("qweight", "scale", "zero"))} == \
+            {k: (v.shape, v.dtype) for k, v in empty.items() if k.endswith(("qweight", "scale", "zero"))}
+    assert record["calibration"]["largest_errors"]  # each Linear's sensitivity, the worst first
