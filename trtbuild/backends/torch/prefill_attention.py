@@ -86,7 +86,7 @@ def _cached_timings(cfg: Any, dtype: Any, max_input_len: int, job: BuildJob) -> 
     lengths and cuDNN's version."""
     import torch
 
-    from trtbuild.tactics import write_atomic
+    from trtbuild.store.tactics import write_atomic
 
     identity = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "dtype": str(dtype),
                 "lengths": lengths(max_input_len), "cudnn": torch.backends.cudnn.version(), "timed": "host-issued"}
