@@ -240,7 +240,7 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
     from trtbuild.store.tactics import write_atomic
 
     n, k, fusion = key
-    configs = dm.candidates(rows, fusion, split, k)
+    configs = dm.candidates(rows, fusion, split, k, n)
     identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
                 "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in configs]}
     if edit is not None:  # absent: full edges, as every timing before options.decode_timing (their keys stay valid)
