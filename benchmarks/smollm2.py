@@ -108,7 +108,9 @@ def carry(where: Path) -> list[Path]:
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(first), "gguf"],
                    check=True, timeout=600)
     data = source.read_bytes()
-    half = len(data) // 2
+    # the two folders of equal size, the small files counted: each call carries the working tree too (~11 MB)
+    small = sum(p.stat().st_size for p in first.iterdir())
+    half = (len(data) + small) // 2 - small
     (first / f"{GGUF}.part-aa").write_bytes(data[:half])
     (second / f"{GGUF}.part-ab").write_bytes(data[half:])
     return [first, second]
