@@ -217,7 +217,7 @@ def eager_quality(text: Path, window: int = SHAPES["max_seq_len"]) -> list[dict[
 
     from trtbuild.backends.torch.export import place_model
     from trtbuild.backends.torch.quantized import quantize_weights
-    from trtbuild.evaluate import perplexity, text_ids
+    from trtbuild.measure.evaluate import perplexity, text_ids
     from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
 
     model_dir = folder()
