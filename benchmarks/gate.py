@@ -570,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     g.log_file.write(text + "\n")
     g.log_file.close()
+    if "stopped" in g.report:
+        return 143  # the status SIGTERM would have given: a gate cut short has not passed
     return 1 if gate_report.failed(g.report["rows"]) or g.report.get("step_errors") else 0
 
 
