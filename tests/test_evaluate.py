@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from trtbuild.errors import InputError
-from trtbuild.evaluate import eager_scorer, evaluate, perplexity, windows
+from trtbuild.measure.evaluate import eager_scorer, evaluate, perplexity, windows
 from trtbuild.recipe import load_recipe
 
 from .conftest import TINY_CONFIG, make_hf_folder, tiny_recipe_doc, write_recipe

@@ -30,7 +30,7 @@ FP32 = {"prose.txt": (31.5, 33.0), "code.py.txt": (6.5, 6.9), "docs.md": (11.9, 
 def smollm2() -> dict[str, Any]:
     """The folder, each text's ids and fp32 perplexity, once for the module."""
     from trtbuild.backends.torch.export import place_model
-    from trtbuild.evaluate import eager_scorer, perplexity, text_ids
+    from trtbuild.measure.evaluate import eager_scorer, perplexity, text_ids
     from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
 
     spec = importlib.util.spec_from_file_location("smollm2", ROOT / "benchmarks" / "smollm2.py")
@@ -55,7 +55,7 @@ def test_perplexity_of_the_stored_weights_is_within_budget_of_fp32_on_every_kind
         smollm2: dict[str, Any], precision: str) -> None:
     from trtbuild.backends.torch.export import place_model
     from trtbuild.backends.torch.quantized import quantize_weights
-    from trtbuild.evaluate import eager_scorer, perplexity
+    from trtbuild.measure.evaluate import eager_scorer, perplexity
 
     s = smollm2
     state, record = quantize_weights(dict(s["dense"]), s["cfg"], SimpleNamespace(precision=precision, options={}),

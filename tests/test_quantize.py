@@ -153,7 +153,7 @@ def test_keys_differ_by_precision_and_by_int4_method(tmp_path: Path, engine_stor
     from trtbuild import backends
     from trtbuild.builder import key_material
     from trtbuild.models.source import resolve
-    from trtbuild.store import key_of
+    from trtbuild.store.local import key_of
 
     def key(**overrides: Any) -> tuple[str, dict[str, Any]]:
         r = _recipe(tmp_path, **overrides)

@@ -185,7 +185,7 @@ def evaluate(recipe: Any, text: Path, engines: Any = None, against: Any = None, 
             score, batch = eager_scorer(eager_model(entry, rows, window)), rows
         else:
             from trtbuild.backends.torch import score_graph
-            from trtbuild.store import Store
+            from trtbuild.store.local import Store
 
             tactics = Path((session.outcome.entry.manifest.get("tactics") or {}).get("cache") or
                            Store(engines).tactics_dir / "torch" / "score")
