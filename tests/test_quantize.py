@@ -338,3 +338,26 @@ def test_int4_linears_kept_at_int8_are_int8_in_every_path(tmp_path: Path, monkey
         assert {k: (v.shape, v.dtype) for k, v in stored.items() if k.endswith(("qweight", "scale", "zero"))} == \
             {k: (v.shape, v.dtype) for k, v in empty.items() if k.endswith(("qweight", "scale", "zero"))}
     assert record["calibration"]["largest_errors"]  # each Linear's sensitivity, the worst first
+
+
+def test_awq_scales_move_into_the_norm_gain_so_the_product_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AWQ_GRID on: where a scaling was chosen, the stored norm gain is divided by the scales the weight was
+    multiplied by, so gain x weight (what the model multiplies) stays the checkpoint's, within int4's error."""
+    from trtbuild.backends.torch.quantized import quantize_weights
+
+    monkeypatch.setattr(calibrate, "AWQ_GRID", (0.25, 0.5, 0.75, 1.0))
+    cfg, dense = _tiny_state(make_hf_folder(tmp_path / "m"))
+    # inputs of very different energies: the case scaling is for (the tiny model's random gains are all ones)
+    for i in range(cfg.num_layers):
+        dense[f"layers.{i}.attention_norm.weight"] = torch.logspace(-1, 1, cfg.hidden_size)[torch.randperm(cfg.hidden_size)]
+    state, _ = quantize_weights(dict(dense), cfg, SimpleNamespace(precision="int4_wo", options={}), None, "cpu",
+                                lambda m: None)
+    moved = [i for i in range(cfg.num_layers) if not torch.equal(state[f"layers.{i}.attention_norm.weight"].float(),
+                                                                  dense[f"layers.{i}.attention_norm.weight"])]
+    assert moved  # scaling was chosen somewhere
+    for i in moved:
+        p = f"layers.{i}.attention.wqkv"
+        w = quantize.dequantize("int4", state[p + ".qweight"], state[p + ".scale"], state[p + ".zero"], torch.float32)
+        got = w * state[f"layers.{i}.attention_norm.weight"].float()[None, :]
+        want = dense[p + ".weight"] * dense[f"layers.{i}.attention_norm.weight"][None, :]
+        assert float((got - want).norm() / want.norm()) < 0.2

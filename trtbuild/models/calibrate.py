@@ -47,6 +47,31 @@ CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 # (docs/quantization.md). Empty: every Linear in int4.
 INT4_KEPT_INT8: tuple[tuple[str, str], ...] = ()
 
+# int4: AWQ-style input-channel scaling (Lin et al., 2023) of the Linears right after a norm (QKV after the
+# attention norm, gate/up after the MLP norm): W diag(s) is quantized and the norm's gain divided by s, so the
+# product is unchanged and nothing new is stored. s = (input energy)^alpha, alpha from this grid (0, no
+# scaling, always tried) by the smallest round-to-nearest output error on the calibration tokens; then GPTQ.
+# Empty: off.
+AWQ_GRID: tuple[float, ...] = ()
+
+
+def awq_scales(w: Tensor, hessian: Tensor) -> Tensor | None:
+    """Input-channel scales (K,) for `w` (N, K) under its input Hessian: the exponent of `AWQ_GRID` whose int4
+    round-to-nearest of W diag(s), taken back by diag(1/s), has the smallest output error tr(dW H dW^T);
+    None where no scaling (alpha 0) is best."""
+    energy = torch.diag(hessian).clamp(min=1e-12).sqrt()
+    wf = w.float()
+    best_err, best = float("inf"), None
+    for alpha in (0.0, *AWQ_GRID):
+        s = energy ** alpha
+        s = s / (s.max() * s.min()).sqrt()  # centred on 1, so neither W diag(s) nor the gain drifts in scale
+        stored = quantize.quantize("int4", wf * s)
+        dw = quantize.dequantize("int4", stored["qweight"], stored["scale"], stored["zero"], torch.float32) / s - wf
+        err = float(((dw @ hessian) * dw).sum())
+        if err < best_err:
+            best_err, best = err, (None if alpha == 0.0 else s)
+    return best
+
 
 def stored_format(name: str, fmt: str, names: list[str]) -> str:
     """The format Linear `name` ("layers.<i>.<linear>", one of `names`) is stored in by an engine of format
@@ -163,11 +188,13 @@ def gptq_state(model: Any, tokens: Tensor, progress: Callable[[str], None] = lam
         linears = {name: m for name, m in layer.named_modules() if name.endswith(QUANTIZED)}
         hessians = {name: torch.zeros(m.in_features, m.in_features, device=x.device) for name, m in linears.items()}
         counts = dict.fromkeys(linears, 0)
+        sites: dict[str, Any] = {}  # the norm each Linear applies at its call site, if any
 
         def gather(name: str) -> Callable[..., None]:
             def hook(module: Any, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
                 inp = a[0]
                 norm = kw.get("norm")
+                sites[name] = norm
                 if norm is not None:  # the Linear applies its call site's norm itself: H is of what it multiplies
                     inp = norm(inp)
                 rows = inp.reshape(-1, inp.shape[-1]).float()
@@ -184,6 +211,16 @@ def gptq_state(model: Any, tokens: Tensor, progress: Callable[[str], None] = lam
         for name, m in linears.items():
             fmt = stored_format(f"layers.{i}.{name}", "int4", names)
             h = hessians[name] * (2.0 / counts[name])
+            norm = sites.get(name)
+            # only a norm that feeds this Linear alone can take the scales
+            if AWQ_GRID and fmt == "int4" and norm is not None and sum(n is norm for n in sites.values()) == 1:
+                s = awq_scales(m.weight, h)
+                if s is not None:
+                    m.weight.copy_(m.weight.float() * s)
+                    norm.weight.copy_(norm.weight.float() / s)
+                    h = h / s[:, None] / s[None, :]
+                    norm_name = next(n for n, mod in layer.named_modules() if mod is norm)
+                    out[f"layers.{i}.{norm_name}.weight"] = norm.weight.detach().cpu().clone()
             stored = gptq_int4(m.weight, h) if fmt == "int4" else quantize.quantize(fmt, m.weight)
             back = quantize.dequantize(fmt, stored["qweight"], stored["scale"], stored.get("zero"), m.weight.dtype)
             if errors is not None:
