@@ -156,7 +156,7 @@ def generated_tokens(model: Any, starts: Tensor, length: int, seed: int = 0) -> 
 
 @torch.no_grad()
 def gptq_state(model: Any, tokens: Tensor, progress: Callable[[str], None] = lambda m: None,
-               errors: dict[str, float] | None = None) -> dict[str, Tensor]:
+               errors: dict[str, float] | None = None, fmt: str = "int4") -> dict[str, Tensor]:
     """GPTQ int4 of `model`'s decoder Linears, calibrated on `tokens` (B, T) run as B prompts. `model` is a
     dense `llama.Transformer` with at least B cache rows and T slots; its weights are overwritten with the
     dequantized result as it goes (each layer must see its predecessors quantized). Returns the quantized
@@ -209,11 +209,11 @@ def gptq_state(model: Any, tokens: Tensor, progress: Callable[[str], None] = lam
             for h in handles:
                 h.remove()
         for name, m in linears.items():
-            fmt = stored_format(f"layers.{i}.{name}", "int4", names)
+            kind = stored_format(f"layers.{i}.{name}", fmt, names)
             h = hessians[name] * (2.0 / counts[name])
             norm = sites.get(name)
             # only a norm that feeds this Linear alone can take the scales
-            if AWQ_GRID and fmt == "int4" and norm is not None and sum(n is norm for n in sites.values()) == 1:
+            if AWQ_GRID and kind == "int4" and norm is not None and sum(n is norm for n in sites.values()) == 1:
                 s = awq_scales(m.weight, h)
                 if s is not None:
                     m.weight.copy_(m.weight.float() * s)
@@ -221,8 +221,9 @@ def gptq_state(model: Any, tokens: Tensor, progress: Callable[[str], None] = lam
                     h = h / s[:, None] / s[None, :]
                     norm_name = next(n for n, mod in layer.named_modules() if mod is norm)
                     out[f"layers.{i}.{norm_name}.weight"] = norm.weight.detach().cpu().clone()
-            stored = gptq_int4(m.weight, h) if fmt == "int4" else quantize.quantize(fmt, m.weight)
-            back = quantize.dequantize(fmt, stored["qweight"], stored["scale"], stored.get("zero"), m.weight.dtype)
+            stored = gptq_int4(m.weight, h) if kind == "int4" else \
+                gptq_channel(m.weight, h, kind) if kind == fmt else quantize.quantize(kind, m.weight)
+            back = quantize.dequantize(kind, stored["qweight"], stored["scale"], stored.get("zero"), m.weight.dtype)
             if errors is not None:
                 dw = (back.float() - m.weight.float()).to(h.device)
                 w = m.weight.float()
@@ -232,6 +233,46 @@ def gptq_state(model: Any, tokens: Tensor, progress: Callable[[str], None] = lam
         x = layer(x, *args[1:], **kwargs)
         progress(f"GPTQ: layer {i + 1} of {len(layers)} quantized")
     return out
+
+
+def gptq_channel(w: Tensor, hessian: Tensor, fmt: str) -> dict[str, Tensor]:
+    """One weight (N, K) in fp8 or int8 per output channel by GPTQ under the input Hessian (K, K): each row's
+    scale as round to nearest sets it (its largest magnitude at the format's top), then each column rounded in
+    turn and its error spread over the columns after it. `quantize.quantize`'s format."""
+    threads = torch.get_num_threads()
+    if w.device.type == "cpu":
+        torch.set_num_threads(1)  # thousands of small steps: see gptq_int4
+    try:
+        n, k = w.shape
+        W, H = w.float().clone(), hessian.float().clone()
+        dead = torch.diag(H) == 0
+        H[dead, dead] = 1.0
+        W[:, dead] = 0.0
+        scale = quantize.quantize(fmt, W)["scale"].float()[:, None]
+        top = quantize.FP8_MAX if fmt == "fp8" else 127.0
+
+        def grid(x: Tensor) -> Tensor:  # x in units of the scale, onto the format's values
+            x = x.clamp(-top, top)
+            return x.to(torch.float8_e4m3fn).float() if fmt == "fp8" else torch.round(x)
+
+        H += torch.eye(k, device=H.device) * (GPTQ_DAMP * torch.diag(H).mean())
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+        codes = torch.zeros(n, k, device=W.device)
+        for i1 in range(0, k, GPTQ_BLOCK):
+            i2 = min(i1 + GPTQ_BLOCK, k)
+            W1, E1, Hinv1 = W[:, i1:i2].clone(), torch.zeros(n, i2 - i1, device=W.device), Hinv[i1:i2, i1:i2]
+            for i in range(i2 - i1):
+                wcol = W1[:, i:i + 1]
+                q = grid(wcol / scale)
+                codes[:, i1 + i] = q[:, 0]
+                err = (wcol - q * scale) / Hinv1[i, i]
+                W1[:, i:] -= err * Hinv1[i:i + 1, i:]
+                E1[:, i:i + 1] = err
+            W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
+    finally:
+        torch.set_num_threads(threads)
+    qweight = codes.to(torch.float8_e4m3fn) if fmt == "fp8" else codes.to(torch.int8)
+    return {"qweight": qweight, "scale": scale[:, 0]}
 
 
 def gptq_int4(w: Tensor, hessian: Tensor, group: int | None = None) -> dict[str, Tensor]:

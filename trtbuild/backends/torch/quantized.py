@@ -24,6 +24,8 @@ CALIBRATION_WINDOW = 512  # tokens a calibration prompt holds; fixed, so that th
 # documentation (docs/quantization.md has the table).
 GENERATED_SEQUENCES = 8
 GENERATION_SEED = 0
+# The per-channel formats calibrated by GPTQ (calibrate.gptq_channel) instead of rounded to nearest.
+CHANNEL_GPTQ: tuple[str, ...] = ()
 
 
 def check(recipe: Any) -> list[str]:
@@ -50,12 +52,14 @@ def quantize_weights(state: dict[str, Any], cfg: Any, recipe: Any, tokenizer: An
     from trtbuild.models.quantize import FORMATS, group_size
 
     fmt = FORMATS[recipe.precision]
-    method = recipe.options.get("int4_method", INT4_METHODS[0]) if fmt == "int4" else "rtn"
+    stored = [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]
+    # fp8 and int8: GPTQ where CHANNEL_GPTQ names the format (never over a checkpoint's own fp8 Linears)
+    method = recipe.options.get("int4_method", INT4_METHODS[0]) if fmt == "int4" else \
+        "gptq" if fmt in CHANNEL_GPTQ and not stored else "rtn"
     t = time.perf_counter()
     names = calibrate.quantized_names(state)
     record: dict[str, Any] = {"format": fmt, "method": method, "linears": len(names),
                               "not_quantized": "embeddings, LM head, norms, biases"}
-    stored = [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]
     if stored:  # a compressed-tensors FP8 checkpoint's Linears, taken as they are (models/compressed.py)
         record["from_checkpoint"] = {"format": "compressed-tensors fp8", "linears": len(stored)}
     if fmt == "int4" and calibrate.INT4_KEPT_INT8:
@@ -77,7 +81,7 @@ def quantize_weights(state: dict[str, Any], cfg: Any, recipe: Any, tokenizer: An
             starts = text.flatten()[torch.linspace(0, text.numel() - 1, generated, device=device).long()]
             tokens = torch.cat([text, calibrate.generated_tokens(model, starts, text.shape[1], GENERATION_SEED)])
         errors: dict[str, float] = {}
-        quantized = calibrate.gptq_state(model, tokens, progress, errors)
+        quantized = calibrate.gptq_state(model, tokens, progress, errors, fmt)
         del model
         state = {k: v for k, v in state.items() if k.removesuffix(".weight") not in names} | quantized
         record["calibration"] = {"text": "calibration_text.TEXT (Apache License 2.0)", "tokens": tokens.numel(),
