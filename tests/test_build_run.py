@@ -53,6 +53,18 @@ def test_first_build_is_a_miss_and_publishes_a_complete_entry(built: dict[str, A
     assert not any((built["store"] / "v1" / ".tmp").iterdir()), "the build folder must be gone after publish"
 
 
+def test_the_build_reports_how_each_graphs_compile_divides_between_inductor_and_the_cxx_compiler(
+        built: dict[str, Any]) -> None:
+    phases = built["build"]["phases"]
+    assert 0 < phases["compile_cxx_s"] < phases["compile_s"] and phases["compile_inductor_s"] > 0
+    graphs = json.loads((Path(built["build"]["engine"]["path"]) / "engine.json").read_text())["graphs"]
+    here = [g for g in graphs.values() if "worker" not in g]  # a worker's graph is timed in its own report
+    for graph in here:  # every graph compiled in the build's process: its parts fit in its compile
+        assert graph["compile_cxx_s"] > 0 and graph["compile_inductor_s"] > 0
+        assert graph["compile_cxx_s"] + graph["compile_inductor_s"] <= graph["compile_s"]
+    assert phases["compile_cxx_s"] == pytest.approx(sum(g["compile_cxx_s"] for g in here))
+
+
 def test_run_in_a_new_process_reuses_the_engine(built: dict[str, Any]) -> None:
     """A restart never rebuilds: the report says cache hit and the store gains no entry."""
     before = sorted(p.name for p in (built["store"] / "v1").iterdir())
@@ -280,6 +292,7 @@ def test_rebuild_and_other_weights_reuse_compiled_graphs_and_stay_correct(built:
     rebuilt = build(recipe, store)
     assert not rebuilt.cache_hit and rebuilt.key == first.key
     assert rebuilt.entry.manifest["tactics"]["compiled_graphs_reused"] == ["prefill", "decode_b1", "decode_b2"]
+    assert rebuilt.phases["compile_cxx_s"] == rebuilt.phases["compile_inductor_s"] == 0  # nothing compiled
     doc = tiny_recipe_doc(name="seeded", shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48,
                                                  "batch_buckets": [1, 2]})
     doc["model"]["seed"] = 7
@@ -287,6 +300,7 @@ def test_rebuild_and_other_weights_reuse_compiled_graphs_and_stay_correct(built:
     outcome = build(other, store)
     assert outcome.key != first.key
     assert outcome.entry.manifest["tactics"]["compiled_graphs_reused"] == ["prefill", "decode_b1", "decode_b2"]
+    assert outcome.phases["compile_cxx_s"] == outcome.phases["compile_inductor_s"] == 0
     prompts = [[4, 8, 15, 16, 23, 42]]
     with open_session(other, store, build=False) as session:
         got = session.generate(prompts, 10)

@@ -211,6 +211,9 @@ class TorchAOTIBackend:
                 del graph["program"]
         shutil.rmtree(spare, ignore_errors=True)
         phases["compile_s"] = time.perf_counter() - t
+        # of which, for the graphs compiled in this process: Inductor's Python, and the C++ compiler's
+        for part in ("inductor_s", "cxx_s"):
+            phases[f"compile_{part}"] = sum(g.get(f"compile_{part}", 0.0) for g in graphs.values())
         reused = [name for name, g in graphs.items() if g["reused"]]
 
         engine = {

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends.torch import decode_kernels
+from trtbuild.backends.torch.inductor import compile_parts
 from trtbuild.errors import TrtbuildError
 
 def program_text(program: Any) -> str:
@@ -74,13 +75,15 @@ def compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], 
     workdir.mkdir(parents=True, exist_ok=True)
     # A copy: aoti_compile_and_package adds its own keys to the dict it is given, which would
     # change the digest of every later graph compiled with the same options.
-    with warnings.catch_warnings():
+    parts: dict[str, float] = {}
+    with warnings.catch_warnings(), compile_parts(parts):
         # torch 2.13 warns about its own pickling of the program's tree specs (copyreg calls a deprecated
         # isinstance check) once per graph; nothing a user can act on, so it is kept out of the build's output
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         torch._inductor.aoti_compile_and_package(graph["program"], package_path=str(package),
                                                  inductor_configs=dict(configs))
     graph["so"] = extract_model(package, dest)
+    graph.update({f"compile_{k}": v for k, v in parts.items()})
     # Publish into the tactic cache the way the store publishes engines: a private folder, then one
     # rename; a concurrent builder that lost the race just keeps its own copy.
     folder.parent.mkdir(parents=True, exist_ok=True)
