@@ -378,12 +378,16 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
 
     widths: list[int] = []  # the row width each candidate list was asked for (lists may differ by width)
 
-    def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0) -> list[Config]:
+    def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0, n: int = 0) -> list[Config]:
         widths.append(k)
         return [Config("k")] + [Config("k-split")] * split
 
     fake = types.SimpleNamespace(MAX_ROWS=16, MatmulConfig=Config, select=select, source_digest=lambda: "src",
                                  candidates=candidates)
+    from trtbuild.backends.torch import kernel_warmup
+
+    ahead: list[list[tuple[Any, ...]]] = []  # what each plan handed to be compiled ahead of its timings
+    monkeypatch.setattr(kernel_warmup, "precompile", lambda work, device, progress: ahead.append(work) or {})
     monkeypatch.setitem(sys.modules, "trtbuild.kernels.decode_matmul", fake)
     import trtbuild.models
 
@@ -419,9 +423,12 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     assert sorted(timed) == sorted([(n, k, x) for (n, k), fusion in zip(shapes, fusions, strict=True) for x in (fusion, "none")]
                                    + [(2 * f, d, "gate")])
     assert sorted(set(widths)) == sorted({k for _, k in shapes})  # each call site's own row width
+    # compiled ahead, in parallel (kernel_warmup.py): exactly the timings then taken, each with its candidates
+    assert len(ahead) == 1 and sorted((n, k, fusion) for _, n, k, fusion, _, _ in ahead[0]) == sorted(timed)
+    assert all(rows == 1 and configs == ("k",) and dtype == "torch.float32" for rows, _, _, _, dtype, configs in ahead[0])
     timed.clear()
     again, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "fused")  # type: ignore[arg-type]
-    assert again == plan and timed == []  # every timing from the tactic cache
+    assert again == plan and timed == [] and len(ahead) == 1  # every timing from the tactic cache: nothing to compile
     # options.decode_split_k timed: another candidate list, so new timings (the cached ones stay valid)
     matmul_plan(model, (1,), "default", "auto", "cuda", job, "none", "timed")  # type: ignore[arg-type]
     assert sorted(timed) == sorted({(n, k, "none", "split") for n, k in shapes})

@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import BuildJob
@@ -125,6 +126,7 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     plan: dict[int, dict[MatmulKey, Any]] = {}
     record: dict[str, Any] = {}
     split = split_mode == "timed"
+    _compile_ahead(dm, job, by_shape, buckets, mode, split, edit, device)
     for rows in buckets:
         if rows > dm.MAX_ROWS:
             if mode == "kernel":
@@ -239,17 +241,8 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
     measures nothing. `dm` is the decode_matmul module (it needs Triton)."""
     from trtbuild.store.tactics import write_atomic
 
-    n, k, fusion = key
-    configs = dm.candidates(rows, fusion, split, k, n)
-    identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
-                "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in configs]}
-    if edit is not None:  # absent: full edges, as every timing before options.decode_timing (their keys stay valid)
-        identity["edges"] = "programmatic"
-        # and the code that makes them: a timing measured through a broken edit is not reused once it is fixed
-        from trtbuild.backends.torch import pdl
-        identity["edit"] = pdl.source_digest()
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-    cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
+    cached, configs = _timing_file(dm, job, weights, rows, key, split, edit)
+    fusion = key[2]
     if cached.is_file():
         result: dict[str, Any] = json.loads(cached.read_text()) | {"reused": True}
         return result
@@ -261,6 +254,47 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
         result["edges"] = "programmatic"
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
     return result
+
+
+def _timing_file(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey, split: bool,
+                 edit: Callable[[int], object] | None) -> tuple[Path, list[Any]]:
+    """Where `_timings` keeps the timing of one shape, fusion and batch, and the candidates it times."""
+    n, k, fusion = key
+    configs = dm.candidates(rows, fusion, split, k, n)
+    identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
+                "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in configs]}
+    if edit is not None:  # absent: full edges, as every timing before options.decode_timing (their keys stay valid)
+        identity["edges"] = "programmatic"
+        # and the code that makes them: a timing measured through a broken edit is not reused once it is fixed
+        from trtbuild.backends.torch import pdl
+        identity["edit"] = pdl.source_digest()
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    return job.tactics.path / "decode_matmul" / f"{digest}.json", configs
+
+
+def _compile_ahead(dm: Any, job: BuildJob, by_shape: dict[MatmulKey, list[Any]], buckets: tuple[int, ...],
+                   mode: str, split: bool, edit: Callable[[int], object] | None, device: str) -> None:
+    """Compile, in parallel worker processes, the candidates that `matmul_plan` is about to time and has no
+    timing of yet (kernel_warmup.py): its timings then load the kernels instead of compiling each in turn."""
+    from trtbuild.backends.torch import kernel_warmup
+
+    work: list[kernel_warmup.Work] = []
+    for rows in (b for b in buckets if b <= dm.MAX_ROWS):
+        for (n, k, fusion), weights in by_shape.items():
+            timed = [fusion]  # the same fusions `matmul_plan` times: the site's own, plain, its epilogue
+            if fusion != "none" and mode == "auto":
+                timed.append("none")
+            if EPILOGUE[fusion] not in ("none", fusion) and mode == "auto":
+                timed.append(EPILOGUE[fusion])
+            for f in timed:
+                path, configs = _timing_file(dm, job, weights, rows, (n, k, f), split, edit)
+                if not path.is_file():
+                    work.append((rows, n, k, f, str(weights[0].dtype), tuple(c.name for c in configs)))
+    if work:
+        done = kernel_warmup.precompile(work, device, job.progress)
+        if done.get("workers"):
+            job.progress(f"compiled {done['kernels']} candidates ahead in {done['workers']} processes "
+                         f"({done.get('seconds', 0)} s, {done.get('failed', 0)} did not compile)")
 
 
 def fusion_of(linear: Any, mode: str) -> str:
