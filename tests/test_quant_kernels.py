@@ -65,6 +65,86 @@ def test_a_scale_or_nibble_read_wrongly_would_be_caught() -> None:
     assert (got.float() - want).abs().max() > 1e-3 * want.abs().max()
 
 
+def _every_candidate() -> list[tuple[str, int, str]]:
+    """(format, rows, configuration name) for every candidate of every list: the one-row lists at 1 row, the
+    tensor-core lists at 2 and 8. Candidates that differ only in warps or stages are one case here: the
+    interpreter runs neither (they change the compiled code's schedule, not what it computes)."""
+    from trtbuild.kernels import matmul_configs as mc
+
+    out: dict[tuple[str, int, int, int, int], tuple[str, int, str]] = {}
+    for fmt in ("int4", "fp8"):
+        for rows, configs in ((1, mc.QUANT_ONE_ROW[fmt] + mc.QUANT_ONE_ROW_SPLIT),
+                              (2, mc.QUANT_ROWS[fmt] + mc.QUANT_ROWS_SPLIT), (8, mc.QUANT_ROWS[fmt] + mc.QUANT_ROWS_SPLIT)):
+            for c in configs:
+                out.setdefault((fmt, rows, c.block_n, c.block_k, c.split), (fmt, rows, c.name))
+    return list(out.values())
+
+
+@pytest.mark.parametrize(("fmt", "rows", "name"), _every_candidate())
+def test_every_candidate_matches_the_dequantized_matmul(fmt: str, rows: int, name: str) -> None:
+    """Each configuration the build may choose, on a shape with an odd number of columns (a partly masked block)
+    and one step more than whole: int4 in groups of 128, the last step three groups long (the rest masked
+    whole); fp8 with a last step of 40 columns. Split-K slices end where k does."""
+    from trtbuild.kernels.quant_matmul import MatmulConfig, launch_shape, quant_matmul
+
+    config = MatmulConfig.parse(name)
+    k = config.block_k + (3 * 128 if fmt == "int4" else 40)
+    n = 2 * config.block_n + 3
+    x, stored, want = _case(fmt, rows, n, k, 11 * rows + k)
+    assert launch_shape(config, rows, k, 128 if fmt == "int4" else 0) == (config.block_n, config.block_k)
+    got = quant_matmul(x, stored["qweight"], stored["scale"], stored.get("zero"), config)
+    tol = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+def test_candidates_are_pruned_by_what_cannot_win_at_the_shape() -> None:
+    """Llama 1B's down projection (2048 x 8192) at batch 1 keeps split-K, where 4-row blocks give 512 programs
+    for 132 SMs; 8B's gate/up (28672 x 4096) has programs enough and keeps none. Narrow matrices drop the steps
+    and blocks more than twice their size; int4 keeps only whole groups, at most 16 a step."""
+    from trtbuild.kernels.matmul_configs import QUANT_ONE_ROW, quant_candidates
+
+    down = quant_candidates("int4", 1, 2048, 8192, 128)
+    assert {c.name for c in down if c.split > 1} >= {"n4k512w4s1p2", "n4k512w4s1p4", "n8k1024w4s1p4"}
+    assert [c for c in down if c.split == 1] == QUANT_ONE_ROW["int4"]
+    assert not any(c.split > 1 for c in quant_candidates("int4", 1, 28672, 4096, 128))
+    assert not any(c.split > 1 for c in quant_candidates("fp8", 1, 2048, 8192, 0, sms=16))  # a small GPU is full
+    small = quant_candidates("int4", 1, 6, 576, 64)
+    assert small and all(c.block_k <= 1024 and c.block_k % 64 == 0 and c.block_n <= 8 for c in small)
+    assert all(c.block_k // 32 <= 16 for c in quant_candidates("int4", 1, 4096, 4096, 32))
+    assert {c.name for c in quant_candidates("int8", 8, 4096, 4096)} == {c.name for c in quant_candidates("fp8", 8, 4096, 4096)}
+
+
+def test_quantized_decode_routes_each_quantized_linear_to_its_planned_configuration() -> None:
+    """export.quantized_decode: the plan's configuration for its (out, in, format), the format's fixed one where
+    the plan has none, and nothing past the kernel's 16 rows or on the CPU (the graphs then dequantize)."""
+    from types import SimpleNamespace
+
+    from trtbuild.backends.torch.export import place_model, quantized_decode
+    from trtbuild.kernels.quant_matmul import CONFIGS, MatmulConfig
+    from trtbuild.models import calibrate
+    from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes
+    from trtbuild.models.llama import LlamaConfig
+
+    from .conftest import TINY_CONFIG
+
+    cfg = LlamaConfig.from_hf(TINY_CONFIG)
+    hf = {k: torch.randn(s) * 0.2 for k, s in hf_parameter_shapes(cfg).items()}
+    state = calibrate.rtn_state(convert_hf_state_dict(hf, cfg), "int4")
+    model = place_model(cfg, SimpleNamespace(max_batch_size=2, max_input_len=8, max_seq_len=16), torch.float32,
+                        "cpu", state)
+    quantized = [m for m in model.modules() if getattr(m, "quant", None)]
+    first = quantized[0]
+    chosen = MatmulConfig(8, 512, 4, 3, 2)
+    with quantized_decode(model, "cuda", {(first.out_features, first.in_features, "int4"): chosen}, 2):
+        shape = (first.out_features, first.in_features)
+        assert {m.decode_config for m in quantized if (m.out_features, m.in_features) == shape} == {chosen}
+        assert {m.decode_config for m in quantized if (m.out_features, m.in_features) != shape} == {CONFIGS["int4"]}
+    assert all(m.decode_config is None for m in quantized)
+    for device, rows in (("cuda", 32), ("cpu", 2)):
+        with quantized_decode(model, device, {}, rows):
+            assert all(m.decode_config is None for m in quantized)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 8])
