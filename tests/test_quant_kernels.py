@@ -5,6 +5,8 @@ installed. fp32 activations on the CPU: the interpreter's bf16 dot is not reliab
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -201,3 +203,63 @@ def test_a_decode_step_through_the_quantized_kernel_gives_the_logits_of_the_dequ
             model(tokens, torch.arange(4, device=DEVICE), from_start=True)  # the prompt, dequantizing (prefill)
             logits.append(model(tokens[:, :1], torch.tensor([4], device=DEVICE)))
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_the_build_times_each_quantized_shape_once_per_batch_and_plans_the_fastest(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """decode_kernels.matmul_plan on a tiny int4 model, with stand-ins for the kernels' selections (the real ones
+    need a GPU): each (out, in, int4) is timed once per batch over its layers, its fastest candidate planned under
+    the format's key and recorded beside the dense LM head's, cached so a rebuild times nothing; a batch past the
+    kernel's 16 rows times nothing; a shape where no candidate ran keeps the fixed configuration."""
+    from types import SimpleNamespace
+
+    from trtbuild.backends.torch import decode_kernels
+    from trtbuild.backends.torch.export import place_model
+    from trtbuild.kernels import decode_matmul as dm
+    from trtbuild.kernels import quant_matmul as qm
+    from trtbuild.kernels.matmul_configs import MatmulConfig
+    from trtbuild.models import calibrate
+    from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes
+    from trtbuild.models.llama import LlamaConfig
+
+    from .conftest import TINY_CONFIG
+
+    timed: list[tuple[int, int, int, int]] = []
+
+    def select(layers: list[tuple[torch.Tensor, ...]], rows: int, reps: int = 15,
+               configs: list[MatmulConfig] | None = None) -> dict[str, Any]:
+        n, k = layers[0][0].shape[0], layers[0][0].shape[1] * 2
+        timed.append((n, k, rows, len(layers)))
+        assert configs  # the build's pruned list, as its cache key names it
+        if n == k:  # the output projection: nothing ran
+            return {"format": "int4", "choice": None, "candidates": {c.name: "failed: no" for c in configs}}
+        us = {c.name: 10.0 + i for i, c in enumerate(configs)}
+        return {"format": "int4", "choice": configs[-1].name, "candidates": us | {configs[-1].name: 1.0}}
+
+    monkeypatch.setattr(qm, "select", select)
+    monkeypatch.setattr(dm, "select", lambda weights, rows, fusion="none", split=False: {
+        "fusion": fusion, "cublas_us": 5.0, "choice": "cublas", "candidates": {}})
+    cfg = LlamaConfig.from_hf(TINY_CONFIG)
+    hf = {k: torch.randn(s) * 0.2 for k, s in hf_parameter_shapes(cfg).items()}
+    state = calibrate.rtn_state(convert_hf_state_dict(hf, cfg), "int4")
+    model = place_model(cfg, SimpleNamespace(max_batch_size=2, max_input_len=8, max_seq_len=16), torch.float32,
+                        "cpu", state)
+    job = SimpleNamespace(tactics=SimpleNamespace(path=tmp_path), progress=lambda message: None)
+    plan, record = decode_kernels.matmul_plan(model, (1, 32), "default", "auto", "cuda", job, "none")  # type: ignore[arg-type]
+    d, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    quantized = [(qkv, d), (d, cfg.num_heads * cfg.head_dim), (2 * f, d), (d, f)]
+    assert sorted(timed) == sorted((n, k, 1, layers) for n, k in quantized)  # none at 32 rows
+    assert d == cfg.num_heads * cfg.head_dim  # the output projection: the stand-in's shape where nothing ran
+    lists = {(n, k): qm.candidates_for(*next((m.qweight, m.scale, m.zero) for m in model.modules()
+                                             if getattr(m, "quant", None) and (m.out_features, m.in_features) == (n, k)), 1)
+             for n, k in quantized}
+    assert plan[1] == {(n, k, "int4"): lists[(n, k)][-1] for n, k in quantized if n != k}
+    entry = record["decode_b1"][f"{2 * f}x{d}+int4"]
+    assert entry["used"] == lists[(2 * f, d)][-1].name and entry["calls"] == layers and entry["chosen_us"] == 1.0
+    assert record["decode_b1"][f"{d}x{d}+int4"]["used"].endswith("(fixed: no candidate ran)")
+    assert decode_kernels.fused_outside(record, 1) == []  # the quantized kernel's fusions are not the dense kind
+    assert decode_kernels.timed_step_us(record, 1) == 3 * layers * 1.0 + 5.0  # and cuBLAS's LM head, once
+    timed.clear()
+    again, _ = decode_kernels.matmul_plan(model, (1,), "default", "auto", "cuda", job, "none")  # type: ignore[arg-type]
+    assert again == plan and timed == []  # from the tactic cache

@@ -95,7 +95,7 @@ def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: i
     """The configurations the build times for a quantized weight of format `fmt` (fp8, int8, int4; int4 in
     groups of `group` columns), `n` x `k`, at `rows` rows, pruned of those that cannot win at that shape:
     - a step or a block of columns at least twice the matrix's (half of every step masked: the half-size
-      candidate reads the same bytes in fewer, fuller steps);
+      candidate reads the same bytes in fewer, fuller steps), the list's smallest excepted;
     - int4 steps that are not whole groups, or more than MAX_GROUPS_A_STEP of them;
     - split-K where the unsplit launch already gives every one of `sms` multiprocessors 4 programs or more (the
       split only adds a reduction), or where a slice of k would be shorter than one step.
@@ -103,7 +103,9 @@ def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: i
     family = "int4" if fmt == "int4" else "fp8"
     plain = (QUANT_ONE_ROW if rows == 1 else QUANT_ROWS)[family]
     split = QUANT_ONE_ROW_SPLIT if rows == 1 else QUANT_ROWS_SPLIT
-    width, height = _pow2_at_least(k), _pow2_at_least(n)
+    # (the list's smallest step and block always stay: a matrix narrower than them still needs a candidate)
+    width = max(_pow2_at_least(k), min(c.block_k for c in plain))
+    height = max(_pow2_at_least(n), min(c.block_n for c in plain))
 
     def fits(c: MatmulConfig) -> bool:
         if c.block_k > width or c.block_n > height:
