@@ -378,7 +378,7 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
 
     widths: list[int] = []  # the row width each candidate list was asked for (lists may differ by width)
 
-    def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0) -> list[Config]:
+    def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0, n: int = 0) -> list[Config]:
         widths.append(k)
         return [Config("k")] + [Config("k-split")] * split
 

@@ -241,7 +241,7 @@ def best(row: dict[str, Any]) -> tuple[str | None, float | None]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from trtbuild import ceilings
+    from trtbuild.measure import ceilings
     from trtbuild.kernels import quant_matmul as qm
 
     out = Path(args.out)

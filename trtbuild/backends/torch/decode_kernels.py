@@ -301,7 +301,7 @@ def _quant_timings(qm: Any, job: BuildJob, layers: list[Any], rows: int, key: Ma
     """`quant_matmul.select` for one quantized weight shape and format, kept in the tactic cache under the
     shape, format, group, batch, layer count, candidate list, kernel source and the graphs' edges, as
     `_timings` keeps the dense kernel's. `qm` is the quant_matmul module (it needs Triton)."""
-    from trtbuild.tactics import write_atomic
+    from trtbuild.store.tactics import write_atomic
 
     n, k, fmt = key
     q0, s0, z0 = layers[0]
