@@ -389,9 +389,11 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     ahead: list[list[tuple[Any, ...]]] = []  # what each plan handed to be compiled ahead of its timings
     monkeypatch.setattr(kernel_warmup, "precompile", lambda work, device, progress: ahead.append(work) or {})
     monkeypatch.setitem(sys.modules, "trtbuild.kernels.decode_matmul", fake)
-    import trtbuild.models
+    import trtbuild.kernels
 
-    monkeypatch.setattr(trtbuild.models, "decode_matmul", fake, raising=False)
+    # `from trtbuild.kernels import decode_matmul` reads the package's attribute first, which an earlier import
+    # of the real module (another test in the same process) has set
+    monkeypatch.setattr(trtbuild.kernels, "decode_matmul", fake, raising=False)
     cfg = LlamaConfig.from_hf(dict(TINY_CONFIG))
     model = Transformer(cfg, max_batch_size=2, max_seq_len=16, dtype=torch.float32)
     job = types.SimpleNamespace(tactics=types.SimpleNamespace(path=tmp_path), progress=lambda message: None)
