@@ -24,10 +24,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# (rows, n, k, fusion, dtype name, configuration names): one call site's candidates at one batch
-Work = tuple[int, int, int, str, str, tuple[str, ...]]
+# (rows, n, k, fusion or stored format, inputs, configuration names): one call site's candidates at one batch.
+# The inputs: the weights' dtype name for the dense kernel; for the quantized one, `layout` of a layer.
+Work = tuple[int, int, int, str, Any, tuple[str, ...]]
+FORMATS = ("fp8", "int8", "int4")  # the quantized kernel's stored formats (models/quantize.py)
 
 LIMIT_S = 300.0  # past this the workers are abandoned and the timing compiles what is left itself
+
+
+def layout(layer: tuple[Any, Any, Any]) -> tuple[tuple[tuple[int, ...], str] | None, ...]:
+    """A quantized layer's (qweight, scale, zero) as shapes and dtype names, for a worker to make alike."""
+    return tuple(None if t is None else (tuple(t.shape), str(t.dtype)) for t in layer)
 
 
 def workers_for(tasks: int) -> int:
@@ -66,44 +73,85 @@ def precompile(work: list[Work], device: str, progress: Callable[[str], None]) -
     return {"kernels": done, "failed": failed, "workers": n_workers, "seconds": round(time.perf_counter() - t, 1)}
 
 
-def _compile_share(share: list[tuple[int, int, int, str, str, str]], device: str) -> tuple[int, int]:
-    """In a worker: launch each (rows, n, k, fusion, dtype, configuration) once, as `decode_matmul.select`
-    launches it (the same argument shapes, dtypes and alignment, so Triton specializes it the same way), and
-    each fused site's unfused rival once through torch.compile. Returns (launched, failed)."""
+def _compile_share(share: list[tuple[int, int, int, str, Any, str]], device: str) -> tuple[int, int]:
+    """In a worker: launch each (rows, n, k, fusion or format, inputs, configuration) once, as
+    `decode_matmul.select` and `quant_matmul.select` launch it (the same argument shapes, dtypes and alignment,
+    so Triton specializes it the same way), and each fused site's unfused rival once through torch.compile.
+    Returns (launched, failed)."""
+    import torch
+
+    torch.cuda.set_device(torch.device(device))
+    inputs: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    rivals: set[tuple[Any, ...]] = set()
+    ok = bad = 0
+    for rows, n, k, kind, spec, config in share:
+        site = (rows, n, k, kind, spec)
+        try:
+            if kind in FORMATS:
+                _launch_quantized(inputs, site, config, device)
+            else:
+                _launch_dense(inputs, rivals, site, config, device)
+            ok += 1
+        except Exception:  # a configuration that does not compile here: the timing records it
+            bad += 1
+    torch.cuda.synchronize()
+    return ok, bad
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _launch_dense(inputs: dict[tuple[Any, ...], tuple[Any, ...]], rivals: set[tuple[Any, ...]],
+                  site: tuple[Any, ...], config: str, device: str) -> None:
     import torch
 
     from trtbuild.kernels import decode_matmul as dm
     from trtbuild.kernels.fusions import GAINED, GATED, NORMED
     from trtbuild.kernels.matmul_configs import MatmulConfig
 
-    torch.cuda.set_device(torch.device(device))
-    inputs: dict[tuple[int, int, int, str, str], tuple[Any, ...]] = {}
-    rivals: set[tuple[int, int, int, str, str]] = set()
-    ok = bad = 0
-    for rows, n, k, fusion, dtype_name, config in share:
-        site = (rows, n, k, fusion, dtype_name)
-        if site not in inputs:
-            dtype = getattr(torch, dtype_name.removeprefix("torch."))
-            w = torch.randn(n, k, device=device, dtype=dtype)
-            x = torch.randn(rows, k, device=device, dtype=dtype)
-            norm = (torch.rand(k, device=device, dtype=dtype) + 0.5 if fusion in GAINED else
-                    torch.ones(k, device=device, dtype=dtype) if fusion in NORMED else None)
-            width = dm.output_columns(w, fusion in GATED)
-            residual = torch.randn(rows, width, device=device, dtype=dtype) if fusion == "residual" else None
-            inputs[site] = (x, w, torch.empty(rows, width, device=device, dtype=dtype), norm, residual)
-        x, w, y, norm, residual = inputs[site]
+    rows, n, k, fusion, dtype_name = site
+    if site not in inputs:
+        dtype = _dtype(dtype_name)
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        x = torch.randn(rows, k, device=device, dtype=dtype)
+        norm = (torch.rand(k, device=device, dtype=dtype) + 0.5 if fusion in GAINED else
+                torch.ones(k, device=device, dtype=dtype) if fusion in NORMED else None)
+        width = dm.output_columns(w, fusion in GATED)
+        residual = torch.randn(rows, width, device=device, dtype=dtype) if fusion == "residual" else None
+        inputs[site] = (x, w, torch.empty(rows, width, device=device, dtype=dtype), norm, residual)
+    x, w, y, norm, residual = inputs[site]
+    if fusion != "none" and site not in rivals:
+        rivals.add(site)
         try:
-            dm.decode_matmul(x, w, MatmulConfig.parse(config), out=y, norm=norm if fusion in GAINED else None,
-                             eps=1e-5, gate=fusion in GATED, residual=residual, rms=fusion in NORMED)
-            ok += 1
-        except Exception:  # a configuration that does not compile here: the timing records it
-            bad += 1
-        if fusion != "none" and site not in rivals:
-            rivals.add(site)
-            try:
-                with torch._dynamo.config.patch(recompile_limit=256):
-                    torch.compile(dm.reference, dynamic=False, fullgraph=True)(x, w, fusion, norm, 1e-5, residual)
-            except Exception:
-                pass
-    torch.cuda.synchronize()
-    return ok, bad
+            with torch._dynamo.config.patch(recompile_limit=256):
+                torch.compile(dm.reference, dynamic=False, fullgraph=True)(x, w, fusion, norm, 1e-5, residual)
+        except Exception:  # the timing compiles it, or records why it cannot
+            pass
+    dm.decode_matmul(x, w, MatmulConfig.parse(config), out=y, norm=norm if fusion in GAINED else None,
+                     eps=1e-5, gate=fusion in GATED, residual=residual, rms=fusion in NORMED)
+
+
+def _launch_quantized(inputs: dict[tuple[Any, ...], tuple[Any, ...]], site: tuple[Any, ...], config: str,
+                      device: str) -> None:
+    import torch
+
+    from trtbuild.kernels import quant_matmul as qm
+
+    rows, n, k, _, spec = site
+    if site not in inputs:
+        made = []
+        for part in spec:  # the values do not matter to the compiler, only shapes, dtypes and alignment
+            if part is None:
+                made.append(None)
+                continue
+            shape, dtype = part[0], _dtype(part[1])
+            t = torch.randn(shape, device=device).to(dtype) if dtype.is_floating_point else \
+                torch.randint(0, 16, shape, device=device).to(dtype)
+            made.append(t)
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        inputs[site] = (x, *made, torch.empty(rows, n, device=device, dtype=torch.bfloat16))
+    x, q, s, z, y = inputs[site]
+    qm.quant_matmul(x, q, s, z, qm.MatmulConfig.parse(config), out=y)
