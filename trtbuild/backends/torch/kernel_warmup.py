@@ -17,11 +17,14 @@ engine, so it is not part of the engine-code digest.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import multiprocessing
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # (rows, n, k, fusion or stored format, inputs, configuration names): one call site's candidates at one batch.
@@ -56,20 +59,30 @@ def precompile(work: list[Work], device: str, progress: Callable[[str], None]) -
         return {"kernels": 0, "workers": 0}
     progress(f"compiling {len(tasks)} decode-matmul candidates in {n_workers} processes before timing them")
     t = time.perf_counter()
-    shares = [tasks[i::n_workers] for i in range(n_workers)]
-    done, failed = 0, 0
-    # spawn: a forked child of a process that has initialized CUDA cannot use it
-    pool = cf.ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn"))
-    try:
-        futures = [pool.submit(_compile_share, share, device) for share in shares]
-        for f in cf.as_completed(futures, timeout=LIMIT_S):
-            ok, bad = f.result()
-            done, failed = done + ok, failed + bad
-    except Exception as e:  # a worker that died or hung: the timing compiles what it did not
-        progress(f"compiling ahead stopped ({type(e).__name__}: {e}); the timing compiles the rest")
-        failed = len(tasks) - done
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    done = failed = 0
+    # Processes of their own (as compile_workers.py runs its compiles), not a multiprocessing pool: a spawned
+    # pool imports the parent's main module again, which for a script or `python -m` can be the whole CLI.
+    with tempfile.TemporaryDirectory(prefix="trtbuild-warmup-") as tmp:
+        procs = []
+        for i in range(n_workers):
+            share = Path(tmp) / f"share-{i}.json"
+            share.write_text(json.dumps(tasks[i::n_workers]))
+            procs.append((subprocess.Popen([sys.executable, "-m", "trtbuild.backends.torch.kernel_warmup",
+                                            str(share), device], stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL), share))
+        deadline = time.monotonic() + LIMIT_S
+        for proc, share in procs:
+            try:
+                proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # abandoned: the timing compiles what it did not
+                proc.kill()
+                proc.wait()
+            result = share.with_suffix(".done")
+            if proc.returncode == 0 and result.is_file():
+                ok, bad = json.loads(result.read_text())
+                done, failed = done + ok, failed + bad
+            else:
+                failed += len(json.loads(share.read_text()))
     return {"kernels": done, "failed": failed, "workers": n_workers, "seconds": round(time.perf_counter() - t, 1)}
 
 
@@ -155,3 +168,14 @@ def _launch_quantized(inputs: dict[tuple[Any, ...], tuple[Any, ...]], site: tupl
         inputs[site] = (x, *made, torch.empty(rows, n, device=device, dtype=torch.bfloat16))
     x, q, s, z, y = inputs[site]
     qm.quant_matmul(x, q, s, z, qm.MatmulConfig.parse(config), out=y)
+
+
+def _frozen(value: Any) -> Any:
+    """JSON's lists back to tuples, so a task's inputs can key a dict."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
+if __name__ == "__main__":  # a worker: python -m trtbuild.backends.torch.kernel_warmup SHARE.json DEVICE
+    share_file = Path(sys.argv[1])
+    share = [tuple(_frozen(v) for v in task) for task in json.loads(share_file.read_text())]
+    share_file.with_suffix(".done").write_text(json.dumps(_compile_share(share, sys.argv[2])))
