@@ -15,6 +15,7 @@ is placed on the device and exported by `export.py`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -162,19 +163,34 @@ class TorchAOTIBackend:
                                         shapes.max_input_len, job)
         phases["select_prefill_attention_s"] = time.perf_counter() - t
 
+        names = ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets)]
+        configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in names}
+        # Everything an export reads but the weights' values: a graph an earlier build exported from the same
+        # material (another checkpoint of this architecture, or this one after `cache rm`) is copied from the
+        # tactic cache without exporting again.
+        material = {"config": dataclasses.asdict(cfg), "shapes": [shapes.max_batch_size, shapes.max_input_len,
+                                                                   shapes.max_seq_len], "device": device,
+                    "tensors": {k: [list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()},
+                    "plan": {str(b): {decode_kernels.key_name(k): c.name for k, c in sorted(p.items())}
+                             for b, p in plan.items()},
+                    "attention": attention["used"], "prefill_attention": prompt["used"], "fold_norms": fold,
+                    "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"]}
         graphs: dict[str, dict[str, Any]] = {}
-        for name in ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets)]:
-            job.progress(f"exporting {name}")
-            graphs[name] = export_graph(model, name, shapes, device, plan.get(bucket(name), {}),
-                                        attention["used"], prompt["used"])
+        for name in names:
+            architecture = graph_cache.architecture_key(name, configs[name], material)
+            known = graph_cache.known_export(job.tactics.path, architecture)
+            if known is None:
+                job.progress(f"exporting {name}")
+                graphs[name] = export_graph(model, name, shapes, device, plan.get(bucket(name), {}),
+                                            attention["used"], prompt["used"])
+                graphs[name]["digest"] = graph_cache.graph_digest(graphs[name]["program"], configs[name])
+            else:
+                graphs[name] = known | {"export_s": 0.0}
+            graphs[name]["architecture"] = architecture
             if (timed := decode_kernels.timed_step_us(matmuls, bucket(name))) is not None:
                 graphs[name]["matmuls_timed_us"] = timed  # for the run report: where a step's time goes
                 graphs[name]["fused_outside"] = decode_kernels.fused_outside(matmuls, bucket(name))
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
-
-        configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
-        for name, graph in graphs.items():
-            graph["digest"] = graph_cache.graph_digest(graph["program"], configs[name])
         graph_cache.sweep_half_copied(job.tactics.path)
         missing = [n for n, g in graphs.items() if not graph_cache.cached(job.tactics.path, g["digest"]).is_file()]
         workers_n = compile_workers.worker_count(len(missing), model_bytes(model), device)
@@ -208,7 +224,8 @@ class TorchAOTIBackend:
                 graph["compile_s"] = time.perf_counter() - g0
                 graph["pdl"] = bool(configs[name].get("triton.enable_pdl"))
                 graph["trtbuild_wait"] = name != "prefill" and kernels_wait(device)
-                del graph["program"]
+                graph.pop("program", None)
+                graph_cache.remember_export(job.tactics.path, graph.pop("architecture"), graph)
         shutil.rmtree(spare, ignore_errors=True)
         phases["compile_s"] = time.perf_counter() - t
         # of which, for the graphs compiled in this process: Inductor's Python, and the C++ compiler's
