@@ -1,6 +1,6 @@
 """trtbuild's Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1), against the
 model's own ATen code. Skipped where Triton is not installed (CI's CPU torch does not bring it; the H200
-runs the compiled kernels in tests/test_gpu.py and benchmarks/probes/attention_probe.py). fp32 throughout: the
+runs the compiled kernels in tests/test_gpu.py). fp32 throughout: the
 interpreter's bf16 dot is not reliable."""
 
 from __future__ import annotations
