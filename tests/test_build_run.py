@@ -482,38 +482,3 @@ def test_a_worker_whose_export_differs_is_not_trusted_and_the_build_compiles_tha
     prompts = [[1, 2, 3, 5, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
         assert session.generate(prompts, 6) == eager_greedy(outcome.model.materialize(), prompts, 6, 48)
-
-
-def test_a_build_that_folds_the_norm_gains_stores_the_folded_weights_and_runs_the_checkpoints_tokens(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """options.decode_fusion fused folds each norm's gain into the weight after it before the weights are
-    stored (on CUDA; forced here on the CPU, whose build goes through the same placement and saving): the
-    engine's file holds ones for the norms and W * g for QKV, gate/up and the LM head, and the engine's
-    tokens are the checkpoint's own. Norms away from one, or a fold lost before saving would not show."""
-    from safetensors.torch import load_file, save_file
-
-    from trtbuild.backends.torch import backend as torch_aoti
-
-    from .conftest import make_hf_folder
-
-    folder = make_hf_folder(tmp_path / "model")
-    hf = load_file(str(folder / "model.safetensors"))
-    g = torch.Generator().manual_seed(5)
-    for name in [n for n in hf if n.endswith("norm.weight")]:
-        hf[name] = torch.rand(hf[name].shape, generator=g) + 0.5
-    save_file(hf, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    monkeypatch.setattr(torch_aoti, "folds_norms", lambda recipe, device: True)
-    recipe = load_recipe(write_recipe(tmp_path, tiny_recipe_doc(name="folded", model={"source": "./model"},
-                                                                options={"decode_fusion": "fused"})))
-    outcome = build(recipe, tmp_path / "store")
-    assert json.loads((outcome.entry.path / "engine.json").read_text())["norm_gains_folded"] is True
-    stored = load_file(str(outcome.entry.path / "weights.safetensors"))
-    assert all(torch.equal(t, torch.ones_like(t)) for n, t in stored.items() if n.endswith("norm.weight"))
-    gain = hf["model.layers.0.input_layernorm.weight"]
-    q = hf["model.layers.0.self_attn.q_proj.weight"]
-    torch.testing.assert_close(stored["layers.0.attention.wqkv.weight"][: q.shape[0]], q * gain[None, :])
-    torch.testing.assert_close(stored["output.weight"], hf["lm_head.weight"] * hf["model.norm.weight"][None, :])
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
-    with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 8)
-    assert got == eager_greedy(folder, prompts, 8, 48)

@@ -8,7 +8,6 @@ intervals once, after one synchronize, at the end.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -72,50 +71,21 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(s), "p90": rank(0.90), "p99": rank(0.99), "mean": statistics.fmean(s)}
 
 
-# The edit `graph_seconds` applies when its caller passes none (`graph_edits`).
-_DEFAULT_EDIT: contextvars.ContextVar[Callable[[int], object] | None] = contextvars.ContextVar("graph_edit", default=None)
-
-
-@contextlib.contextmanager
-def graph_edits(edit: Callable[[int], object] | None) -> Iterator[None]:
-    """Every `graph_seconds` inside the block that is given no edit of its own applies `edit`. For a
-    backend that times a kernel module's candidates its own way (options.decode_timing pdl) without the
-    module knowing: that module's source keys its timings in the tactic cache, and how the graphs were
-    joined is keyed apart by the backend."""
-    token = _DEFAULT_EDIT.set(edit)
-    try:
-        yield
-    finally:
-        _DEFAULT_EDIT.reset(token)
-
-
-def active_edit(edit: Callable[[int], object] | None = None) -> Callable[[int], object] | None:
-    """The edit a graph timing applies: its own, else that of the innermost enclosing `graph_edits`."""
-    return edit or _DEFAULT_EDIT.get()
-
-
-def graph_seconds(calls: Callable[[], object], reps: int = 15, edit: Callable[[int], object] | None = None) -> float:
+def graph_seconds(calls: Callable[[], object], reps: int = 15) -> float:
     """Seconds per replay of one CUDA graph holding `calls`: the median of `reps` event-timed replays.
-    `edit` (or, without one, that of an enclosing `graph_edits`), given the captured graph (a cudaGraph_t
-    as an int) before it is instantiated, may change it (e.g. its edges made programmatic, backends/pdl.py).
 
     In a graph, as in the engine's decode, there is no launch overhead between kernels; outside one,
     Python's ~20 us per launch would hide a 2 us matmul."""
     import torch
-
-    edit = active_edit(edit)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         calls()  # compiles and warms outside the capture
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph(keep_graph=True) if edit else torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         calls()
-    if edit:
-        edit(graph.raw_cuda_graph())
-        graph.instantiate()
     for _ in range(3):
         graph.replay()
     return event_seconds(graph.replay, reps)

@@ -25,34 +25,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def hf_parameter_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """The tensors a Hugging Face checkpoint of this config must hold, with their shapes."""
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    d = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
     for i in range(cfg.num_layers):
-        a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
-        if cfg.model_type not in ("llama", "mistral", "qwen2"):  # the other families' tensors (family_shapes)
-            shapes.update(family_shapes(cfg, i))
-            continue
-        shapes[a + "q_proj.weight"] = (cfg.num_heads * hd, d)
-        shapes[a + "k_proj.weight"] = (cfg.num_kv_heads * hd, d)
-        shapes[a + "v_proj.weight"] = (cfg.num_kv_heads * hd, d)
-        shapes[a + "o_proj.weight"] = (d, cfg.num_heads * hd)
-        if cfg.qkv_bias:
-            shapes[a + "q_proj.bias"] = (cfg.num_heads * hd,)
-            shapes[a + "k_proj.bias"] = (cfg.num_kv_heads * hd,)
-            shapes[a + "v_proj.bias"] = (cfg.num_kv_heads * hd,)
-        if cfg.o_bias:
-            shapes[a + "o_proj.bias"] = (d,)
-        shapes[m + "gate_proj.weight"] = (f, d)
-        shapes[m + "up_proj.weight"] = (f, d)
-        shapes[m + "down_proj.weight"] = (d, f)
-        if cfg.mlp_bias:
-            shapes[m + "gate_proj.bias"] = (f,)
-            shapes[m + "up_proj.bias"] = (f,)
-            shapes[m + "down_proj.bias"] = (d,)
-        shapes[p + "input_layernorm.weight"] = (d,)
-        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        shapes.update(family_shapes(cfg, i))
     return shapes
 
 
@@ -175,25 +153,7 @@ def convert_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, 
     out: dict[str, Tensor] = {"tok_embeddings.weight": hf["model.embed_tokens.weight"],
                               "norm.weight": hf["model.norm.weight"]}
     out["output.weight"] = hf["model.embed_tokens.weight"] if cfg.tie_word_embeddings else hf["lm_head.weight"]
-    if cfg.model_type not in ("llama", "mistral", "qwen2"):
-        return convert_family(hf, cfg, out)
-    for i in range(cfg.num_layers):
-        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        o = f"layers.{i}."
-        out[o + "attention.wqkv.weight"] = torch.cat([hf[a + f"{n}_proj.weight"] for n in "qkv"])
-        if cfg.qkv_bias:
-            out[o + "attention.wqkv.bias"] = torch.cat([hf[a + f"{n}_proj.bias"] for n in "qkv"])
-        out[o + "attention.wo.weight"] = hf[a + "o_proj.weight"]
-        if cfg.o_bias:
-            out[o + "attention.wo.bias"] = hf[a + "o_proj.bias"]
-        out[o + "feed_forward.w13.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
-        out[o + "feed_forward.w2.weight"] = hf[m + "down_proj.weight"]
-        if cfg.mlp_bias:
-            out[o + "feed_forward.w13.bias"] = torch.cat([hf[m + "gate_proj.bias"], hf[m + "up_proj.bias"]])
-            out[o + "feed_forward.w2.bias"] = hf[m + "down_proj.bias"]
-        out[o + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
-        out[o + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
-    return out
+    return convert_family(hf, cfg, out)
 
 
 def header_shapes(file: Path) -> dict[str, tuple[int, ...]]:

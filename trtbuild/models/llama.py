@@ -312,8 +312,7 @@ class Linear(nn.Linear):
 
 class Attention(nn.Module):
     # Set by the backend only while it exports a decode graph that uses trtbuild's decode attention
-    # kernel (options.decode_attention): "kernel" (rope, the cache writes and attention in one custom op)
-    # or "kernel-unfused" (the kernel attends; rope and the cache writes stay the model's ATen code).
+    # kernel (options.decode_attention): "kernel" (rope, the cache writes and attention in one custom op).
     # Prefill, CPU builds and eager runs keep "aten": `_cached_attention`.
     decode_kernel: str = "aten"
     # Set by the backend only while it exports the prefill graph: "sdpa" or "cudnn" (causal_attention).
@@ -360,12 +359,6 @@ class Attention(nn.Module):
             y = _cached_attention(q, k, v, pos, None, c.attn_scale, c.attn_softcap, self.window)
         elif from_start:
             y = causal_attention(q, k, v, self.prefill_kernel, c.attn_scale)
-        elif self.decode_kernel == "kernel-unfused":
-            from trtbuild.kernels.decode_attention import decode_attention_op  # needs Triton: CUDA builds only
-
-            # reads slots 0..pos of its rows of the whole cache buffer itself, so the window (span) is not needed
-            y = decode_attention_op(q_rows, k_cache, v_cache, pos.expand(b, 1).reshape(b).contiguous(), slots)
-            return self.wo(y.reshape(b, t, q_size), residual=residual)
         else:
             # the window first, then the sequences' rows: the gather copies only the slots attended over
             w = k_cache.shape[2] if span is None else span.shape[0]

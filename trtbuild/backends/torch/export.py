@@ -15,9 +15,8 @@ from trtbuild.backends.torch import decode_kernels, prefill_attention
 from trtbuild.errors import TrtbuildError
 
 
-def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any], fold_norms: bool = False) -> Any:
-    """The model on `device` with `state`'s tensors (this module's fused layout) as its parameters, the
-    norms' gains folded into the weights after them with `fold_norms` (`Transformer.fold_norm_gains`)."""
+def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any]) -> Any:
+    """The model on `device` with `state`'s tensors (this module's fused layout) as its parameters."""
     import torch
 
     from trtbuild.models.llama import Transformer, rope_table
@@ -40,8 +39,6 @@ def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str,
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise TrtbuildError(f"model: no weight for {', '.join(missing[:4])} after conversion")
-    if fold_norms:
-        model.fold_norm_gains()
     return model.eval().requires_grad_(False)
 
 
