@@ -126,3 +126,25 @@ def test_a_full_disk_while_writing_the_weights_is_a_clear_error_and_leaves_no_en
     assert "No space left on device while building 'tiny'; nothing was published" in result.output
     store = Store(tmp_path / "engines")
     assert store.entries() == [] and list(store.tmp_dir.iterdir()) == []
+
+
+def test_stop_reads_escapes_as_printf_does_in_the_readme_and_docs_examples(tmp_path: Path) -> None:
+    """The documented `--stop "\\n\\n"` reaches the shell as a backslash and an n; run reads it as a blank line."""
+    import re
+    import shlex
+
+    from .conftest import REPO
+
+    recipe = write_recipe(tmp_path, tiny_recipe_doc())
+    examples = [line for doc in ("README.md", "docs/generation.md")
+                for line in (REPO / doc).read_text().splitlines() if line.startswith("trtbuild run") and "--stop" in line]
+    assert len(examples) >= 2, "the README and docs/generation.md each show --stop"
+    for line in examples:
+        argv = shlex.split(re.sub(r"\s+#.*$", "", line))[2:]  # as a shell passes it, less `trtbuild run`
+        argv[argv.index("RECIPE")] = str(recipe)
+        ctx = main.commands["run"].make_context("run", argv)
+        assert ctx.params["stop"] == ("\n\n",), line
+    ctx = main.commands["run"].make_context("run", [str(recipe), "--stop", r"a\tb\\n\x41\u00e9\101\q", "--stop", "é"])
+    assert ctx.params["stop"] == ("a\tb\\nA\u00e9A\\q", "é")  # an unknown escape stays, as printf leaves it
+    result = CliRunner().invoke(main, ["run", str(recipe), "--stop", ""])
+    assert result.exit_code == 2 and "--stop" in result.output and "Traceback" not in result.output

@@ -6,6 +6,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -155,6 +156,32 @@ def _parse_ids(text: str | None) -> list[list[int]] | None:
     return rows
 
 
+_ESCAPE = re.compile(r"\\(?:([abefnrtv\\\"'])|x([0-9A-Fa-f]{1,2})|u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8})|([0-7]{1,3}))")
+_SIMPLE = {"a": "\a", "b": "\b", "e": "\x1b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
+           "\\": "\\", '"': '"', "'": "'"}
+
+
+def unescape(text: str) -> str:
+    """The escapes `printf` interprets (\\n, \\t, \\\\, \\xHH, \\uHHHH, \\NNN octal...), because a shell passes
+    `--stop "\\n"` as a backslash and an n, and a stop string of those two characters is never what was meant.
+    An unknown escape stays as written, as printf leaves it."""
+    def one(m: re.Match[str]) -> str:
+        simple, hex2, hex4, hex8, octal = m.groups()
+        if simple is not None:
+            return _SIMPLE[simple]
+        code = int(hex2 or hex4 or hex8, 16) if octal is None else int(octal, 8)
+        return chr(code) if code <= 0x10FFFF else m.group(0)  # beyond Unicode: left as written
+
+    return _ESCAPE.sub(one, text)
+
+
+def _unescape_all(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    for v in values:
+        if not unescape(v):
+            raise click.BadParameter(f"{v!r} is empty once its escapes are read", ctx, param)
+    return tuple(unescape(v) for v in values)
+
+
 @main.command("run")
 @recipe_arg
 @engines_option
@@ -170,7 +197,9 @@ def _parse_ids(text: str | None) -> list[list[int]] | None:
 @click.option("--top-k", type=int, default=None, help="Sample among the k most likely tokens (0: all).")
 @click.option("--top-p", type=float, default=None, help="Sample among the most likely tokens holding this probability.")
 @click.option("--seed", type=int, default=None, help="Seed of the sampling: the same seed gives the same text.")
-@click.option("--stop", multiple=True, help="A stop string (repeatable; needs the tokenizer); not included in the text.")
+@click.option("--stop", multiple=True, callback=_unescape_all,
+              help="A stop string (repeatable; needs the tokenizer); not included in the text. Escapes are read as "
+                   "printf reads them: \"\\n\\n\" is a blank line.")
 @click.option("--iterations", type=int, default=3, show_default=True)
 @click.option("--verify", is_flag=True, help="Hash every engine file before loading (sizes are always checked).")
 @json_option
