@@ -157,21 +157,33 @@ def test_cache_ls_shows_pins(engine_store: Path) -> None:
     assert "PINNED" in table[0] and " yes " in next(line for line in table if line.startswith("alpha"))
 
 
-def test_quarantine_is_counted_and_pruned_oldest_first(engine_store: Path) -> None:
+def test_quarantine_is_counted_and_the_stats_hint_removes_it(engine_store: Path) -> None:
+    """The command `cache stats` names removes the quarantine; any prune removes it first, however generous its
+    limits, and `--quarantine` alone leaves the engines."""
     store = Store(engine_store)
     store.ensure()
     old = store.quarantine(_fake_entry(engine_store, "old", "1" * 64, size=3000), "sha256 differs")
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     new = store.quarantine(_fake_entry(engine_store, "new", "2" * 64, size=2000), "size differs")
+    kept = _fake_entry(engine_store, "kept", "3" * 64)
     cli = CliRunner()
     stats = json.loads(cli.invoke(main, ["cache", "stats", "--json"]).output)
     assert stats["quarantined"] == 2 and stats["quarantine_bytes"] >= 5000
-    assert "quarantined 2" in cli.invoke(main, ["cache", "stats"]).output
-    result = cli.invoke(main, ["cache", "prune", "--max-size", "3K"])
+    out = cli.invoke(main, ["cache", "stats"]).output
+    hint = re.search(r"`trtbuild (cache prune[^`]*)` removes them", out)
+    assert "quarantined 2" in out and hint, out
+    dry = cli.invoke(main, [*hint.group(1).split(), "--dry-run"])
+    assert dry.exit_code == 0 and dry.output.index(old.name) < dry.output.index(new.name), dry.output
+    result = cli.invoke(main, hint.group(1).split())
     assert result.exit_code == 0 and f"removed quarantine/{old.name}" in result.output, result.output
-    assert not old.exists() and new.exists()  # the oldest went first, and that was enough
-    result = cli.invoke(main, ["cache", "prune", "--max-size", "0"])
-    assert not new.exists() and "-> 0 B" in result.output
+    assert not old.exists() and not new.exists() and kept.exists()
+    again = store.quarantine(_fake_entry(engine_store, "again", "4" * 64), "sha256 differs")
+    for limits in (["--max-size", "100G"], ["--older-than", "30d"]):
+        result = cli.invoke(main, ["cache", "prune", *limits])
+        assert result.exit_code == 0 and not again.exists() and kept.exists(), result.output
+        again = store.quarantine(_fake_entry(engine_store, "again", "4" * 64), "sha256 differs")
+    bare = cli.invoke(main, ["cache", "prune"])
+    assert bare.exit_code == 2 and "--quarantine" in bare.output and again.exists()
 
 
 def test_doctor_imports_every_declared_dependency_and_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -512,16 +512,21 @@ def cache_unpin(ref: str, engines: str | None) -> None:
 @engines_option
 @click.option("--max-size", default=None, help="Keep the store under this size, e.g. 50G (LRU first).")
 @click.option("--older-than", default=None, help="Remove entries unused for this long, e.g. 30d.")
+@click.option("--quarantine", "quarantine_only", is_flag=True,
+              help="Remove the quarantined entries (any prune removes them first; alone, only them).")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
 @remote_target
-def cache_prune(engines: str | None, max_size: str | None, older_than: str | None, dry_run: bool,
-                remote: str | None) -> None:
-    """Remove quarantined entries (oldest first), then least recently used ones; pinned and in-use entries stay."""
+def cache_prune(engines: str | None, max_size: str | None, older_than: str | None, quarantine_only: bool,
+                dry_run: bool, remote: str | None) -> None:
+    """Remove every quarantined entry, then least recently used ones; pinned and in-use entries stay."""
     from trtbuild.housekeeping import parse_age, parse_size, plan_prune
     from trtbuild.store import Store
 
-    if max_size is None and older_than is None:
-        raise InputError("cache prune: give --max-size and/or --older-than")
+    if max_size is None and older_than is None and not quarantine_only:
+        raise InputError("cache prune: give --max-size, --older-than and/or --quarantine")
+    if remote is not None and quarantine_only:
+        raise InputError("cache prune: --quarantine is the local store's; on the remote, `cache verify --remote` "
+                         "moves damaged entries aside and --max-size/--older-than prune")
     if remote is not None:
         return _remote_prune(remote, parse_size(max_size) if max_size else None,
                              parse_age(older_than) if older_than else None, dry_run)
@@ -580,7 +585,7 @@ def cache_stats(engines: str | None, as_json: bool) -> None:
     click.echo(f"hits {counts['hits']}  misses {counts['misses']}  builds {counts['builds']}  "
                f"build time {counts['build_s']:.1f} s  saved by hits {counts['build_s_saved']:.1f} s")
     click.echo(f"entries {counts['entries']} ({_size(counts['entries_bytes'])})  quarantined {counts['quarantined']} "
-               f"({_size(counts['quarantine_bytes'])}; `trtbuild cache prune` removes them first)")
+               f"({_size(counts['quarantine_bytes'])}; `trtbuild cache prune --quarantine` removes them)")
 
 
 @cache.command("verify")
