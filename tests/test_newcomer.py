@@ -128,6 +128,19 @@ def test_validate_reads_a_local_folder_as_run_would(tmp_path: Path) -> None:
         assert "Traceback" not in result.output
 
 
+def test_validate_reports_every_problem_of_a_local_folder_at_once(tmp_path: Path) -> None:
+    """A yarn rope_scaling and a hidden_size the weights disagree with: both in one run, as a recipe's are."""
+    folder = make_hf_folder(tmp_path / "model")
+    (folder / "config.json").write_text(json.dumps({**TINY_CONFIG, "hidden_size": 64, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}))
+    doc = tiny_recipe_doc(model={"source": "./model"})
+    result = CliRunner().invoke(main, ["validate", str(write_recipe(tmp_path, doc))])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "rope_scaling" in result.output and "yarn" in result.output, result.output
+    assert re.search(r"tensor model\.\S+ has shape \(\d+, 32\), config\.json implies \(\d+, 64\)", result.output)
+    assert "problems in the model folder" in result.output
+
+
 # -- cache commands ---------------------------------------------------------------------------------
 def test_cache_show_takes_a_key_prefix_a_name_or_the_path_run_prints(engine_store: Path) -> None:
     a = _fake_entry(engine_store, "alpha", "abcdef01" + "1" * 56)
