@@ -303,3 +303,25 @@ def test_a_tied_lm_head_is_counted_once_in_the_bytes_a_step_reads(engine: dict[s
         stored = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
     with open_session(load_recipe(engine["recipe"]), engine["store"], build=False) as session:
         assert session.engine.weight_bytes == stored
+
+
+@pytest.mark.slow
+def test_an_api_build_prints_none_of_the_frameworks_noise(tmp_path: Path) -> None:
+    """tiny-llama built through the Python API, with one row and one bucket (sizes export takes as static), in a
+    new process as a user's script runs: nothing on stderr, no Python warning raised."""
+    script = """
+import sys, warnings, yaml, trtbuild
+doc = yaml.safe_load(open("recipes/tiny-llama.yaml"))
+doc["shapes"].update(max_batch_size=1, batch_buckets=[1])
+doc["run"]["batch_size"] = 1
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    outcome = trtbuild.build(doc, sys.argv[1])
+assert not outcome.cache_hit
+print("\\n".join(f"{w.category.__name__}: {w.message}" for w in caught))
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "engines")], cwd=REPO, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr
+    assert proc.stdout.strip() == "", proc.stdout

@@ -8,14 +8,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import importlib
+import logging
 import os
 import signal
 import shutil
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,6 +176,28 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
         return outcome
 
 
+@contextlib.contextmanager
+def framework_quiet() -> Iterator[None]:
+    """The framework's own warnings and log lines (torch's deprecations, its notes on its own internals) kept
+    from a build's output: a user who wrote a valid recipe has nothing to act on in them, and the CLI and the
+    Python API should print the same. TRTBUILD_DEBUG=1 lets them through."""
+    if os.environ.get("TRTBUILD_DEBUG") == "1":
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in ("torch", "triton")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        for module in (r"torch(\.|$)", r"triton(\.|$)"):
+            warnings.filterwarnings("ignore", module=module)
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
+
+
 def _build_locked(recipe: Recipe, store: Store, backend: backends.Backend, model: ResolvedModel,
                   material: dict[str, Any], key: str, progress: Progress) -> BuildOutcome:
     fault_point("build_start")
@@ -188,7 +213,8 @@ def _build_locked(recipe: Recipe, store: Store, backend: backends.Backend, model
                                         material["backend"]["toolchain"])
         job = BuildJob(recipe=recipe, model=model, workdir=workdir, tactics=tactics,
                        device=material["device"], progress=progress_with_faults)
-        output = backend.build(job)
+        with framework_quiet():
+            output = backend.build(job)
         fault_point("before_publish")
         build_s = time.perf_counter() - t_build
         now = time.time()
