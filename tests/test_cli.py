@@ -148,3 +148,29 @@ def test_stop_reads_escapes_as_printf_does_in_the_readme_and_docs_examples(tmp_p
     assert ctx.params["stop"] == ("a\tb\\nA\u00e9A\\q", "é")  # an unknown escape stays, as printf leaves it
     result = CliRunner().invoke(main, ["run", str(recipe), "--stop", ""])
     assert result.exit_code == 2 and "--stop" in result.output and "Traceback" not in result.output
+
+
+def test_cache_stats_counts_a_hit_as_its_entrys_build_time_once_a_process(tmp_path: Path) -> None:
+    """Three lookups of one entry in this process and one in another: four hits, which saved the entry's build
+    time twice (once a process), not four times."""
+    from trtbuild import builder
+    from trtbuild.recipe import load_recipe
+    from trtbuild.store import Store
+
+    recipe_path = write_recipe(tmp_path, tiny_recipe_doc(name="saved"))
+    recipe, store = load_recipe(recipe_path), Store(tmp_path / "engines")
+    _, _, _, key = builder._resolve(recipe, store, builder._startup(recipe))
+    entry = store.entries_dir / f"saved-{key[:16]}"  # a published-looking entry under the recipe's own key
+    entry.mkdir(parents=True)
+    (entry / "data.bin").write_bytes(b"x" * 10)
+    (entry / "manifest.json").write_text(json.dumps({
+        "key": key, "name": "saved", "backend": "torch", "precision": "fp32", "verified": True,
+        "files": {"data.bin": {"size": 10, "sha256": "0" * 64}}, "build": {"total_s": 40.0}}))
+    builder._SAVED_ONCE.discard(key)
+    for _ in range(3):
+        assert builder.build(recipe, store.root).cache_hit
+    assert run_cli("build", str(recipe_path), "--engines", str(store.root), "--json").returncode == 0
+    counts = json.loads(CliRunner().invoke(main, ["cache", "stats", "--engines", str(store.root), "--json"]).output)
+    assert counts["hits"] == 4 and counts["build_s_saved"] == pytest.approx(80.0), counts
+    text = CliRunner().invoke(main, ["cache", "stats", "--engines", str(store.root)]).output
+    assert "saved by hits 80.0 s (a hit saves its entry's build time, once a process)" in text

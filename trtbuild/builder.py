@@ -116,6 +116,20 @@ def _resolve(recipe: Recipe, store: Store,
     return backend, model, material, key_of(material)
 
 
+# Keys whose hit has already been counted as saving their build in this process: a session, an eval against a
+# second recipe or a test that looks the same engine up again saves nothing more than the first lookup did.
+_SAVED_ONCE: set[str] = set()
+
+
+def _record_hit(store: Store, entry: Entry, name: str, *, waited: bool) -> None:
+    """A hit in the event log, with the build seconds it really saved: the entry's own build time, at most once a
+    process, and none when this process waited for another one's build of it (it spent that time waiting)."""
+    first = entry.key not in _SAVED_ONCE and not waited
+    _SAVED_ONCE.add(entry.key)
+    saved = float(entry.manifest.get("build", {}).get("total_s") or 0.0) if first else 0.0
+    store.record("hit", key=entry.key, name=name, saved_s=saved)
+
+
 def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allow_build: bool = True,
           full_verify: bool = False, progress: Progress = lambda message: None,
           remote: str | None = None) -> BuildOutcome:
@@ -132,7 +146,7 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
     lookup_s = time.perf_counter() - t0 - startup_s
     where = f"{store.root} ({store.origin})"
     if entry is not None:
-        store.record("hit", key=key, name=recipe.name, saved_s=entry.manifest.get("build", {}).get("total_s"))
+        _record_hit(store, entry, recipe.name, waited=False)
         return BuildOutcome(entry, True, lookup_s, 0.0, model, startup_s=startup_s, store=where)
     if store.quarantined:
         progress(f"corrupt entry {store.quarantined[-1]}; building it again")
@@ -149,7 +163,7 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
     with store.lock(key, on_wait=on_wait):
         entry = store.lookup(key, full_verify=full_verify)  # the holder we waited for may have published it
         if entry is not None:
-            store.record("hit", key=key, name=recipe.name, saved_s=entry.manifest.get("build", {}).get("total_s"))
+            _record_hit(store, entry, recipe.name, waited=bool(waited))
             return BuildOutcome(entry, True, lookup_s, 0.0, model, waited_for=waited[0] if waited else None,
                                 startup_s=startup_s, quarantined=list(store.quarantined), store=where)
         # The remote tier (fleet.py): pull, or wait for another host's build, or take the lease to build (with

@@ -574,7 +574,9 @@ def cache_explain(recipe: str, engines: str | None, as_json: bool) -> None:
 @engines_option
 @json_option
 def cache_stats(engines: str | None, as_json: bool) -> None:
-    """Hits, misses, builds, the build seconds that hits saved, and what the store and its quarantine hold."""
+    """Hits, misses, builds, the build seconds that hits saved (each process's first hit of an entry saved that
+    entry's build time; a later hit of it in the same process, or one that waited for the build, saved none),
+    and what the store and its quarantine hold."""
     from trtbuild.housekeeping import stats
     from trtbuild.store import Store
 
@@ -583,7 +585,8 @@ def cache_stats(engines: str | None, as_json: bool) -> None:
         click.echo(json.dumps(counts))
         return
     click.echo(f"hits {counts['hits']}  misses {counts['misses']}  builds {counts['builds']}  "
-               f"build time {counts['build_s']:.1f} s  saved by hits {counts['build_s_saved']:.1f} s")
+               f"build time {counts['build_s']:.1f} s  saved by hits {counts['build_s_saved']:.1f} s "
+               "(a hit saves its entry's build time, once a process)")
     click.echo(f"entries {counts['entries']} ({_size(counts['entries_bytes'])})  quarantined {counts['quarantined']} "
                f"({_size(counts['quarantine_bytes'])}; `trtbuild cache prune --quarantine` removes them)")
 
