@@ -174,3 +174,25 @@ def test_cache_stats_counts_a_hit_as_its_entrys_build_time_once_a_process(tmp_pa
     assert counts["hits"] == 4 and counts["build_s_saved"] == pytest.approx(80.0), counts
     text = CliRunner().invoke(main, ["cache", "stats", "--engines", str(store.root)]).output
     assert "saved by hits 80.0 s (a hit saves its entry's build time, once a process)" in text
+
+
+def test_threads_default_to_the_free_cores_and_a_wide_tail_is_called_unstable(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from trtbuild import timing
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.2, 0.0, 0.0), raising=False)
+    n, why = timing.free_cores()
+    assert n == 3 and "8 core(s)" in why and "5.2 busy" in why
+    monkeypatch.setattr(os, "getloadavg", lambda: (30.0, 0.0, 0.0), raising=False)
+    assert timing.free_cores()[0] == 1  # never none
+    # the busy machine's figures: TPOT p50 50 ms, p99 1,480 ms; and a quiet one's
+    assert "unstable" in (timing.unstable({"p50": 0.050, "p99": 1.480}) or "")
+    assert timing.unstable({"p50": 0.045, "p99": 0.049}) is None
+    recipe = write_recipe(tmp_path, tiny_recipe_doc())
+    for command in ("run", "serve", "eval", "profile"):
+        extra = ["--text", str(recipe)] if command == "eval" else []
+        result = CliRunner().invoke(main, [command, str(recipe), *extra, "--threads", "0"])
+        assert result.exit_code == 2 and "--threads" in result.output, (command, result.output)

@@ -256,6 +256,18 @@ def test_the_report_agrees_with_a_stopwatch_and_shows_no_gpu_rows_on_a_cpu(engin
 
 
 @pytest.mark.slow
+def test_a_cpu_run_says_its_threads_and_prints_no_rate_without_its_ceiling(engine: dict[str, Any]) -> None:
+    args = ["run", str(engine["recipe"]), "--engines", str(engine["store"]), "--iterations", "2"]
+    report = read_json_line(run_cli(*args, "--threads", "1", "--json").stdout)
+    assert report["threads"] == {"threads": 1, "why": "--threads"} and "unstable" in report
+    default = read_json_line(run_cli(*args, "--json").stdout)["threads"]
+    assert 1 <= default["threads"] <= len(os.sched_getaffinity(0)) and "busy" in default["why"]
+    text = run_cli(*args, "--threads", "1", env={"COLUMNS": "400"}).stdout
+    assert "threads: 1 (--threads)" in text
+    assert "GB/s" not in text and "FLOP/s" not in text, text  # a CPU has no ceiling in the run report
+
+
+@pytest.mark.slow
 def test_a_corrupt_entry_found_by_verify_is_reported_quarantined_and_rebuilt(engine: dict[str, Any],
                                                                             tmp_path: Path) -> None:
     store = tmp_path / "engines"

@@ -20,6 +20,8 @@ engines_option = click.option("--engines", type=click.Path(file_okay=False), def
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress lines (a wait for another build still shows).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 recipe_arg = click.argument("recipe", type=click.Path(dir_okay=False))
+threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
+                              help="CPU threads for torch (default: the cores free now, said in the report).")
 remote_option = click.option("--remote", default=None, metavar="s3://BUCKET/PREFIX",
                              help="Object store behind the local store (default: $TRTBUILD_REMOTE; docs/fleet.md).")
 # `cache ls/verify/prune --remote`: act on the remote; a bare --remote means $TRTBUILD_REMOTE
@@ -202,20 +204,23 @@ def _unescape_all(ctx: click.Context, param: click.Parameter, values: tuple[str,
                    "printf reads them: \"\\n\\n\" is a blank line.")
 @click.option("--iterations", type=int, default=3, show_default=True)
 @click.option("--verify", is_flag=True, help="Hash every engine file before loading (sizes are always checked).")
+@threads_option
 @json_option
 @quiet_option
 @remote_option
 def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | None, input_len: int | None,
             output_len: int | None, prompt_ids: str | None, prompt_text: str | None, chat_text: str | None,
             temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
-            stop: tuple[str, ...], iterations: int, verify: bool, as_json: bool, quiet: bool,
+            stop: tuple[str, ...], iterations: int, verify: bool, threads: int | None, as_json: bool, quiet: bool,
             remote: str | None) -> None:
     """Find (or build) the engine, run it, and report every phase. With --chat or a sampling flag (--temperature,
     --top-k, --top-p, --seed, --stop): generate text from the prompt instead, streamed as it comes."""
     from trtbuild.report import print_table
     from trtbuild.runner import check_run_shape, open_session, run_report
+    from trtbuild.timing import use_threads
 
     r = _load(recipe)
+    threads_used = use_threads(threads)  # before the build and the run: both use torch's thread pool
     if chat_text is not None or stop or any(v is not None for v in (temperature, top_k, top_p, seed)):
         sampling = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
                                       ("seed", seed)) if v is not None}
@@ -243,6 +248,7 @@ def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | 
         session = open_session(r, engines, build=not no_build, progress=progress, verify=verify, remote=remote)
     with session:
         report = run_report(session, **shape, iterations=iterations, prompt_ids=ids, prompt_text=prompt_text)
+    report["threads"] = threads_used
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -324,16 +330,22 @@ def _ragged_ids(text: str) -> list[list[int]]:
 @click.option("--no-build", is_flag=True, help="Never build; a missing engine is an error (also TRTBUILD_NO_BUILD=1).")
 @click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
               help="Requests that may wait for a row; beyond it a request is answered 429 with Retry-After.")
+@threads_option
 @quiet_option
 @remote_option
 def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: bool, max_queue: int,
-              quiet: bool, remote: str | None) -> None:
+              threads: int | None, quiet: bool, remote: str | None) -> None:
     """Serve the recipe's engine over an OpenAI-compatible HTTP API, with continuous batching."""
     from trtbuild.runner import open_session
     from trtbuild.serve import require, serve
 
+    from trtbuild.timing import use_threads
+
     require()  # before a build of minutes, not after
     r = _load(recipe)
+    used = use_threads(threads)
+    if not quiet:
+        click.echo(f"trtbuild: {used['threads']} thread(s) ({used['why']})", err=True)
     with _progress(quiet) as progress:
         session = open_session(r, engines, build=not no_build, progress=progress, remote=remote)
     serve(session, host=host, port=port, max_queue=max_queue, log_level="warning" if quiet else "info")
@@ -348,17 +360,20 @@ def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: 
 @click.option("--plot", "plot_path", default=None, help="Also write a PNG: roofline and where the step's time goes.")
 @click.option("--remeasure", is_flag=True, help="Measure the device's roofs again (they are kept from the first "
                                                 "profile; the report says how old they are).")
+@threads_option
 @json_option
 def profile_cmd(recipe: str, engines: str | None, phase: str, batch_size: int | None, input_len: int | None,
-                plot_path: str | None, remeasure: bool, as_json: bool) -> None:
+                plot_path: str | None, remeasure: bool, threads: int | None, as_json: bool) -> None:
     """Which kernel is slow, and why: each call site's time, bytes, FLOPs and roofline verdict."""
     from trtbuild.ceilings import cached, implausible
     from trtbuild.profile import check_shape, profile_engine
     from trtbuild.profile_report import check_plot_path, plot, print_profile
     from trtbuild.runner import open_session
     from trtbuild.store import Store
+    from trtbuild.timing import use_threads
 
     r = _load(recipe)
+    threads_used = use_threads(threads)
     b = r.run.batch_size if batch_size is None else batch_size
     t = r.run.input_len if input_len is None else input_len
     check_shape(r.shapes, b, t)  # before the engine loads, as for `run`
@@ -377,6 +392,7 @@ def profile_cmd(recipe: str, engines: str | None, phase: str, batch_size: int | 
             ceilings = cached(session.engine.device, folder, fresh=True)
             result = profile_engine(session, phases, b, t, ceilings)
             result["ceilings"]["source"] += (f" (the kept roofs were below what {', '.join(faster[:3])} reached)")
+    result["threads"] = threads_used
     if plot_path is not None:
         plot(result, plot_path)
         result["plot"] = plot_path
@@ -830,26 +846,30 @@ def _remote_prune(url: str, max_size: int | None, older_than: float | None, dry_
                    "largest logit difference.")
 @engines_option
 @click.option("--no-build", is_flag=True, help="Never build; a missing engine is an error.")
+@threads_option
 @json_option
 @quiet_option
 def eval_cmd(recipe: str, text_file: str, against: str | None, engines: str | None, no_build: bool,
-             as_json: bool, quiet: bool) -> None:
+             threads: int | None, as_json: bool, quiet: bool) -> None:
     """Quality of an engine: perplexity over a text, and agreement with another engine (docs/quantization.md)."""
     from pathlib import Path
 
     from trtbuild.evaluate import evaluate
+    from trtbuild.timing import use_threads
 
     r, other = _load(recipe), (_load(against) if against else None)
+    threads_used = use_threads(threads)
     if not Path(text_file).is_file():
         raise InputError(f"{text_file}: --text: file not found")
     with _progress(as_json or quiet) as progress:
         result = evaluate(r, Path(text_file), engines, other, build=not no_build, progress=progress)
+    result["threads"] = threads_used
     if as_json:
         click.echo(json.dumps(result))
         return
     click.echo(f"{result['recipe']} ({result['precision']}): perplexity {result['perplexity']:.4f} over "
                f"{result['tokens_scored']} tokens of {result['text']} ({result['windows']} windows of "
-               f"{result['window']}, tokens from {result['tokens_from']})")
+               f"{result['window']}, tokens from {result['tokens_from']}; {threads_used['threads']} thread(s))")
     if "against" in result:
         a = result["against"]
         click.echo(f"against {a['recipe']} ({a['precision']}): greedy tokens agree {a['greedy_agreement']:.1%} "

@@ -22,7 +22,7 @@ from trtbuild.errors import (BackendUnavailableError, EngineMissingError, Incomp
                              TrtbuildError)
 from trtbuild.recipe import Recipe, run_shape_problems
 from trtbuild.store import Store, verify
-from trtbuild.timing import percentiles
+from trtbuild.timing import percentiles, unstable
 
 if TYPE_CHECKING:
     from trtbuild.generate import Chunk, Completion
@@ -365,6 +365,7 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
                          "end_to_end": batch_size * output_len / end_to_end if end_to_end > 0 else 0.0},
         "output_ids": gens[-1].output_ids,
     }
+    report["unstable"] = unstable(tpot)  # a sentence when the tail says the machine was busy, else None
     report["roofline"] = roofline(gens[-1], ttft["p50"], tpot["p50"], session.engine.device)
     report["load_note"] = getattr(session.engine, "load_note", "")
     report["load_parts"] = dict(getattr(session.engine, "load_parts", {}))  # torch backend: graphs, weights, constants
