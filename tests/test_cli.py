@@ -110,7 +110,7 @@ def test_a_full_disk_while_writing_the_weights_is_a_clear_error_and_leaves_no_en
     import safetensors.torch
     from safetensors import SafetensorError
 
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     real = safetensors.torch.save_file
 
@@ -155,7 +155,7 @@ def test_cache_stats_counts_a_hit_as_its_entrys_build_time_once_a_process(tmp_pa
     time twice (once a process), not four times."""
     from trtbuild import builder
     from trtbuild.recipe import load_recipe
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     recipe_path = write_recipe(tmp_path, tiny_recipe_doc(name="saved"))
     recipe, store = load_recipe(recipe_path), Store(tmp_path / "engines")

@@ -15,10 +15,10 @@ import torch
 from tests.conftest import TINY_CONFIG, make_hf_folder, write_recipe
 from tests.engine_helpers import eager_greedy
 from trtbuild.errors import InputError
-from trtbuild.generate import Detokenizer, TextSide, eos_ids
+from trtbuild.serving.generate import Detokenizer, TextSide, eos_ids
 from trtbuild.recipe import load_recipe
 from trtbuild.runner import open_session
-from trtbuild.sampling import Sampling
+from trtbuild.backends.sampling import Sampling
 
 VOCAB = 320  # the tokenizer's 300 tokens fit
 MAX_SEQ = 48
@@ -180,7 +180,7 @@ def test_stop_token_ids_and_strings_end_a_row_and_are_not_returned(session: Any)
 def test_generate_takes_one_name_refuses_wrong_types_by_name_and_returns_what_the_call_says(session: Any) -> None:
     """`max_tokens` everywhere; the old `max_new_tokens` is refused with the name to use (it selected another form with
     another return type); a wrong type is an InputError naming the argument, not a TypeError from deep inside."""
-    from trtbuild.generate import Completion
+    from trtbuild.serving.generate import Completion
 
     with pytest.raises(InputError, match=r"max_new_tokens: not a parameter; use max_tokens .*session.greedy"):
         session.generate(["hi"], max_new_tokens=4)

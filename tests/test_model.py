@@ -325,6 +325,22 @@ def test_a_k_step_of_4096_is_a_candidate_only_where_the_rows_are_that_wide() -> 
     assert candidates(8, k=4096) == ROWS  # the tensor-core path keeps its list
 
 
+def test_blocks_larger_than_a_small_matrix_are_timed_once() -> None:
+    """A 64 x 128 weight: every k step past 128 and every block of rows past 64 covers the same work as a
+    smaller one, so only the first of each such group is timed; the 1B and 8B shapes keep every candidate
+    (so their cached timings stay valid)."""
+    from trtbuild.kernels.matmul_configs import ONE_ROW, ONE_ROW_SPLIT, ONE_ROW_WIDE_K, ROWS, candidates
+
+    small = candidates(1, "none", k=128, n=64)
+    assert len(small) < len(ONE_ROW) / 2 and all(c in ONE_ROW for c in small)
+    assert {(min(c.block_k, 128), c.block_n, c.warps, c.stages) for c in small} == \
+        {(min(c.block_k, 128), c.block_n, c.warps, c.stages) for c in ONE_ROW}
+    assert len(candidates(8, k=64, n=64)) < len(ROWS)
+    assert candidates(1, "gate", k=2048, n=16384) == ONE_ROW
+    assert candidates(1, "none", True, k=8192, n=2048) == ONE_ROW + ONE_ROW_WIDE_K + ONE_ROW_SPLIT
+    assert candidates(8, k=4096, n=4096) == ROWS
+
+
 def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
     """matmul_plan end to end with a stand-in for the Triton module (the real one needs a GPU): the call
@@ -362,16 +378,22 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
 
     widths: list[int] = []  # the row width each candidate list was asked for (lists may differ by width)
 
-    def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0) -> list[Config]:
+    def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0, n: int = 0) -> list[Config]:
         widths.append(k)
         return [Config("k")] + [Config("k-split")] * split
 
     fake = types.SimpleNamespace(MAX_ROWS=16, MatmulConfig=Config, select=select, source_digest=lambda: "src",
                                  candidates=candidates)
-    monkeypatch.setitem(sys.modules, "trtbuild.kernels.decode_matmul", fake)
-    import trtbuild.models
+    from trtbuild.backends.torch import kernel_warmup
 
-    monkeypatch.setattr(trtbuild.models, "decode_matmul", fake, raising=False)
+    ahead: list[list[tuple[Any, ...]]] = []  # what each plan handed to be compiled ahead of its timings
+    monkeypatch.setattr(kernel_warmup, "precompile", lambda work, device, progress: ahead.append(work) or {})
+    monkeypatch.setitem(sys.modules, "trtbuild.kernels.decode_matmul", fake)
+    import trtbuild.kernels
+
+    # `from trtbuild.kernels import decode_matmul` reads the package's attribute first, which an earlier import
+    # of the real module (another test in the same process) has set
+    monkeypatch.setattr(trtbuild.kernels, "decode_matmul", fake, raising=False)
     cfg = LlamaConfig.from_hf(dict(TINY_CONFIG))
     model = Transformer(cfg, max_batch_size=2, max_seq_len=16, dtype=torch.float32)
     job = types.SimpleNamespace(tactics=types.SimpleNamespace(path=tmp_path), progress=lambda message: None)
@@ -403,9 +425,12 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     assert sorted(timed) == sorted([(n, k, x) for (n, k), fusion in zip(shapes, fusions, strict=True) for x in (fusion, "none")]
                                    + [(2 * f, d, "gate")])
     assert sorted(set(widths)) == sorted({k for _, k in shapes})  # each call site's own row width
+    # compiled ahead, in parallel (kernel_warmup.py): exactly the timings then taken, each with its candidates
+    assert len(ahead) == 1 and sorted((n, k, fusion) for _, n, k, fusion, _, _ in ahead[0]) == sorted(timed)
+    assert all(rows == 1 and configs == ("k",) and dtype == "torch.float32" for rows, _, _, _, dtype, configs in ahead[0])
     timed.clear()
     again, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "fused")  # type: ignore[arg-type]
-    assert again == plan and timed == []  # every timing from the tactic cache
+    assert again == plan and timed == [] and len(ahead) == 1  # every timing from the tactic cache: nothing to compile
     # options.decode_split_k timed: another candidate list, so new timings (the cached ones stay valid)
     matmul_plan(model, (1,), "default", "auto", "cuda", job, "none", "timed")  # type: ignore[arg-type]
     assert sorted(timed) == sorted({(n, k, "none", "split") for n, k in shapes})

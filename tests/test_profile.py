@@ -11,10 +11,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from trtbuild import ceilings
+from trtbuild.measure import ceilings
 from trtbuild.cli import main
 from trtbuild.models.llama import LlamaConfig, Transformer
-from trtbuild.profile import (ATTENTION, BEFORE, DOWN, FINAL_NORM, GATE_UP, LM_HEAD, O_PROJ, QKV, Op, attribute,
+from trtbuild.measure.profile import (ATTENTION, BEFORE, DOWN, FINAL_NORM, GATE_UP, LM_HEAD, O_PROJ, QKV, Op, attribute,
                               call_sites, runs_of, table, verdict)
 
 from .conftest import TINY_CONFIG, read_json_line, run_cli, tiny_recipe_doc, write_recipe
@@ -332,7 +332,7 @@ def test_kept_ceilings_say_their_age_and_how_to_refresh_and_a_site_above_a_roof_
 @pytest.mark.parametrize("columns", [100, 220])
 def test_the_profile_table_fits_the_terminal_keeps_call_sites_whole_and_puts_the_engines_step_first(
         columns: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from trtbuild.profile_report import print_profile
+    from trtbuild.measure.profile_report import print_profile
 
     monkeypatch.setenv("COLUMNS", str(columns))
     cfg = LlamaConfig.from_hf(TINY_CONFIG)

@@ -21,11 +21,11 @@ from trtbuild.builder import BuildOutcome, Progress, build, no_build_from_env
 from trtbuild.errors import (BackendUnavailableError, EngineMissingError, IncompatibleEngineError, InputError,
                              TrtbuildError)
 from trtbuild.recipe import Recipe, run_shape_problems
-from trtbuild.store import Store, verify
+from trtbuild.store.local import Store, verify
 from trtbuild.timing import percentiles, unstable
 
 if TYPE_CHECKING:
-    from trtbuild.generate import Chunk, Completion
+    from trtbuild.serving.generate import Chunk, Completion
 
 _build = build  # open_session's `build` flag shadows the function
 
@@ -183,8 +183,8 @@ class Session:
         Returns one generate.Completion (token_ids, text, finish_reason) a prompt; with `stream=True` an
         iterator of generate.Chunk as the tokens come (text decoded incrementally: never half a character).
         The timed greedy form that returns token ids is `greedy()`."""
-        from trtbuild import generate as gen
-        from trtbuild.sampling import Sampling
+        from trtbuild.serving import generate as gen
+        from trtbuild.backends.sampling import Sampling
 
         _refuse_removed(removed)
         _check_types("generate()", max_tokens=(max_tokens, int, True), temperature=(temperature, float, False),
@@ -226,7 +226,7 @@ class Session:
     def text(self) -> Any:
         """The model's text side (generate.TextSide): tokenizer, chat template, EOS ids."""
         if self._text is None:
-            from trtbuild.generate import text_side
+            from trtbuild.serving.generate import text_side
 
             self._text = text_side(self)
         return self._text

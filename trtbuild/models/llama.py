@@ -298,7 +298,7 @@ class Linear(nn.Linear):
             from trtbuild.kernels.quant_matmul import quant_matmul_op  # needs Triton: CUDA builds only
 
             y = quant_matmul_op(x.reshape(-1, self.in_features), self.qweight, self.scale, getattr(self, "zero", None),
-                                c.block_n, c.block_k, c.warps, c.stages)
+                                c.block_n, c.block_k, c.warps, c.stages, c.split)
             return y.view(*x.shape[:-1], y.shape[-1])
         from trtbuild.kernels.decode_matmul import decode_matmul_op  # needs Triton: CUDA builds only
 

@@ -14,6 +14,7 @@ import hashlib
 import importlib
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import BuildJob
@@ -65,7 +66,10 @@ OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTE
            "decode_fusion": DECODE_FUSION_MODES, "decode_split_k": DECODE_SPLIT_K_MODES,
            "decode_timing": DECODE_TIMING_MODES}
 
-MatmulKey = tuple[int, int, str]  # (out, in, fusion) of one routed Linear
+MatmulKey = tuple[int, int, str]  # (out, in, fusion) of one routed Linear; (out, in, format) of a quantized one
+# the stored formats of quantized Linears (models/quantize.py), which take a plan key's fusion place: their kernel
+# (kernels/quant_matmul.py) does the matmul alone, so the format is what tells their timings apart
+QUANT_FORMATS = ("fp8", "int8", "int4")
 
 
 def key_name(key: MatmulKey) -> str:
@@ -100,6 +104,9 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     fusion): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul;
     `split_mode` options.decode_split_k (timed: split-K configurations among the candidates);
     `timing_mode` options.decode_timing (pdl: every timed graph with programmatic edges, `pdl_edges`).
+    A quantized engine's quantized Linears are timed the same way per (out, in, format) and batch, among the
+    quantized kernel's candidates only (it has no cuBLAS rival: ATen would dequantize every weight every step);
+    their plan keys carry the format where the others carry a fusion (`quant_choice`).
     """
     if mode == "kernel" and not device.startswith("cuda"):
         raise TrtbuildError("options.decode_matmul: 'kernel' is a CUDA kernel, and this build is for the CPU")
@@ -117,14 +124,19 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
 
     edit = pdl_edges(device) if timing_mode == "pdl" else None
     by_shape: dict[MatmulKey, list[Any]] = {}
+    quantized: dict[MatmulKey, list[Any]] = {}  # (out, in, format): each layer's (qweight, scale, zero)
     for mod in model.modules():
-        if isinstance(mod, Linear) and mod.quant is None:  # quantized Linears: `route_quantized`
+        if isinstance(mod, Linear) and mod.quant is not None:
+            quantized.setdefault((mod.out_features, mod.in_features, mod.quant), []).append(
+                (mod.qweight, mod.scale, getattr(mod, "zero", None)))
+        elif isinstance(mod, Linear):
             same = by_shape.setdefault((mod.out_features, mod.in_features, fusion_of(mod, fusion_mode)), [])
             if all(w is not mod.weight for w in same):  # a tied LM head is the embedding, counted once
                 same.append(mod.weight)
     plan: dict[int, dict[MatmulKey, Any]] = {}
     record: dict[str, Any] = {}
     split = split_mode == "timed"
+    _compile_ahead(dm, job, by_shape, buckets, mode, split, edit, device)
     for rows in buckets:
         if rows > dm.MAX_ROWS:
             if mode == "kernel":
@@ -150,7 +162,29 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
                 "used": choice, "fused": does != "none", "kernel_does": does, "calls": len(weights), "chosen_us": us}
             if choice != "cublas":
                 plan.setdefault(rows, {})[(n, k, does)] = dm.MatmulConfig.parse(choice)
+        for key, layers in quantized.items():
+            config, entry = quant_choice(job, layers, rows, key, edit)
+            record.setdefault(f"decode_b{rows}", {})[key_name(key)] = entry
+            if config is not None:
+                plan.setdefault(rows, {})[key] = config
     return plan, record
+
+
+def quant_choice(job: BuildJob, layers: list[Any], rows: int, key: MatmulKey,
+                 edit: Callable[[int], object] | None = None) -> tuple[Any, dict[str, Any]]:
+    """The quantized decode matmul's configuration for one (out, in, format) at `rows` rows, timed over `layers`
+    (each layer's (qweight, scale, zero)) through the tactic cache, and what to record of it. None where no
+    candidate ran correctly: the decode graphs then take the format's fixed configuration
+    (`export.quantized_decode`), as a build that times nothing does."""
+    from trtbuild.kernels import quant_matmul as qm
+
+    result = _quant_timings(qm, job, layers, rows, key, edit)
+    choice = result["choice"]
+    entry = result | {"used": choice or f"{qm.CONFIGS[key[2]].name} (fixed: no candidate ran)",
+                      "fused": False, "kernel_does": "none", "calls": len(layers)}
+    if choice is None:
+        return None, entry
+    return qm.MatmulConfig.parse(choice), entry | {"chosen_us": result["candidates"][choice]}
 
 
 def fastest(result: dict[str, Any]) -> str | None:
@@ -213,7 +247,8 @@ def fused_outside(record: dict[str, Any], rows: int) -> list[str]:
     more in every layer, which is what a plan's choice between timings a few µs apart can cost: on the H200
     one such site put 32 kernels into the 8B step and took it from 1.19x to 1.25x its floor (2026-12-05)."""
     sites = {name: r for name, r in record.get(f"decode_b{rows}", {}).items() if isinstance(r, dict) and "used" in r}
-    return sorted(name for name, r in sites.items() if parse_key(name)[2] not in ("none", r.get("kernel_does", "none")))
+    return sorted(name for name, r in sites.items()
+                  if parse_key(name)[2] not in ("none", r.get("kernel_does", "none"), *QUANT_FORMATS))
 
 
 def pdl_edges(device: str) -> Callable[[int], object]:
@@ -237,10 +272,28 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
     fusion, batch, dtype, layer count, candidate list, kernel source and the graphs' edges (`edit`: the
     programmatic ones of `pdl_edges`, or none: full), so a rebuild (or another recipe of the same shapes)
     measures nothing. `dm` is the decode_matmul module (it needs Triton)."""
-    from trtbuild.tactics import write_atomic
+    from trtbuild.store.tactics import write_atomic
 
+    cached, configs = _timing_file(dm, job, weights, rows, key, split, edit)
+    fusion = key[2]
+    if cached.is_file():
+        result: dict[str, Any] = json.loads(cached.read_text()) | {"reused": True}
+        return result
+    job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
+                 f"cuBLAS and {len(configs)} kernel configurations")
+    with graph_edits(edit):
+        result = dm.select(weights, rows, fusion, split=split)
+    if edit is not None:
+        result["edges"] = "programmatic"
+    write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
+    return result
+
+
+def _timing_file(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey, split: bool,
+                 edit: Callable[[int], object] | None) -> tuple[Path, list[Any]]:
+    """Where `_timings` keeps the timing of one shape, fusion and batch, and the candidates it times."""
     n, k, fusion = key
-    configs = dm.candidates(rows, fusion, split, k)
+    configs = dm.candidates(rows, fusion, split, k, n)
     identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
                 "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in configs]}
     if edit is not None:  # absent: full edges, as every timing before options.decode_timing (their keys stay valid)
@@ -249,14 +302,59 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
         from trtbuild.backends.torch import pdl
         identity["edit"] = pdl.source_digest()
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-    cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
+    return job.tactics.path / "decode_matmul" / f"{digest}.json", configs
+
+
+def _compile_ahead(dm: Any, job: BuildJob, by_shape: dict[MatmulKey, list[Any]], buckets: tuple[int, ...],
+                   mode: str, split: bool, edit: Callable[[int], object] | None, device: str) -> None:
+    """Compile, in parallel worker processes, the candidates that `matmul_plan` is about to time and has no
+    timing of yet (kernel_warmup.py): its timings then load the kernels instead of compiling each in turn."""
+    from trtbuild.backends.torch import kernel_warmup
+
+    work: list[kernel_warmup.Work] = []
+    for rows in (b for b in buckets if b <= dm.MAX_ROWS):
+        for (n, k, fusion), weights in by_shape.items():
+            timed = [fusion]  # the same fusions `matmul_plan` times: the site's own, plain, its epilogue
+            if fusion != "none" and mode == "auto":
+                timed.append("none")
+            if EPILOGUE[fusion] not in ("none", fusion) and mode == "auto":
+                timed.append(EPILOGUE[fusion])
+            for f in timed:
+                path, configs = _timing_file(dm, job, weights, rows, (n, k, f), split, edit)
+                if not path.is_file():
+                    work.append((rows, n, k, f, str(weights[0].dtype), tuple(c.name for c in configs)))
+    if work:
+        done = kernel_warmup.precompile(work, device, job.progress)
+        if done.get("workers"):
+            job.progress(f"compiled {done['kernels']} candidates ahead in {done['workers']} processes "
+                         f"({done.get('seconds', 0)} s, {done.get('failed', 0)} did not compile)")
+
+
+def _quant_timings(qm: Any, job: BuildJob, layers: list[Any], rows: int, key: MatmulKey,
+                   edit: Callable[[int], object] | None = None) -> dict[str, Any]:
+    """`quant_matmul.select` for one quantized weight shape and format, kept in the tactic cache under the
+    shape, format, group, batch, layer count, candidate list, kernel source and the graphs' edges, as
+    `_timings` keeps the dense kernel's. `qm` is the quant_matmul module (it needs Triton)."""
+    from trtbuild.store.tactics import write_atomic
+
+    n, k, fmt = key
+    q0, s0, z0 = layers[0]
+    configs = qm.candidates_for(q0, s0, z0, rows)
+    identity = {"n": n, "k": k, "rows": rows, "format": fmt, "scales": list(s0.shape), "weights": len(layers),
+                "kernel": qm.source_digest(), "candidates": [c.name for c in configs]}
+    if edit is not None:
+        from trtbuild.backends.torch import pdl
+
+        identity |= {"edges": "programmatic", "edit": pdl.source_digest()}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    cached = job.tactics.path / "quant_matmul" / f"{digest}.json"
     if cached.is_file():
         result: dict[str, Any] = json.loads(cached.read_text()) | {"reused": True}
         return result
-    job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
-                 f"cuBLAS and {len(configs)} kernel configurations")
+    job.progress(f"timing quantized decode matmuls for batch {rows}, {key_name(key)} ({len(layers)} matrices): "
+                 f"{len(configs)} kernel configurations")
     with graph_edits(edit):
-        result = dm.select(weights, rows, fusion, split=split)
+        result = qm.select(layers, rows, configs=configs)
     if edit is not None:
         result["edges"] = "programmatic"
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
@@ -305,7 +403,8 @@ def routed(model: Any, configs: dict[MatmulKey, Any], attention: str = "aten") -
     at the decode attention kernel as `attention` says (an Attention.decode_kernel value), for one export."""
     from trtbuild.models.llama import Attention, Linear
 
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    # a quantized Linear's key is its format's, which `export.quantized_decode` routes
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.quant is None]
     attentions = [m for m in model.modules() if isinstance(m, Attention)]
     for m in linears:
         # one plan has one fusion mode: at most one of these keys is in it (beside the plain matmul's)

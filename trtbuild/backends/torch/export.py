@@ -55,7 +55,7 @@ def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[
             ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
         return {"batch": "dynamic", "program": ep, "prefill_attention": prefill_kernel,
                 "export_s": time.perf_counter() - t}
-    with decode_kernels.routed(model, matmuls, attention), quantized_decode(model, device):
+    with decode_kernels.routed(model, matmuls, attention), quantized_decode(model, device, matmuls, bucket(name)):
         ep = export_decode(model, bucket(name), shapes.max_seq_len, device)
     return {"batch": bucket(name), "program": ep, "window": "dynamic",
             "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
@@ -77,17 +77,23 @@ def fp8_prefill(model: Any, device: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def quantized_decode(model: Any, device: str) -> Iterator[None]:
-    """While a decode graph is exported on CUDA, each quantized Linear calls trtbuild's quantized decode matmul
-    (`kernels/quant_matmul.py`), which reads the stored bytes; without it the graph would dequantize every weight
-    every step. A fixed configuration per format, not yet timed. On the CPU, and without Triton, they dequantize."""
+def quantized_decode(model: Any, device: str, configs: dict[decode_kernels.MatmulKey, Any] | None = None,
+                     rows: int = 1) -> Iterator[None]:
+    """While a decode graph of `rows` rows is exported on CUDA, each quantized Linear calls trtbuild's quantized
+    decode matmul (`kernels/quant_matmul.py`), which reads the stored bytes; without it the graph would dequantize
+    every weight every step. Its configuration is the plan's for its (out, in, format) (`configs`, timed by
+    `decode_kernels.matmul_plan`), else its format's fixed one (a build that times nothing). On the CPU, without
+    Triton, and past the kernel's 16 rows, they dequantize."""
     linears = [m for m in model.modules() if getattr(m, "quant", None)] if device.startswith("cuda") else []
     try:
-        from trtbuild.kernels.quant_matmul import CONFIGS
+        from trtbuild.kernels.quant_matmul import CONFIGS, MAX_ROWS
     except ImportError:
         linears = []
+    else:
+        linears = linears if rows <= MAX_ROWS else []
+    configs = configs or {}
     for m in linears:
-        m.decode_config = CONFIGS[m.quant]
+        m.decode_config = configs.get((m.out_features, m.in_features, m.quant), CONFIGS[m.quant])
     try:
         yield
     finally:

@@ -23,11 +23,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from trtbuild.errors import InputError, TrtbuildError
-from trtbuild.openai_api import (ApiError, chunk, finish_reason, flat_message, parse, request_models, response, sse,
+from trtbuild.serving.openai_api import (ApiError, chunk, finish_reason, flat_message, parse, request_models, response, sse,
                                  usage_chunk)
-from trtbuild.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
+from trtbuild.serving.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
 
-log = logging.getLogger("trtbuild.serve")
+log = logging.getLogger("trtbuild.serving.server")
 
 INSTALL_HINT = "pip install -e .  (FastAPI, uvicorn and prometheus_client are trtbuild's dependencies)"
 
@@ -49,7 +49,7 @@ class Server:
     """The engine thread and the state the HTTP handlers read. `status`: loading, ready, draining, failed."""
 
     def __init__(self, session: Any, max_queue: int = 256, on_fail: Callable[[], None] = lambda: None) -> None:
-        from trtbuild.metrics import Metrics
+        from trtbuild.serving.metrics import Metrics
 
         self.session = session
         self.name: str = session.recipe.name
@@ -119,7 +119,7 @@ class Server:
     def requests(self, prompts: list[list[int]], params: Any, max_tokens: int | None, default_max: int | None,
                  emit: Callable[[int, Event], None]) -> list[Request]:
         """One scheduler Request a choice: `n` per prompt, choice index = prompt index * n + j."""
-        from trtbuild.sampling import Sampling
+        from trtbuild.backends.sampling import Sampling
 
         scheduler = self.check_ready(params)
         engine = scheduler.engine
@@ -167,7 +167,7 @@ class Server:
 
 def _text_side(session: Any) -> Any:
     """generate.py's tokenizer, chat template, EOS ids and incremental detokenizer for this model."""
-    from trtbuild.generate import text_side
+    from trtbuild.serving.generate import text_side
 
     return text_side(session)
 
@@ -175,7 +175,7 @@ def _text_side(session: Any) -> Any:
 def _warm(engine: Any, buckets: list[int]) -> None:
     """Every decode bucket's first calls (graph capture on a GPU) and the sampling path, before /health is
     ready: each bucket's rows prefilled with one token, decoded twice, released."""
-    from trtbuild.sampling import Sampling
+    from trtbuild.backends.sampling import Sampling
 
     plans = [Sampling(), Sampling(temperature=1.0, top_p=0.9, seed=0)]
     capture = getattr(engine, "capture_all", None)  # the torch backend: every cache window's graph, now
@@ -200,7 +200,7 @@ def create_app(server: Server) -> Any:
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    from trtbuild.metrics import CONTENT_TYPE
+    from trtbuild.serving.metrics import CONTENT_TYPE
 
     Completion, Chat = request_models()
 
