@@ -244,12 +244,20 @@ def test_the_build_times_each_quantized_shape_once_per_batch_and_plans_the_faste
     state = calibrate.rtn_state(convert_hf_state_dict(hf, cfg), "int4")
     model = place_model(cfg, SimpleNamespace(max_batch_size=2, max_input_len=8, max_seq_len=16), torch.float32,
                         "cpu", state)
+    from trtbuild.backends.torch import kernel_warmup
+
+    ahead: list[list[tuple[Any, ...]]] = []  # what the plan handed over to be compiled ahead of its timings
+    monkeypatch.setattr(kernel_warmup, "precompile", lambda work, device, progress: ahead.append(work) or {})
     job = SimpleNamespace(tactics=SimpleNamespace(path=tmp_path), progress=lambda message: None)
     plan, record = decode_kernels.matmul_plan(model, (1, 32), "default", "auto", "cuda", job, "none")  # type: ignore[arg-type]
     d, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     quantized = [(qkv, d), (d, cfg.num_heads * cfg.head_dim), (2 * f, d), (d, f)]
     assert sorted(timed) == sorted((n, k, 1, layers) for n, k in quantized)  # none at 32 rows
+    # every quantized timing's candidates were compiled ahead, with the layers' own layout
+    quant_work = [w for w in ahead[0] if w[3] == "int4"]
+    assert sorted((n, k) for _, n, k, _, _, _ in quant_work) == sorted(quantized)
+    assert all(rows == 1 and len(spec) == 3 and spec[0][1] == "torch.uint8" for rows, _, _, _, spec, _ in quant_work)
     assert d == cfg.num_heads * cfg.head_dim  # the output projection: the stand-in's shape where nothing ran
     lists = {(n, k): qm.candidates_for(*next((m.qweight, m.scale, m.zero) for m in model.modules()
                                              if getattr(m, "quant", None) and (m.out_features, m.in_features) == (n, k)), 1)

@@ -136,7 +136,7 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     plan: dict[int, dict[MatmulKey, Any]] = {}
     record: dict[str, Any] = {}
     split = split_mode == "timed"
-    _compile_ahead(dm, job, by_shape, buckets, mode, split, edit, device)
+    _compile_ahead(dm, job, by_shape, buckets, mode, split, edit, device, quantized)
     for rows in buckets:
         if rows > dm.MAX_ROWS:
             if mode == "kernel":
@@ -305,13 +305,39 @@ def _timing_file(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: Mat
     return job.tactics.path / "decode_matmul" / f"{digest}.json", configs
 
 
+def _quant_timing_file(qm: Any, job: BuildJob, layers: list[Any], rows: int, key: MatmulKey,
+                       edit: Callable[[int], object] | None) -> tuple[Path, list[Any]]:
+    """Where `_quant_timings` keeps the timing of one quantized shape, format and batch, and its candidates."""
+    n, k, fmt = key
+    q0, s0, z0 = layers[0]
+    configs = qm.candidates_for(q0, s0, z0, rows)
+    identity = {"n": n, "k": k, "rows": rows, "format": fmt, "scales": list(s0.shape), "weights": len(layers),
+                "kernel": qm.source_digest(), "candidates": [c.name for c in configs]}
+    if edit is not None:
+        from trtbuild.backends.torch import pdl
+
+        identity |= {"edges": "programmatic", "edit": pdl.source_digest()}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    return job.tactics.path / "quant_matmul" / f"{digest}.json", configs
+
+
 def _compile_ahead(dm: Any, job: BuildJob, by_shape: dict[MatmulKey, list[Any]], buckets: tuple[int, ...],
-                   mode: str, split: bool, edit: Callable[[int], object] | None, device: str) -> None:
+                   mode: str, split: bool, edit: Callable[[int], object] | None, device: str,
+                   quantized: dict[MatmulKey, list[Any]]) -> None:
     """Compile, in parallel worker processes, the candidates that `matmul_plan` is about to time and has no
     timing of yet (kernel_warmup.py): its timings then load the kernels instead of compiling each in turn."""
     from trtbuild.backends.torch import kernel_warmup
 
     work: list[kernel_warmup.Work] = []
+    if quantized:
+        from trtbuild.kernels import quant_matmul as qm
+
+        for rows in (b for b in buckets if b <= qm.MAX_ROWS):
+            for key, layers in quantized.items():
+                path, configs = _quant_timing_file(qm, job, layers, rows, key, edit)
+                if not path.is_file():
+                    work.append((rows, key[0], key[1], key[2], kernel_warmup.layout(layers[0]),
+                                 tuple(c.name for c in configs)))
     for rows in (b for b in buckets if b <= dm.MAX_ROWS):
         for (n, k, fusion), weights in by_shape.items():
             timed = [fusion]  # the same fusions `matmul_plan` times: the site's own, plain, its epilogue
@@ -337,17 +363,7 @@ def _quant_timings(qm: Any, job: BuildJob, layers: list[Any], rows: int, key: Ma
     `_timings` keeps the dense kernel's. `qm` is the quant_matmul module (it needs Triton)."""
     from trtbuild.store.tactics import write_atomic
 
-    n, k, fmt = key
-    q0, s0, z0 = layers[0]
-    configs = qm.candidates_for(q0, s0, z0, rows)
-    identity = {"n": n, "k": k, "rows": rows, "format": fmt, "scales": list(s0.shape), "weights": len(layers),
-                "kernel": qm.source_digest(), "candidates": [c.name for c in configs]}
-    if edit is not None:
-        from trtbuild.backends.torch import pdl
-
-        identity |= {"edges": "programmatic", "edit": pdl.source_digest()}
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-    cached = job.tactics.path / "quant_matmul" / f"{digest}.json"
+    cached, configs = _quant_timing_file(qm, job, layers, rows, key, edit)
     if cached.is_file():
         result: dict[str, Any] = json.loads(cached.read_text()) | {"reused": True}
         return result
