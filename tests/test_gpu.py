@@ -26,9 +26,9 @@ def test_cuda_engine_matches_eager_and_replays_decode_in_a_cuda_graph(tmp_path: 
     assert outcome.entry.manifest["key_material"]["device"]["kind"] == "cuda"
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        session.generate(prompts, 1)  # the first token comes from prefill: no decode graph is captured
+        session.greedy(prompts, 1)  # the first token comes from prefill: no decode graph is captured
         assert not any(d.graphs for d in session.engine._decoders.values())
-        got = session.generate(prompts, 24)  # positions 8..30: the 24-slot window, then the 48-slot one
+        got = session.greedy(prompts, 24)  # positions 8..30: the 24-slot window, then the 48-slot one
         assert all(sorted(d.graphs) == d.windows == [24, 48] for d in session.engine._decoders.values())
         report = run_report(session, batch_size=1, input_len=8, output_len=8, iterations=2)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
@@ -56,7 +56,7 @@ def test_prefill_graphs_replay_padded_prompts_and_give_the_tokens_of_the_direct_
     prompts = (a, b, c, d, a)
     with open_session(recipe, tmp_path / "store", build=False) as session:
         engine = session.engine
-        got = [session.generate(p, 6) for p in prompts]
+        got = [session.greedy(p, 6) for p in prompts]
         assert engine.prefill_report()["lengths"] == {"prompt": 8, "graph": 16}
         assert engine.prefill_report()["shapes"] == [[1, 32], [1, 16]]  # (1, 16) used last
         assert engine.prefill_report()["captures_reserved_mib"] >= 0
@@ -85,7 +85,7 @@ def test_cuda_tactics_max_records_each_gemm_selection_quietly_and_matches_eager(
     assert "AUTOTUNE" not in capfd.readouterr().err
     prompts = [[5, 3, 9, 1, 7, 2]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 12)
+        got = session.greedy(prompts, 12)
     want = eager_greedy(outcome.model.materialize(), prompts, 12, 32, device="cuda")
     # Triton's GEMMs sum in another order than cuBLAS: the leading tokens must agree
     assert [row[:6] for row in got] == [row[:6] for row in want]
@@ -202,8 +202,8 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
     assert engine["graphs"]["prefill"].get("matmuls") is None  # prefill keeps cuBLAS
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 16)
-        one = session.generate(prompts[:1], 16)
+        got = session.greedy(prompts, 16)
+        one = session.greedy(prompts[:1], 16)
     # each token eager's best given the engine's tokens before it, within bf16 rounding: the kernels sum in
     # fp32 and round once, and this model's third token is a bf16 tie (tests/test_eager_reference.py)
     folder = outcome.model.materialize()
@@ -235,8 +235,8 @@ def test_prefill_attention_through_cudnn_is_compiled_into_the_prefill_graph_and_
     assert engine["graphs"]["prefill"]["prefill_attention"] == "cudnn"
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 12)
-        short = session.generate([prompts[0][:5]], 12)
+        got = session.greedy(prompts, 12)
+        short = session.greedy([prompts[0][:5]], 12)
     want = eager_greedy(outcome.model.materialize(), prompts, 12, 48, dtype=torch.bfloat16, device="cuda")
     want_short = eager_greedy(outcome.model.materialize(), [prompts[0][:5]], 12, 48, dtype=torch.bfloat16, device="cuda")
     assert [row[:4] for row in got] == [row[:4] for row in want]  # bf16 sums in another order
@@ -263,8 +263,8 @@ def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_
     assert [engine["graphs"][g].get("attention") for g in ("prefill", "decode_b1", "decode_b2")] == [None, mode, mode]
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 24)
-        one = session.generate(prompts[:1], 24)
+        got = session.greedy(prompts, 24)
+        one = session.greedy(prompts[:1], 24)
     want = eager_greedy(outcome.model.materialize(), prompts, 24, 48, dtype=torch.bfloat16, device="cuda")
     assert [row[:4] for row in got] == [row[:4] for row in want]  # bf16 sums in another order
     assert one[0][:4] == want[0][:4]
@@ -299,7 +299,7 @@ def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(
     for allowed in (True, False):
         with open_session(recipe, tmp_path / "store", build=False) as session:
             session.engine.pdl_allowed = allowed
-            runs[allowed] = (session.generate(prompts, 24), session.generate(prompts[:1], 24))
+            runs[allowed] = (session.greedy(prompts, 24), session.greedy(prompts[:1], 24))
             report = session.engine.launch_report()
         assert sorted(report) == ["decode_b1", "decode_b2"]
         for r in report.values():

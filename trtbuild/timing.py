@@ -8,6 +8,7 @@ intervals once, after one synchronize, at the end.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -69,6 +70,42 @@ def percentiles(samples: list[float]) -> dict[str, float]:
         return s[min(len(s) - 1, max(0, int(round(q * len(s) + 0.5)) - 1))]
 
     return {"p50": statistics.median(s), "p90": rank(0.90), "p99": rank(0.99), "mean": statistics.fmean(s)}
+
+
+# p99 this many times p50 or more: the samples measured the machine's other work, not the engine's
+UNSTABLE_RATIO = 2.0
+
+
+def free_cores() -> tuple[int, str]:
+    """The threads a CPU run should use: the cores this process may run on less those already busy (the 1-minute
+    load average), at least one; and the sentence that says so. More threads than free cores make every step
+    wait for the slowest, preempted one: the tail (p99) grows many times the median."""
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    n = max(1, min(allowed, int(allowed - load + 0.5)))
+    return n, f"{allowed} core(s) this process may use, {load:.1f} busy (1-minute load average)"
+
+
+def use_threads(threads: int | None) -> dict[str, Any]:
+    """Set torch's intra-op threads before any work: `threads`, or what `free_cores` allows. Returns what the
+    report prints: {"threads": n, "why": ...}."""
+    import torch
+
+    if threads is None:
+        n, why = free_cores()
+        why = f"default: {why}; --threads to choose"
+    else:
+        n, why = threads, "--threads"
+    torch.set_num_threads(n)
+    return {"threads": n, "why": why}
+
+
+def unstable(samples: dict[str, float]) -> str | None:
+    """A sentence when a percentile dict's p99 is far above its p50 (figures that measured the machine's load)."""
+    if samples.get("p50", 0.0) > 0 and samples.get("p99", 0.0) >= UNSTABLE_RATIO * samples["p50"]:
+        return (f"p99 is {samples['p99'] / samples['p50']:.1f}x p50: the figures are unstable (other work on the "
+                "machine, or more threads than free cores); measure again on a quiet machine or with fewer --threads")
+    return None
 
 
 def graph_seconds(calls: Callable[[], object], reps: int = 15) -> float:

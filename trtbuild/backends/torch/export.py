@@ -118,8 +118,9 @@ def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: 
 
     from trtbuild.models.llama import Step
 
-    batch = Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else None
-    seq = Dim("seq", min=1, max=max_input_len) if max_input_len > 1 else None
+    # Dim.STATIC, not None, for a size that cannot vary: torch deprecates None and logs a warning for each
+    batch = Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else Dim.STATIC
+    seq = Dim("seq", min=1, max=max_input_len) if max_input_len > 1 else Dim.STATIC
     ex_b, ex_t = min(2, max_batch_size), min(max(2, example_len), max_input_len)
     with torch.no_grad():
         return torch.export.export(Step(model, from_start=True),
