@@ -175,7 +175,9 @@ class Scheduler:
         with self._wake:
             if self._closed:
                 raise ShuttingDown("the server is shutting down", hint="retry on another replica")
-            if len(self._waiting) + len(requests) > self.max_queue:
+            # The bound counts only the requests that cannot be admitted at the next step boundary: with free
+            # rows (and blocks) a burst is admitted, not refused while rows sit idle.
+            if self._blocked(len(requests)) > self.max_queue:
                 # one place frees when a running row ends; a step per token of the shortest remaining budget
                 raise QueueFull(self.max_queue, max(1.0, self.step_s * self._soonest_end()))
             now = time.perf_counter()
@@ -251,10 +253,11 @@ class Scheduler:
                 newcomers.append(self._waiting.popleft())
         for r in newcomers:
             self._prefill(r)
+        worked = bool(newcomers or self._running)  # before the decode, which may end every running row
         if self._running:
             self._decode()
         self.observer.queued(len(self._waiting), len(self._running))
-        return bool(newcomers or self._running)
+        return worked
 
     def _prefill(self, r: Request) -> None:
         r.slot = heapq.heappop(self._free)
@@ -328,6 +331,10 @@ class Scheduler:
         except Exception as exc:
             if reason != "error":  # the caller still hears that its request ended
                 r.on_event(Event(None, "", finish="error", error=f"{type(exc).__name__}: {exc}"))
+
+    def _blocked(self, extra: int) -> int:
+        """How many of the waiting requests, and `extra` more, the next step boundary could not admit."""
+        return max(0, len(self._waiting) + extra - len(self._free))
 
     def _soonest_end(self) -> int:
         return min((r.max_tokens - r.generated for r in list(self._running)), default=1)
