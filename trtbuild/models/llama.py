@@ -344,6 +344,10 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q_size = c.num_heads * c.head_dim
         qkv = self.wqkv(x, norm=norm)
+        if slots.dim() == 2:  # block tables: the paged KV cache (models/paged.py), caches are its pools
+            from trtbuild.models.paged import paged_attention
+
+            return self.wo(paged_attention(self, qkv, table, pos, slots, k_cache, v_cache), residual=residual)
         if self.decode_kernel == "kernel":
             from trtbuild.kernels.decode_attention import decode_attention_rope_op  # needs Triton: CUDA builds only
 
@@ -548,7 +552,7 @@ class Transformer(nn.Module):
             linear.fusion = FOLDED[linear.fusion]
 
     def forward(self, tokens: Tensor, input_pos: Tensor, all_logits: bool = False, from_start: bool = False,
-                span: Tensor | None = None, slots: Tensor | None = None) -> Tensor:
+                span: Tensor | None = None, slots: Tensor | None = None, pools: list[Tensor] | None = None) -> Tensor:
         pos = input_pos if input_pos.dim() == 2 else input_pos[None, :]  # (B or 1, T)
         if slots is None:
             slots = torch.arange(tokens.shape[0], device=tokens.device)
@@ -557,8 +561,10 @@ class Transformer(nn.Module):
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         for i, layer in enumerate(self.layers):
-            x = layer(x, self.rope, table, pos, slots, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"),
-                      from_start, span)
+            # `pools` (models/paged.py): each layer's K and V block pools, with `slots` the block tables (B, N)
+            k_cache, v_cache = (pools[2 * i], pools[2 * i + 1]) if pools is not None else \
+                (getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"))
+            x = layer(x, self.rope, table, pos, slots, k_cache, v_cache, from_start, span)
         if all_logits:
             return softcap(self.output(x, norm=self.norm), self.cfg.final_softcap)
         if from_start:  # a decode step's graph stays as it was: its compiled form is keyed by its program
