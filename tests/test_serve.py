@@ -81,10 +81,10 @@ def _post(port: int, path: str, body: bytes) -> tuple[int, dict[str, Any], dict[
         conn.close()
 
 
-def _start(recipe: Path, engines: Path, max_queue: int) -> tuple[subprocess.Popen[str], int]:
+def _start(recipe: Path, engines: Path, max_queue: int, *flags: str) -> tuple[subprocess.Popen[str], int]:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "trtbuild", "serve", str(recipe), "--engines", str(engines),
-                             "--no-build", "--port", str(port), "--max-queue", str(max_queue)],
+                             "--no-build", "--port", str(port), "--max-queue", str(max_queue), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

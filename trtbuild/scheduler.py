@@ -188,7 +188,8 @@ class Scheduler:
         self.observer: Observer = observer or _Quiet()
         self.pool = pool
         self.rows = self.buckets[-1] if pool is not None else engine.max_batch_size  # rows a decode step holds
-        self.chunk_tokens = chunk_tokens or engine.max_input_len
+        # a chunk is one call of the engine's prompt graph, which takes at most max_input_len tokens
+        self.chunk_tokens = min(chunk_tokens or engine.max_input_len, engine.max_input_len)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order
         self._free: list[int] = list(range(engine.max_batch_size))  # a heap: the lowest row first

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from trtbuild.errors import InputError, TrtbuildError
@@ -45,12 +46,28 @@ def require() -> None:
         raise InputError(f"trtbuild serve needs {', '.join(missing)}, not installed here", hint=INSTALL_HINT)
 
 
+# How many rows a paged step may hold (backends/torch/export.PAGED_ROWS), by the powers of two the metrics use.
+PAGED_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+@dataclass(frozen=True)
+class KvSettings:
+    """The serve command's KV-cache flags (docs/serve.md): which cache, the pool's size, chunking, prefix caching."""
+
+    cache: str = "auto"  # auto: paged where the engine has the paged graph; paged; rows
+    memory: float = 0.9  # the fraction of the memory left after the weights that the pool takes
+    blocks: int | None = None  # the pool's blocks, overriding `memory`
+    chunk: int = 512  # prompt tokens prefilled a step beside the decode rows; 0: a whole prompt at once
+    prefix: bool = True  # prefix caching
+
+
 # -- the server -----------------------------------------------------------------------------------------------
 class Server:
     """The engine thread and the state the HTTP handlers read. `status`: loading, ready, draining, failed."""
 
     def __init__(self, session: Any, max_queue: int = 256, on_fail: Callable[[], None] = lambda: None,
-                 url: str = "", announce: Callable[[str], None] = lambda line: None) -> None:
+                 url: str = "", announce: Callable[[str], None] = lambda line: None,
+                 kv: KvSettings | None = None) -> None:
         from trtbuild.metrics import Metrics
 
         self.session = session
@@ -64,6 +81,7 @@ class Server:
         self.created = int(time.time())
         self._on_fail = on_fail
         self.url = url
+        self.kv = kv or KvSettings()
         self._announce = announce  # the operator's start-up lines (stderr), once the engine is ready
         self._thread = threading.Thread(target=self._engine_thread, name="trtbuild-engine", daemon=True)
         self._done = threading.Event()
@@ -80,13 +98,19 @@ class Server:
                                         "(prefill, decode, release), which serving needs",
                                         hint="serve a recipe with `backend: torch`")
                 self.text = _text_side(session)
-                _warm(engine, self._buckets(engine))
+                pool = self._open_pool(engine)
+                buckets = PAGED_BUCKETS if pool is not None else self._buckets(engine)
+                if pool is None:
+                    _warm(engine, buckets)
+                else:
+                    _warm_paged(engine)
                 elem = {"fp32": 4, "fp16": 2, "bf16": 2}.get(session.recipe.precision, 2)
                 self.metrics.describe_engine(engine, elem)
-                self.scheduler = Scheduler(engine, self.max_queue, self._buckets(engine), self.metrics)
+                self.scheduler = Scheduler(engine, self.max_queue, buckets, self.metrics, pool=pool,
+                                           chunk_tokens=self.kv.chunk or None)
                 self.status = "ready"
                 self.metrics.ready.set(1)
-                for line in startup_lines(session, engine, self._buckets(engine), self.url):
+                for line in startup_lines(session, engine, buckets, self.url):
                     self._announce(line)
                 self.scheduler.run()
         except BaseException as exc:  # nothing to serve: say why and make uvicorn exit
@@ -97,6 +121,19 @@ class Server:
         finally:
             self.metrics.ready.set(0)
             self._done.set()
+
+    def _open_pool(self, engine: Any) -> Any:
+        """The block pool where the engine pages its KV cache (kv_blocks.BlockPool), or None for the row cache."""
+        can = bool(getattr(engine, "can_page", False))
+        if self.kv.cache == "rows" or (self.kv.cache == "auto" and not can):
+            return None
+        if not can:
+            raise TrtbuildError("--kv-cache paged: this engine has no paged graph",
+                                hint="build the recipe with `options: {kv_cache: paged}` (backend torch)")
+        from trtbuild.kv_blocks import BlockPool
+
+        n = engine.open_pool(self.kv.memory, self.kv.blocks)
+        return BlockPool(n, engine.paged.block_size, prefix_caching=self.kv.prefix)
 
     @staticmethod
     def _buckets(engine: Any) -> list[int]:
@@ -193,6 +230,16 @@ def _text_side(session: Any) -> Any:
     from trtbuild.generate import text_side
 
     return text_side(session)
+
+
+def _warm_paged(engine: Any) -> None:
+    """The paged graph's first calls: a one-token prompt and a decode step in block 0 (a free block, whose
+    contents no request reads before writing them)."""
+    from trtbuild.sampling import Sampling
+
+    engine.prefill_paged(-1, [0], [0], 0, Sampling())
+    engine.decode_paged([-1], [[0]], [0], [1], [Sampling(temperature=1.0, top_p=0.9, seed=0)])
+    engine.release(-1)
 
 
 def _warm(engine: Any, buckets: list[int]) -> None:
@@ -401,7 +448,7 @@ def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
 
 # -- the process ------------------------------------------------------------------------------------------------
 def serve(session: Any, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
-          log_level: str = "info") -> int:
+          log_level: str = "info", kv: KvSettings | None = None) -> int:
     """Serve `session` (a runner.Session, not yet entered) until SIGTERM or Ctrl-C; the exit status."""
     require()
     import uvicorn
@@ -421,7 +468,7 @@ def serve(session: Any, host: str = "127.0.0.1", port: int = 8000, max_queue: in
 
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # where a local client reaches it
     server = Server(session, max_queue=max_queue, on_fail=failed, url=f"http://{shown}:{port}/v1",
-                    announce=announce)
+                    announce=announce, kv=kv)
     config = uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=None, lifespan="on")
     web = _Uvicorn(config)
