@@ -12,45 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
+from trtbuild.models.llama import greedy_token, paged_attention  # noqa: F401 - the attention is the model's own
+
 BLOCK = 16  # tokens a block (vLLM's default): small enough that a shared prefix rarely ends mid-block
-
-
-def paged_attention(attn: Any, qkv: Tensor, table: Tensor, pos: Tensor, blocks: Tensor, k_pool: Tensor,
-                    v_pool: Tensor) -> Tensor:
-    """`attn` (llama.Attention) over the QKV projection (B, T, (H + 2 KV) D) of tokens at positions `pos`
-    (B, T), rope's rows `table` at those positions; `blocks` (B, N) each sequence's block table, N blocks
-    covering every position in `pos`. Writes the keys and values into the pools; returns (B, T, H D)."""
-    from trtbuild.models.llama import _cached_attention, apply_rope
-
-    c = attn.cfg
-    b, t, _ = qkv.shape
-    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q, k = q.view(b, t, c.num_heads, c.head_dim), k.view(b, t, c.num_kv_heads, c.head_dim)
-    v = v.view(b, t, c.num_kv_heads, c.head_dim)
-    if attn.qk_norms is not None:
-        q, k = attn.qk_norms[0](q), attn.qk_norms[1](k)
-    if c.local_rope_theta is not None:
-        table = table[..., 2 * attn.rope_pair:2 * attn.rope_pair + 2]
-    q, k = apply_rope(q, table), apply_rope(k, table)
-    size = k_pool.shape[2]
-    where = (blocks.gather(1, pos // size)[:, :, None], torch.arange(c.num_kv_heads, device=qkv.device)[None, None, :],
-             (pos % size)[:, :, None])
-    k_pool.index_put_(where, k)
-    v_pool.index_put_(where, v)
-    n = blocks.shape[1]
-    # The sequence's blocks side by side, (B, KV, N * BLOCK, D): slot j holds position j. Masked past each
-    # query's own position, so blocks not yet written (and a padded table's entries) are never seen.
-    keys = k_pool.index_select(0, blocks.reshape(-1)).view(b, n, c.num_kv_heads, size, c.head_dim)
-    values = v_pool.index_select(0, blocks.reshape(-1)).view(b, n, c.num_kv_heads, size, c.head_dim)
-    keys = keys.transpose(1, 2).reshape(b, c.num_kv_heads, n * size, c.head_dim)
-    values = values.transpose(1, 2).reshape(b, c.num_kv_heads, n * size, c.head_dim)
-    span = torch.arange(n * size, device=qkv.device)
-    y = _cached_attention(q.transpose(1, 2), keys, values, pos, span, c.attn_scale, c.attn_softcap, attn.window)
-    return y.transpose(1, 2).reshape(b, t, q_size)
 
 
 def pool_shape(cfg: Any, num_blocks: int) -> tuple[int, int, int, int]:
@@ -68,7 +34,5 @@ class PagedStep(nn.Module):
         self.model = model
 
     def forward(self, tokens: Tensor, input_pos: Tensor, blocks: Tensor, *pools: Tensor) -> tuple[Tensor, Tensor]:
-        from trtbuild.models.llama import greedy_token
-
         logits = self.model(tokens, input_pos, slots=blocks, pools=list(pools))
         return greedy_token(logits), logits

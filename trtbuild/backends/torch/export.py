@@ -176,5 +176,5 @@ def export_paged(model: Any, max_input_len: int, max_seq_len: int, device: str) 
         return torch.export.export(PagedStep(model), example,
                                    # the pools are the step's *args: one entry holding each pool's spec
                                    dynamic_shapes=({0: rows, 1: seq}, {0: rows, 1: seq}, {0: rows, 1: width},
-                                                   [{0: pool} for _ in pools]),
+                                                   tuple({0: pool} for _ in pools)),
                                    prefer_deferred_runtime_asserts_over_guards=True)
