@@ -166,7 +166,7 @@ def export_paged(model: Any, max_input_len: int, max_seq_len: int, device: str) 
     from trtbuild.models.paged import BLOCK, PagedStep, pool_shape
 
     rows, seq = Dim("rows", min=1, max=PAGED_ROWS), Dim("tokens", min=1, max=max(2, max_input_len))
-    width = Dim("table", min=1, max=max(2, -(-max_seq_len // BLOCK)))
+    width = Dim("table", min=2, max=max(3, -(-max_seq_len // BLOCK)))  # 2+: paged_runtime pads a table of 1
     pool = Dim("pool", min=2, max=2**24)
     dtype = model.tok_embeddings.weight.dtype
     pools = [torch.zeros(pool_shape(model.cfg, 4), dtype=dtype, device=device) for _ in range(2 * model.cfg.num_layers)]

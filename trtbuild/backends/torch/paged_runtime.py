@@ -56,7 +56,9 @@ class PagedCache:
         if len(blocks) < width or any(not 0 <= b < self.num_blocks for b in blocks[:width]):
             raise InputError(f"a block table of {len(blocks)} blocks does not cover {width} blocks of the pool's "
                              f"{self.num_blocks}")
-        return blocks[:width]
+        # at least two entries (the second a repeat, masked as past every position): the graph was exported
+        # for tables of 2 or more blocks, as a width of 1 specializes export's shapes (a runtime assert)
+        return blocks[:width] + blocks[:1] * (2 - width)
 
     def prefill(self, blocks: list[int], tokens: list[int], start: int) -> tuple[Any, Any]:
         import torch
