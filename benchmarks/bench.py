@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # peers
 import trtbuild  # noqa: E402,F401  - before torch: one libstdc++ for the compiled graphs (backends/cxx.py)
 
 import targets  # noqa: E402
-from trtbuild import ceilings  # noqa: E402
-from trtbuild.ceilings import time_op  # noqa: E402  - the variants time with it too
+from trtbuild.measure import ceilings  # noqa: E402
+from trtbuild.measure.ceilings import time_op  # noqa: E402  - the variants time with it too
 from trtbuild.backends.torch.inductor import DTYPE_NAMES  # noqa: E402
 from trtbuild.models.families import unread_expert_parameters  # noqa: E402
 from restart import child, child_main, measure_restart  # noqa: E402
@@ -59,7 +59,7 @@ QUICK = Plan(8, 36, 3, 2, (8, 32, 64), 5, 64 << 20, 512)
 
 # -- timing and ceilings ------------------------------------------------------------------------------
 def measure_ceilings(device: str, plan: Plan) -> dict[str, Any]:
-    """Copy bandwidth and matmul rate, by the probe `trtbuild profile` uses too (trtbuild/ceilings.py)."""
+    """Copy bandwidth and matmul rate, by the probe `trtbuild profile` uses too (trtbuild/measure/ceilings.py)."""
     return ceilings.measure(device, plan.copy_bytes, plan.matmul_n)
 
 
@@ -248,7 +248,7 @@ def adopt(src: Any, dst: Any, key: str) -> Any:
     again, manifest last, renamed into place), so the sections after a build in a fresh store find it
     instead of building it a third time (on 2026-12-04 an 8B benchmark ran out of time doing that). None
     when `src` has no such engine or `dst` already has one."""
-    from trtbuild.store import MANIFEST
+    from trtbuild.store.local import MANIFEST
 
     entry = src.lookup(key)
     if entry is None or dst.lookup(key) is not None:
@@ -273,7 +273,7 @@ def engine_variant(recipe: Any, spec: str, engines: str, notes: list[str]) -> An
 
     import peers
     from trtbuild.builder import build
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     if spec == NO_PDL:
         peer = peers.EnginePeer(recipe, engines)
@@ -364,7 +364,7 @@ def discard_engine(peer: Any) -> str:
     """Delete an engine@ variant's engine from its store once measured; its compiled graphs stay in the
     tactic cache, so building it again takes the export and a copy. An 8B engine is 16 GB, and on
     2026-12-04 the third one of a run filled the device's 64 GB disk (No space left on device)."""
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     entry = peer.session.outcome.entry
     Store(peer.engines).remove(entry)
@@ -373,7 +373,7 @@ def discard_engine(peer: Any) -> str:
 
 def measure_build(ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     from trtbuild.builder import explain
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     main = Store(args.engines)
     root = main.root
@@ -413,7 +413,7 @@ def bench_recipe(path: str, args: argparse.Namespace, device: str, plan: Plan,
     from trtbuild.models.checkpoint import read_config
     from trtbuild.models.source import resolve
     from trtbuild.recipe import load_recipe
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     args.recipe_path = path
     recipe = load_recipe(path)

@@ -37,7 +37,7 @@ from tests.seaweed import BUCKET, Seaweed  # noqa: E402  (the tests' server, sta
 
 def fake_entry(root: Path, size: int) -> Any:
     """A published entry of `size` bytes: one weights file (as an engine has) and a few small graph files."""
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     store = Store(root)
     store.ensure()
@@ -63,8 +63,8 @@ def timed(cmd: list[str], **kwargs: Any) -> float:
 
 
 def throughput(server: Seaweed, work: Path, size: int, repeat: int) -> dict[str, Any]:
-    from trtbuild.remote import Remote
-    from trtbuild.store import Store
+    from trtbuild.store.remote import Remote
+    from trtbuild.store.local import Store
 
     entry = fake_entry(work / "src", size)
     total = entry.size()
@@ -126,7 +126,7 @@ def first_token(server: Seaweed, work: Path, recipe: Path, engines: Path | None,
             samples[tier].append({"wall_s": wall, "phases": rep["phases"], "fleet": rep["engine"].get("fleet", {})})
         shutil.rmtree(work / f"fresh{i}", ignore_errors=True)
     med = {t: statistics.median(s["wall_s"] for s in v) for t, v in samples.items()}
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     size = sum(e.size() for e in Store(builder).entries() if e.key == built["engine"]["key"])
     return {"recipe": str(recipe), "entry_bytes": size, "samples": samples,

@@ -19,12 +19,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # trtbuild, run from a checkout
 import trtbuild  # noqa: E402,F401  - before torch: one libstdc++ for the compiled graphs
 
-from trtbuild.ceilings import cached  # noqa: E402
-from trtbuild.profile import profile_engine  # noqa: E402
-from trtbuild.profile_report import plot, print_profile  # noqa: E402
+from trtbuild.measure.ceilings import cached  # noqa: E402
+from trtbuild.measure.profile import profile_engine  # noqa: E402
+from trtbuild.measure.profile_report import plot, print_profile  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 from trtbuild.runner import open_session, run_report  # noqa: E402
-from trtbuild.store import Store  # noqa: E402
+from trtbuild.store.local import Store  # noqa: E402
 
 
 def main() -> None:

@@ -368,7 +368,7 @@ def fleet(root: Path, a: argparse.Namespace, rng: random.Random, report: dict[st
     server = Seaweed(root / "fleet" / "seaweed").start()
     saved = {k: os.environ.get(k) for k in server.env()}
     os.environ.update(server.env())  # for this process's own checks of the remote
-    from trtbuild.remote import Remote, RemoteCorrupt
+    from trtbuild.store.remote import Remote, RemoteCorrupt
 
     url, procs, cases, partial = f"s3://{BUCKET}/reliability", list[Proc](), list[Case](), 0
     env = {**server.env(), "TRTBUILD_REMOTE": url}

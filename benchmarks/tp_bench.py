@@ -5,7 +5,7 @@
     python benchmarks/tp_bench.py --quick --out /tmp/o                              # CPU smoke test (gloo)
 
 Sections:
-- links: each GPU's copy bandwidth (trtbuild/ceilings.py) and the all-reduce between tp GPUs over NCCL:
+- links: each GPU's copy bandwidth (trtbuild/measure/ceilings.py) and the all-reduce between tp GPUs over NCCL:
   the latency of a decode step's message (batch x hidden, bf16) and the bus bandwidth of a 256 MiB one
   (algorithm bandwidth x 2(n-1)/n, as nccl-tests reports it).
 - 8b: recipes/llama-3.1-8b.yaml as written (tp=1) and with parallel.tp 2, in this process one after the
@@ -84,7 +84,7 @@ class LinkProbe:
 
 def links(tp: int, hidden: int, device: str, quick: bool) -> dict[str, Any]:
     """Copy bandwidth of one GPU, and all-reduce latency and bus bandwidth across `tp` of them."""
-    from trtbuild import ceilings
+    from trtbuild.measure import ceilings
 
     out: dict[str, Any] = {"tp": tp, "ceilings": ceilings.measure(device, (64 << 20) if quick else (2 << 30),
                                                                    512 if quick else 8192)}

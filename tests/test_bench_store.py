@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trtbuild.store import MANIFEST, Store
+from trtbuild.store.local import MANIFEST, Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench  # noqa: E402

@@ -15,7 +15,7 @@ from trtbuild.builder import build
 from trtbuild.errors import EngineMissingError
 from trtbuild.recipe import load_recipe
 from trtbuild.runner import open_session, run_report
-from trtbuild.store import Store
+from trtbuild.store.local import Store
 
 from .conftest import read_json_line, run_cli, tiny_recipe_doc, write_recipe
 from .engine_helpers import eager_greedy
@@ -93,7 +93,7 @@ def test_a_run_report_sets_the_builds_matmul_timings_against_the_step(built: dic
     plans none, so the plan's sum is stood in for; the same recipe with other weights (another seed) builds
     from a copy of the module's store, its compiled graphs from the tactic cache."""
     from trtbuild.backends.torch import decode_kernels
-    from trtbuild.report import print_table
+    from trtbuild.measure.report import print_table
 
     monkeypatch.setattr(decode_kernels, "timed_step_us", lambda record, rows: 100.0 * rows if rows else None)
     monkeypatch.setattr(decode_kernels, "fused_outside", lambda record, rows: ["96x32+gate"] if rows == 2 else [])
@@ -124,7 +124,7 @@ def test_the_prefill_row_names_the_roof_that_binds_it(monkeypatch: pytest.Monkey
     H200 (2026-12-05), 128 tokens took 5.9 ms, 0.3 PFLOP/s (31% of peak) but 2.6 TB/s (53%). The report says
     so, where FLOP/s alone would call it a third of the way to the roof; 2048 tokens are compute-bound."""
     from trtbuild.backends import Generation
-    from trtbuild.report import print_table
+    from trtbuild.measure.report import print_table
     from trtbuild.runner import roofline
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")

@@ -110,7 +110,7 @@ def test_a_full_disk_while_writing_the_weights_is_a_clear_error_and_leaves_no_en
     import safetensors.torch
     from safetensors import SafetensorError
 
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     real = safetensors.torch.save_file
 

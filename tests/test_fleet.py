@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from trtbuild import fleet
-from trtbuild.remote import Remote
+from trtbuild.store import fleet
+from trtbuild.store.remote import Remote
 
 from .conftest import REPO, read_json_line, run_cli, tiny_recipe_doc, write_recipe
 from .seaweed import BUCKET, Seaweed, free_ports, weed_binary

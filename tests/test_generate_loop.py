@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from trtbuild.errors import InputError
-from trtbuild.generate import Chunk, Job, collect, stream
+from trtbuild.serving.generate import Chunk, Job, collect, stream
 
 
 class Scripted:

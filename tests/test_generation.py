@@ -14,10 +14,10 @@ import torch
 
 from tests.conftest import TINY_CONFIG, make_hf_folder, write_recipe
 from tests.engine_helpers import eager_greedy
-from trtbuild.generate import Detokenizer, TextSide, eos_ids
+from trtbuild.serving.generate import Detokenizer, TextSide, eos_ids
 from trtbuild.recipe import load_recipe
 from trtbuild.runner import open_session
-from trtbuild.sampling import Sampling
+from trtbuild.backends.sampling import Sampling
 
 VOCAB = 320  # the tokenizer's 300 tokens fit
 MAX_SEQ = 48

@@ -13,7 +13,7 @@ import torch
 from trtbuild.builder import build
 from trtbuild.recipe import load_recipe
 from trtbuild.runner import open_session
-from trtbuild.sampling import Sampling
+from trtbuild.backends.sampling import Sampling
 
 from .conftest import tiny_recipe_doc, write_recipe
 from .engine_helpers import eager_disagreements, eager_greedy

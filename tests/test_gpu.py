@@ -180,7 +180,7 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
     import json
 
     from trtbuild.kernels import matmul_configs
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     options = {"decode_matmul": "kernel", "decode_fusion": fusion if fusion in ("fused", "epilogue") else "none"}
     if fusion == "pdl-timing":

@@ -84,13 +84,18 @@ def _imports(path: Path, package_root: Path, modules: set[str]) -> set[str]:
     return {m for m in found if m != module}
 
 
-def test_no_module_of_the_package_imports_itself_through_others() -> None:
+def _import_graph() -> dict[str, set[str]]:
+    """Each module of the package, with the modules of the package that it imports."""
     root = REPO / "trtbuild"
     modules: dict[str, Path] = {}
     for path in root.rglob("*.py"):
         name = ".".join(path.relative_to(REPO).with_suffix("").parts)
         modules[name.removesuffix(".__init__")] = path
-    graph = {name: {m for m in _imports(path, root, set(modules)) if m in modules} for name, path in modules.items()}
+    return {name: {m for m in _imports(path, root, set(modules)) if m in modules} for name, path in modules.items()}
+
+
+def test_no_module_of_the_package_imports_itself_through_others() -> None:
+    graph = _import_graph()
     cycles = []
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -122,6 +127,42 @@ def test_no_module_of_the_package_imports_itself_through_others() -> None:
         if v not in index:
             connect(v)
     assert not cycles, f"modules that import each other: {cycles}"
+
+
+# The package's top level is the pipeline's stages, from the top floor down: a module may import its own stage
+# or any stage on a floor below it, never one above (the HTTP server may use generation; the store never a backend).
+FLOORS: list[set[str]] = [
+    {"__init__", "__main__", "cli"},  # the faces: the Python API and the command line
+    {"runner", "serving", "measure"},  # a built engine run, served, measured
+    {"builder"},  # key -> hit, or lock -> build -> publish: where recipe, store and backend meet
+    {"backends"},
+    {"models", "kernels"},
+    {"recipe", "store"},
+    {"errors", "version", "registry", "parallel", "timing"},  # leaves
+]
+
+
+def _stage(module: str) -> str:
+    """`trtbuild.store.local` -> `store`; the package itself is its `__init__`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _floor(module: str) -> int:
+    """0 for the top floor; a stage missing from FLOORS fails the test below, not this lookup."""
+    return next((n for n, stage in enumerate(FLOORS) if _stage(module) in stage), len(FLOORS))
+
+
+def test_the_top_level_of_the_package_is_the_pipelines_stages() -> None:
+    entries = {p.name.removesuffix(".py") for p in (REPO / "trtbuild").iterdir()
+               if (p.suffix == ".py" or (p / "__init__.py").is_file())}
+    assert entries == set().union(*FLOORS)
+
+
+def test_no_module_imports_a_stage_above_its_own() -> None:
+    up = sorted(f"{a} -> {b}" for a, imported in _import_graph().items() for b in imported if _floor(b) < _floor(a))
+    assert not up, "imports that run back up: " + ", ".join(up)
+    assert _floor("trtbuild.store.local") > _floor("trtbuild.backends.torch.backend") > _floor("trtbuild.serving.server")
 
 
 def test_the_readme_is_short_and_the_depth_is_in_docs() -> None:

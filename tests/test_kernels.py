@@ -291,7 +291,7 @@ def test_the_matmul_probe_times_extra_configurations_beside_the_builds_and_plans
     monkeypatch.setattr(probe, "DTYPE", torch.float32)
     monkeypatch.setattr(probe, "graph_seconds", fake_graph_seconds)
     monkeypatch.setattr(dm, "graph_seconds", fake_graph_seconds)
-    monkeypatch.setattr(dm, "candidates", lambda rows, fusion="none", split=False, k=0: [dm.MatmulConfig(8, 32, 4, 1)])
+    monkeypatch.setattr(dm, "candidates", lambda rows, fusion="none", split=False, k=0, n=0: [dm.MatmulConfig(8, 32, 4, 1)])
     monkeypatch.setattr(probe, "pdl_edges", lambda device: pdl_edit)
     extra = {"one": probe.parse_configs("n4k64w4s1,n2k128w8s3")["one"], "rows": [dm.MatmulConfig(16, 64, 4, 2)]}
     saved: list[int] = []  # after each batch of each timing, what is measured so far goes to `save`

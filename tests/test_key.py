@@ -16,7 +16,7 @@ import trtbuild.builder as build_mod
 from trtbuild.backends.torch.backend import TorchAOTIBackend
 from trtbuild.models.source import resolve
 from trtbuild.recipe import load_recipe
-from trtbuild.store import canonical_json, key_of
+from trtbuild.store.local import canonical_json, key_of
 
 from .conftest import REPO, tiny_recipe_doc, write_recipe
 

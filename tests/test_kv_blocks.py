@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trtbuild.kv_blocks import BlockPool, chain_hashes
+from trtbuild.serving.kv_blocks import BlockPool, chain_hashes
 
 
 def test_a_table_holds_its_positions_and_gives_its_blocks_back() -> None:

@@ -325,6 +325,22 @@ def test_a_k_step_of_4096_is_a_candidate_only_where_the_rows_are_that_wide() -> 
     assert candidates(8, k=4096) == ROWS  # the tensor-core path keeps its list
 
 
+def test_blocks_larger_than_a_small_matrix_are_timed_once() -> None:
+    """A 64 x 128 weight: every k step past 128 and every block of rows past 64 covers the same work as a
+    smaller one, so only the first of each such group is timed; the 1B and 8B shapes keep every candidate
+    (so their cached timings stay valid)."""
+    from trtbuild.kernels.matmul_configs import ONE_ROW, ONE_ROW_SPLIT, ONE_ROW_WIDE_K, ROWS, candidates
+
+    small = candidates(1, "none", k=128, n=64)
+    assert len(small) < len(ONE_ROW) / 2 and all(c in ONE_ROW for c in small)
+    assert {(min(c.block_k, 128), c.block_n, c.warps, c.stages) for c in small} == \
+        {(min(c.block_k, 128), c.block_n, c.warps, c.stages) for c in ONE_ROW}
+    assert len(candidates(8, k=64, n=64)) < len(ROWS)
+    assert candidates(1, "gate", k=2048, n=16384) == ONE_ROW
+    assert candidates(1, "none", True, k=8192, n=2048) == ONE_ROW + ONE_ROW_WIDE_K + ONE_ROW_SPLIT
+    assert candidates(8, k=4096, n=4096) == ROWS
+
+
 def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
     """matmul_plan end to end with a stand-in for the Triton module (the real one needs a GPU): the call

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from trtbuild.cli import main
 from trtbuild.recipe import load_recipe
-from trtbuild.store import Store, store_origin
+from trtbuild.store.local import Store, store_origin
 
 from .conftest import REPO, TINY_CONFIG, make_hf_folder, read_json_line, run_cli, tiny_recipe_doc, write_recipe
 

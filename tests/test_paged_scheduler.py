@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from trtbuild.kv_blocks import BlockPool
-from trtbuild.scheduler import QueueFull, Scheduler
+from trtbuild.serving.kv_blocks import BlockPool
+from trtbuild.serving.scheduler import QueueFull, Scheduler
 
 from .test_scheduler import req, run_until_idle
 

@@ -193,7 +193,7 @@ def test_compiled_tp2_engine_matches_one_rank_and_reports_each_rank(tmp_path: Pa
     from trtbuild.backends.torch.export import place_model
     from trtbuild.recipe import Shapes
     from trtbuild.runner import open_session, run_report
-    from trtbuild.sampling import GREEDY
+    from trtbuild.backends.sampling import GREEDY
 
     doc = tiny_recipe_doc(model={"source": "synthetic", "seed": 0, "config": COMPILED}, parallel={"tp": 2})
     path = write_recipe(tmp_path / "recipes", doc)

@@ -66,7 +66,7 @@ def test_auto_takes_the_faster_kernel_and_a_rebuild_times_nothing(monkeypatch: p
     first = prefill_attention.plan(cfg, torch.bfloat16, "auto", "cuda", 2048, job)
     again = prefill_attention.plan(cfg, torch.bfloat16, "auto", "cuda", 2048, job)
     assert (first["used"], again["used"]) == (used, used)
-    assert calls == [[512, 2048]] and len(job.messages) == 1
+    assert calls == [[128, 512, 2048]] and len(job.messages) == 1
     assert "reused" not in first["timings"] and again["timings"]["reused"] is True
     assert (error or f"{cudnn_us:.0f} us with cudnn") in first["note"]
     if error:
@@ -84,7 +84,22 @@ def test_sdpa_and_cpu_builds_time_nothing(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
-def test_lengths_cover_the_longest_prompt_and_a_quarter_of_it() -> None:
-    assert prefill_attention.lengths(2048) == [512, 2048]
-    assert prefill_attention.lengths(8192) == [1024, 4096]
+def test_lengths_cover_a_short_prompt_the_longest_and_a_quarter_of_it() -> None:
+    assert prefill_attention.lengths(2048) == [128, 512, 2048]
+    assert prefill_attention.lengths(8192) == [128, 1024, 4096]
     assert prefill_attention.lengths(16) == [16]
+
+
+def test_auto_keeps_sdpa_where_cudnn_is_slower_at_any_length(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """cuDNN ahead in total (its long prompts) but behind at the short one, where its host cost per call
+    shows: the prefill graph would be slower for short prompts, so auto keeps sdpa."""
+    def measure(heads: int, kv: int, d: int, dtype: Any, lens: list[int]) -> dict[str, Any]:
+        per = {"128": {"sdpa_us": 12.0, "cudnn_us": 105.0}, "512": {"sdpa_us": 30.0, "cudnn_us": 28.0},
+               "2048": {"sdpa_us": 400.0, "cudnn_us": 250.0}}
+        return {"lengths": lens, "per_length": per, "sdpa_us": sum(v["sdpa_us"] for v in per.values()),
+                "cudnn_us": sum(v["cudnn_us"] for v in per.values())}
+
+    monkeypatch.setattr(prefill_attention, "measure", measure)
+    cfg = LlamaConfig.from_hf(dict(TINY_CONFIG))
+    chosen = prefill_attention.plan(cfg, torch.bfloat16, "auto", "cuda", 2048, fake_job(tmp_path))
+    assert chosen["used"] == "sdpa" and "128: 105/12 us" in chosen["note"]

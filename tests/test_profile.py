@@ -11,10 +11,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from trtbuild import ceilings
+from trtbuild.measure import ceilings
 from trtbuild.cli import main
 from trtbuild.models.llama import LlamaConfig, Transformer
-from trtbuild.profile import (ATTENTION, BEFORE, DOWN, FINAL_NORM, GATE_UP, LM_HEAD, O_PROJ, QKV, Op, attribute,
+from trtbuild.measure.profile import (ATTENTION, BEFORE, DOWN, FINAL_NORM, GATE_UP, LM_HEAD, O_PROJ, QKV, Op, attribute,
                               call_sites, runs_of, table, verdict)
 
 from .conftest import TINY_CONFIG, read_json_line, run_cli, tiny_recipe_doc, write_recipe

@@ -26,7 +26,7 @@ BUDGETS = {"fp8": 0.02, "int8_wo": 0.015, "int4_wo": 0.12}
 def smollm2() -> dict[str, Any]:
     """The folder, the evaluation text's ids and the fp32 perplexity, once for the module."""
     from trtbuild.backends.torch.export import place_model
-    from trtbuild.evaluate import perplexity, text_ids
+    from trtbuild.measure.evaluate import perplexity, text_ids
     from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
 
     if not TEXT.is_file():
@@ -51,7 +51,7 @@ def smollm2() -> dict[str, Any]:
 def test_perplexity_of_the_stored_weights_is_within_budget_of_fp32(smollm2: dict[str, Any], precision: str) -> None:
     from trtbuild.backends.torch.export import place_model
     from trtbuild.backends.torch.quantized import quantize_weights
-    from trtbuild.evaluate import perplexity
+    from trtbuild.measure.evaluate import perplexity
 
     s = smollm2
     state, record = quantize_weights(dict(s["dense"]), s["cfg"], SimpleNamespace(precision=precision, options={}),

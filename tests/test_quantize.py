@@ -154,7 +154,7 @@ def test_keys_differ_by_precision_and_by_int4_method(tmp_path: Path, engine_stor
     from trtbuild import backends
     from trtbuild.builder import key_material
     from trtbuild.models.source import resolve
-    from trtbuild.store import key_of
+    from trtbuild.store.local import key_of
 
     def key(**overrides: Any) -> tuple[str, dict[str, Any]]:
         r = _recipe(tmp_path, **overrides)
@@ -213,7 +213,7 @@ def test_perplexity_is_that_of_transformers_over_the_same_windows(tmp_path: Path
     """evaluate.perplexity against Hugging Face's own loss on the same windows: the eval's arithmetic."""
     transformers = pytest.importorskip("transformers")
     from trtbuild.backends.torch.export import place_model
-    from trtbuild.evaluate import perplexity
+    from trtbuild.measure.evaluate import perplexity
 
     folder = make_hf_folder(tmp_path / "m")
     cfg, state = _tiny_state(folder)

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from trtbuild import fleet
+from trtbuild.store import fleet
 from trtbuild.cli import main
 from trtbuild.errors import InputError
-from trtbuild.remote import Remote, RemoteCorrupt, RemoteUnavailable, parse_url, safe_relpath
-from trtbuild.store import Entry, Store
+from trtbuild.store.remote import Remote, RemoteCorrupt, RemoteUnavailable, parse_url, safe_relpath
+from trtbuild.store.local import Entry, Store
 
 from .seaweed import BUCKET, Seaweed, free_ports, weed_binary
 
@@ -81,8 +81,8 @@ def test_without_the_client_a_remote_is_one_error_naming_the_extra(monkeypatch: 
     import sys
 
     code = ("import sys; sys.modules['boto3'] = None\n"
-            "import trtbuild.cli, trtbuild.builder, trtbuild.fleet\n"
-            "from trtbuild.remote import Remote\n"
+            "import trtbuild.cli, trtbuild.builder, trtbuild.store.fleet\n"
+            "from trtbuild.store.remote import Remote\n"
             "try:\n    Remote('s3://bucket/p')\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-800:]

@@ -1,4 +1,4 @@
-"""trtbuild/sampling.py on fixed logits: what each parameter allows, the draw's distribution, and draws that
+"""trtbuild/backends/sampling.py on fixed logits: what each parameter allows, the draw's distribution, and draws that
 depend only on a row's seed and position."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trtbuild.errors import InputError
-from trtbuild.sampling import Sampling, row_key, sample, uniform
+from trtbuild.backends.sampling import Sampling, row_key, sample, uniform
 
 
 def _logits(probs: list[float], rows: int = 1) -> torch.Tensor:

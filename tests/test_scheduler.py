@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from trtbuild.errors import InputError
-from trtbuild.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown, check_request
+from trtbuild.serving.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown, check_request
 
 VOCAB = 97
 

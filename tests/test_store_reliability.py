@@ -18,7 +18,7 @@ from trtbuild.backends.torch.backend import TorchAOTIBackend
 from trtbuild.builder import build
 from trtbuild.recipe import load_recipe
 from trtbuild.runner import open_session, run_report
-from trtbuild.store import Store
+from trtbuild.store.local import Store
 
 from .conftest import REPO, read_json_line, run_cli, tiny_recipe_doc, write_recipe
 
@@ -234,7 +234,7 @@ def test_a_run_prefetches_the_most_recently_used_entry_of_its_recipe(published: 
     """Before start-up, `open_session` starts reading the newest entry of the recipe's name (smallest
     file first: the graphs' kernels before the weights); other names and older entries are left alone,
     and TRTBUILD_PREFETCH=0 turns it off."""
-    import trtbuild.store as store_module
+    import trtbuild.store.local as store_module
 
     store_dir = _copy_store(published, tmp_path / "engines")
     src = store_dir / "v1" / published["entry"]

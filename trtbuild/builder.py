@@ -20,16 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trtbuild import backends, fingerprint
+from trtbuild import backends
+from trtbuild.store import fingerprint
 from trtbuild.version import __version__
 from trtbuild.backends import BuildJob
 from trtbuild.errors import EngineMissingError, InputError
 from trtbuild.models.source import ResolvedModel, resolve
 from trtbuild.recipe import Recipe
-from trtbuild.fleet import read_through
-from trtbuild.remote import configured_url
-from trtbuild.store import SCHEMA, Entry, Store, key_of
-from trtbuild.tactics import TacticCache
+from trtbuild.store.fleet import read_through
+from trtbuild.store.remote import configured_url
+from trtbuild.store.local import SCHEMA, Entry, Store, key_of
+from trtbuild.store.tactics import TacticCache
 
 Progress = Callable[[str], None]
 
@@ -149,7 +150,7 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
             store.record("hit", key=key, name=recipe.name, saved_s=entry.manifest.get("build", {}).get("total_s"))
             return BuildOutcome(entry, True, lookup_s, 0.0, model, waited_for=waited[0] if waited else None,
                                 startup_s=startup_s, quarantined=list(store.quarantined), store=where)
-        # The remote tier (fleet.py): pull, or wait for another host's build, or take the lease to build (with
+        # The remote tier (store/fleet.py): pull, or wait for another host's build, or take the lease to build (with
         # the tactic caches other hosts measured on this device and toolchain).
         tactics = (TacticCache.for_build(store.tactics_dir, recipe.backend, material["device"],
                                          material["backend"]["toolchain"]).path.relative_to(store.tactics_dir).as_posix()
@@ -226,7 +227,7 @@ def _build_locked(recipe: Recipe, store: Store, backend: backends.Backend, model
 def _missing(recipe: Recipe, store: Store, material: dict[str, Any], key: str,
              remote_note: str | None = None) -> EngineMissingError:
     """Why there is no engine, in the words a fleet operator needs: corrupt, incompatible, or absent."""
-    from trtbuild.housekeeping import incompatibility
+    from trtbuild.store.housekeeping import incompatibility
 
     where = f"no engine for recipe '{recipe.name}' (key {key[:16]}) in {store.entries_dir}"
     reasons = []
@@ -245,7 +246,7 @@ def _missing(recipe: Recipe, store: Store, material: dict[str, Any], key: str,
 def explain(recipe: Recipe, engines: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Hit or miss, without building; on a miss, the key-material fields that differ from the
     nearest existing entry."""
-    from trtbuild.housekeeping import nearest
+    from trtbuild.store.housekeeping import nearest
 
     store = Store(engines)
     _, _, material, key = _resolve(recipe, store, _startup(recipe))

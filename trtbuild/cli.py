@@ -183,7 +183,7 @@ def run_cmd(recipe: str, engines: str | None, no_build: bool, batch_size: int | 
             remote: str | None) -> None:
     """Find (or build) the engine, run it, and report every phase. With --chat or a sampling flag (--temperature,
     --top-k, --top-p, --seed, --stop): generate text from the prompt instead, streamed as it comes."""
-    from trtbuild.report import print_table
+    from trtbuild.measure.report import print_table
     from trtbuild.runner import check_run_shape, open_session, run_report
 
     r = _load(recipe)
@@ -312,7 +312,7 @@ def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: 
               quiet: bool, remote: str | None) -> None:
     """Serve the recipe's engine over an OpenAI-compatible HTTP API, with continuous batching."""
     from trtbuild.runner import open_session
-    from trtbuild.serve import KvSettings, require, serve
+    from trtbuild.serving.server import KvSettings, require, serve
 
     require()  # before a build of minutes, not after
     r = _load(recipe)
@@ -333,11 +333,11 @@ def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: 
 def profile_cmd(recipe: str, engines: str | None, phase: str, batch_size: int | None, input_len: int | None,
                 plot_path: str | None, as_json: bool) -> None:
     """Which kernel is slow, and why: each call site's time, bytes, FLOPs and roofline verdict."""
-    from trtbuild.ceilings import cached
-    from trtbuild.profile import check_shape, profile_engine
-    from trtbuild.profile_report import check_plot_path, plot, print_profile
+    from trtbuild.measure.ceilings import cached
+    from trtbuild.measure.profile import check_shape, profile_engine
+    from trtbuild.measure.profile_report import check_plot_path, plot, print_profile
     from trtbuild.runner import open_session
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     r = _load(recipe)
     b = r.run.batch_size if batch_size is None else batch_size
@@ -386,7 +386,7 @@ def _size(n: float) -> str:
 @remote_target
 def cache_ls(engines: str | None, as_json: bool, remote: str | None) -> None:
     """List engines: name, backend, precision, size, created, last used, key prefix."""
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     if remote is not None:
         return _remote_ls(remote, as_json)
@@ -417,7 +417,7 @@ def cache_ls(engines: str | None, as_json: bool, remote: str | None) -> None:
 @json_option
 def cache_show(ref: str, engines: str | None, as_json: bool) -> None:
     """One entry, by key prefix (6+ characters), name or path: a summary, or its whole manifest with --json."""
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     store = Store(engines)
     entry = store.find(ref)
@@ -455,7 +455,7 @@ def cache_show(ref: str, engines: str | None, as_json: bool) -> None:
 @click.option("--force", is_flag=True, help="Remove even entries that a running process has open.")
 def cache_rm(refs: tuple[str, ...], engines: str | None, force: bool) -> None:
     """Remove entries (their tactic caches stay)."""
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     store = Store(engines)
     for ref in refs:
@@ -467,7 +467,7 @@ def cache_rm(refs: tuple[str, ...], engines: str | None, force: bool) -> None:
 
 
 def _set_pin(ref: str, engines: str | None, pinned: bool) -> None:
-    from trtbuild.store import Store
+    from trtbuild.store.local import Store
 
     store = Store(engines)
     entry = store.find(ref)
@@ -500,8 +500,8 @@ def cache_unpin(ref: str, engines: str | None) -> None:
 def cache_prune(engines: str | None, max_size: str | None, older_than: str | None, dry_run: bool,
                 remote: str | None) -> None:
     """Remove quarantined entries (oldest first), then least recently used ones; pinned and in-use entries stay."""
-    from trtbuild.housekeeping import parse_age, parse_size, plan_prune
-    from trtbuild.store import Store
+    from trtbuild.store.housekeeping import parse_age, parse_size, plan_prune
+    from trtbuild.store.local import Store
 
     if max_size is None and older_than is None:
         raise InputError("cache prune: give --max-size and/or --older-than")
@@ -553,8 +553,8 @@ def cache_explain(recipe: str, engines: str | None, as_json: bool) -> None:
 @json_option
 def cache_stats(engines: str | None, as_json: bool) -> None:
     """Hits, misses, builds, the build seconds that hits saved, and what the store and its quarantine hold."""
-    from trtbuild.housekeeping import stats
-    from trtbuild.store import Store
+    from trtbuild.store.housekeeping import stats
+    from trtbuild.store.local import Store
 
     counts = stats(Store(engines))
     if as_json:
@@ -573,7 +573,7 @@ def cache_stats(engines: str | None, as_json: bool) -> None:
 @remote_target
 def cache_verify(refs: tuple[str, ...], all_: bool, engines: str | None, remote: str | None) -> None:
     """Check every file's size and sha256 against the manifest; corrupt entries are quarantined."""
-    from trtbuild.store import Store, verify
+    from trtbuild.store.local import Store, verify
 
     store = Store(engines)
     if not refs and not all_:
@@ -597,8 +597,9 @@ def cache_verify(refs: tuple[str, ...], all_: bool, engines: str | None, remote:
 @main.command()
 def doctor() -> None:
     """Which backends work here, why not, and this machine's device and toolchain."""
-    from trtbuild import backends, fingerprint
-    from trtbuild.store import Store
+    from trtbuild import backends
+    from trtbuild.store import fingerprint
+    from trtbuild.store.local import Store
 
     missing = _missing_dependencies()
     for dist, problem in missing:
@@ -660,9 +661,9 @@ def _normalize(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
-# -- the remote tier (remote.py, fleet.py): cache push/pull, and the remote side of cache ls/verify/prune and doctor -------
+# -- the remote tier (store/remote.py, store/fleet.py): cache push/pull, and the remote side of cache ls/verify/prune and doctor -------
 def _open_remote(url: str | None) -> Any:
-    from trtbuild.remote import ENV_URL, Remote, configured_url
+    from trtbuild.store.remote import ENV_URL, Remote, configured_url
 
     chosen = configured_url(url or None)
     if chosen is None:
@@ -683,8 +684,8 @@ def _fleet_line(fleet: dict[str, Any]) -> str:
 @click.option("--tactics", is_flag=True, help="Push the tactic caches too (alone when no REF is given).")
 def cache_push(ref: str | None, engines: str | None, remote: str | None, tactics: bool) -> None:
     """Upload an entry (every file hashed first) and, with --tactics, the tactic caches, to the remote tier."""
-    from trtbuild.fleet import push_tactics
-    from trtbuild.store import Store, verify
+    from trtbuild.store.fleet import push_tactics
+    from trtbuild.store.local import Store, verify
 
     if ref is None and not tactics:
         raise InputError("cache push: name an entry, or pass --tactics")
@@ -711,8 +712,8 @@ def cache_pull(ref: str | None, engines: str | None, remote: str | None, tactics
     here) into the local store, every file's sha256 checked; never builds."""
     from pathlib import Path
 
-    from trtbuild.fleet import pull_tactics
-    from trtbuild.store import Store
+    from trtbuild.store.fleet import pull_tactics
+    from trtbuild.store.local import Store
 
     if ref is None and not tactics:
         raise InputError("cache pull: name an entry or a recipe, or pass --tactics")
@@ -770,7 +771,7 @@ def _remote_verify(url: str, refs: tuple[str, ...], all_: bool) -> None:
 
 
 def _remote_prune(url: str, max_size: int | None, older_than: float | None, dry_run: bool) -> None:
-    from trtbuild.fleet import plan_prune
+    from trtbuild.store.fleet import plan_prune
 
     rem = _open_remote(url)
     plan = plan_prune(rem, max_size, older_than)
@@ -804,7 +805,7 @@ def eval_cmd(recipe: str, text_file: str, against: str | None, engines: str | No
     """Quality of an engine: perplexity over a text, and agreement with another engine (docs/quantization.md)."""
     from pathlib import Path
 
-    from trtbuild.evaluate import evaluate
+    from trtbuild.measure.evaluate import evaluate
 
     r, other = _load(recipe), (_load(against) if against else None)
     if not Path(text_file).is_file():
@@ -827,7 +828,7 @@ def eval_cmd(recipe: str, text_file: str, against: str | None, engines: str | No
 
 def _doctor_remote(store: Any) -> str:
     """The remote tier: configured or not, reachable or why not, and the last pull this store made."""
-    from trtbuild.remote import ENV_URL, Remote, configured_url
+    from trtbuild.store.remote import ENV_URL, Remote, configured_url
 
     url = configured_url(None)
     if url is None:

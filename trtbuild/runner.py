@@ -21,7 +21,7 @@ from trtbuild.builder import BuildOutcome, Progress, build, no_build_from_env
 from trtbuild.errors import (BackendUnavailableError, EngineMissingError, IncompatibleEngineError, InputError,
                              TrtbuildError)
 from trtbuild.recipe import Recipe, run_shape_problems
-from trtbuild.store import Store, verify
+from trtbuild.store.local import Store, verify
 from trtbuild.timing import percentiles
 
 _build = build  # open_session's `build` flag shadows the function
@@ -134,8 +134,8 @@ class Session:
         `stop_token_ids`, a `stop` string (not included in the text), or `max_tokens` (default: until
         max_seq_len). Returns a list of generate.Completion (token_ids, text, finish_reason), or with `stream`
         an iterator of generate.Chunk as the tokens come (text decoded incrementally: never half a character)."""
-        from trtbuild import generate as gen
-        from trtbuild.sampling import Sampling
+        from trtbuild.serving import generate as gen
+        from trtbuild.backends.sampling import Sampling
 
         if max_new_tokens is not None:
             self.last = self.engine.generate(prompts, max_new_tokens)
@@ -157,7 +157,7 @@ class Session:
     def text(self) -> Any:
         """The model's text side (generate.TextSide): tokenizer, chat template, EOS ids."""
         if self._text is None:
-            from trtbuild.generate import text_side
+            from trtbuild.serving.generate import text_side
 
             self._text = text_side(self)
         return self._text

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from trtbuild import ceilings  # noqa: E402
+from trtbuild.measure import ceilings  # noqa: E402
 from trtbuild.models.llama import LlamaConfig  # noqa: E402
 from trtbuild.models.moe import MoE  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402

@@ -37,7 +37,7 @@ from trtbuild.backends.torch.decode_graphs import DecodeGraphs  # noqa: E402
 from trtbuild.backends.torch.runtime import _Model  # noqa: E402
 from trtbuild.models.source import resolve  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
-from trtbuild.store import Store  # noqa: E402
+from trtbuild.store.local import Store  # noqa: E402
 from trtbuild.timing import StepClock  # noqa: E402
 
 # Inductor option sets on top of the backend's base options (no weights in the .so, kept constants).

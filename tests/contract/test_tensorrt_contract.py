@@ -225,7 +225,7 @@ def test_timing_cache_is_merged_under_the_lock_never_overwritten(install_trt: An
 
 def test_a_foreign_timing_cache_is_set_aside_not_dropped(install_trt: Any, onnx_recipe: Any, tmp_path: Path) -> None:
     from trtbuild.builder import build
-    from trtbuild.tactics import TacticCache
+    from trtbuild.store.tactics import TacticCache
 
     install_trt("10.16")
     recipe = load_recipe(onnx_recipe())

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from trtbuild import registry
 from trtbuild.errors import BackendUnavailableError
 from trtbuild.registry import REGISTRY  # noqa: F401 (the names `trtbuild doctor` lists)
-from trtbuild.sampling import Sampling  # noqa: F401 (part of the Engine protocol below)
+from trtbuild.backends.sampling import Sampling  # noqa: F401 (part of the Engine protocol below)
 
 if TYPE_CHECKING:
     from trtbuild.models.source import ResolvedModel
     from trtbuild.recipe import Recipe
-    from trtbuild.tactics import TacticCache
+    from trtbuild.store.tactics import TacticCache
 
 
 @dataclass

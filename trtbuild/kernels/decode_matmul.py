@@ -315,7 +315,7 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
                 result["unfused_us"] = best_us = graph_seconds(inductor, reps) / per_call * 1e6
         except Exception as e:  # then the fused kernel must beat cuBLAS's matmul alone
             result["unfused_us"] = _failure(e)
-    for config in candidates(rows, fusion, split, w0.shape[1]):
+    for config in candidates(rows, fusion, split, w0.shape[1], w0.shape[0]):
         try:
             y0 = launch(w0, ys[0], config)
             err = ((y0.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()

@@ -61,8 +61,26 @@ ONE_ROW_SPLIT = [MatmulConfig(n, k, 4, 3, p) for n in (8, 16, 32) for k in (512,
 ROWS_SPLIT = [MatmulConfig(n, k, 4, 4, p) for n in (16, 32) for k in (256, 512) for p in (2, 4)]
 
 
-def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0) -> list[MatmulConfig]:
+def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0, n: int = 0) -> list[MatmulConfig]:
     """The configurations timed for `rows` at a call site with `fusion` whose rows are `k` wide; with
-    `split`, split-K ones too."""
+    `split`, split-K ones too. Given the weight's `n` output columns and `k`, a configuration whose block
+    covers more than the whole matrix is dropped where one before it in the list covers the same (the
+    masked rest of a block is never read, so the two do the same work): a small model's tactic selection
+    then compiles and times a handful of kernels instead of every one (a 2-layer test model's bf16 build
+    spent most of 330 s there on an H100). Weights of a thousand columns and rows or more drop none."""
     plain = ONE_ROW + [c for c in ONE_ROW_WIDE_K if k >= c.block_k] if rows == 1 else ROWS
-    return plain + (ONE_ROW_SPLIT if rows == 1 else ROWS_SPLIT) if split and fusion == "none" else plain
+    listed = plain + (ONE_ROW_SPLIT if rows == 1 else ROWS_SPLIT) if split and fusion == "none" else plain
+    if not (n and k):
+        return listed
+    floor_n = 16 if rows > 1 else 1  # the tensor-core dot needs 16 columns, whatever the matrix
+    kept: dict[tuple[int, ...], MatmulConfig] = {}
+    for c in listed:
+        covers = (max(floor_n, min(c.block_n, _pow2(n))), min(c.block_k, _pow2(k)), c.warps, c.stages,
+                  min(c.split, max(1, k // 16)))
+        kept.setdefault(covers, c)
+    return list(kept.values())
+
+
+def _pow2(x: int) -> int:
+    """The power of two at or above x: the smallest block that covers x."""
+    return 1 << max(0, (x - 1).bit_length())

@@ -1,7 +1,7 @@
 """The paged KV cache: each layer's keys and values in a pool of fixed-size blocks, read through block tables.
 
 A pool is (num_blocks, KV heads, BLOCK, D); a sequence's position p lives in block table[p // BLOCK] at offset
-p % BLOCK (trtbuild/kv_blocks.py hands the tables out). One forward serves a prompt chunk from any start
+p % BLOCK (trtbuild/serving/kv_blocks.py hands the tables out). One forward serves a prompt chunk from any start
 position (after a cached prefix, or after the chunks before it) and a decode step of any rows: the new keys
 and values are written through the table, then each query attends over its sequence's blocks, masked past its
 own position. The pools are the graph's inputs, not its constants, so one compiled graph serves a pool of any

@@ -24,10 +24,10 @@ from filelock import FileLock
 
 from trtbuild.errors import InputError, TrtbuildError
 from trtbuild.recipe import ModelSpec
-from trtbuild.tactics import write_atomic
+from trtbuild.store.tactics import write_atomic
 
 SYNTHETIC_GENERATOR = 1  # bump when write_synthetic's output for a (config, seed) changes
-# chat_template.jinja: where newer checkpoints keep the chat template (trtbuild/generate.py reads it first)
+# chat_template.jinja: where newer checkpoints keep the chat template (trtbuild/serving/generate.py reads it first)
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "chat_template.jinja"]
 RACY_NS = 2_000_000_000  # files changed more recently than this are not memoized
 

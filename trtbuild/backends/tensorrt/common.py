@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import unavailable
-from trtbuild.tactics import TacticCache, write_atomic
+from trtbuild.store.tactics import TacticCache, write_atomic
 
 TIMING_CACHE = "timing.cache"
 

@@ -28,7 +28,7 @@ from typing import Any
 from trtbuild.backends import BuildJob, BuildOutput, Generation, unavailable
 from trtbuild.backends.tensorrt import common
 from trtbuild.errors import TrtbuildError
-from trtbuild.tactics import write_atomic
+from trtbuild.store.tactics import write_atomic
 
 OPTIONS = ("pp", "max_num_tokens", "opt_batch_size", "gemm_plugin", "multiple_profiles",
            "use_paged_context_fmha", "kv_cache_dtype", "dtype", "trust_remote_code")

@@ -29,7 +29,7 @@ from trtbuild.backends.torch import compile_workers, decode_kernels, graph_cache
 from trtbuild.backends.torch.inductor import DTYPE_NAMES, inductor_caches, inductor_configs, kernels_wait, record_autotuning
 from trtbuild.backends.torch import export
 from trtbuild.backends.torch.export import bucket, export_graph, model_bytes, place_model
-from trtbuild import fingerprint
+from trtbuild.store import fingerprint
 
 WEIGHTS = "weights.safetensors"
 ENGINE_JSON = "engine.json"

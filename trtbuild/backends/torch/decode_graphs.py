@@ -45,11 +45,14 @@ class DecodeGraphs:
         import torch
 
         self.package, self.device, self.batch = package, device, batch
-        # the graph's three inputs are rows of one buffer, so that a step of the slot API fills them in one copy
-        self.io = torch.zeros(3, batch, dtype=torch.long, device=device)
-        self.tok = self.io[0].view(batch, 1)
-        self.pos = self.io[1].view(batch, 1)  # each row's position
-        self.slots = self.io[2]  # each row's cache row
+        # The graph's three inputs are rows of one buffer, so that a step of the slot API fills them in one
+        # copy. Each row starts on a 16-byte boundary (an even number of int64 columns): the compiled graphs
+        # assume 16-byte aligned inputs and copy any input that is not into an aligned tensor on every call
+        # (at batch 1 an 8-byte row put the positions off by 8 bytes, and each step paid that copy).
+        self.io = torch.zeros(3, -(-batch // 2) * 2, dtype=torch.long, device=device)
+        self.tok = self.io[0, :batch].view(batch, 1)
+        self.pos = self.io[1, :batch].view(batch, 1)  # each row's position
+        self.slots = self.io[2, :batch]  # each row's cache row
         self.own_rows = torch.arange(batch, device=device)  # generate's rows: row i in cache row i
         self.slots.copy_(self.own_rows)
         # the cache row that padding rows and the capture's warm-up steps write (llama.scratch_row)
@@ -160,7 +163,7 @@ class DecodeGraphs:
         window = self.window_for(last)
         if self.capturable and window not in self.graphs:
             self._capture([window])
-        self.io.copy_(rows)
+        self.io[:, : self.batch].copy_(rows)
         graph = self.graphs.get(window)
         if graph is not None:
             graph.replay()

@@ -237,10 +237,10 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
     fusion, batch, dtype, layer count, candidate list, kernel source and the graphs' edges (`edit`: the
     programmatic ones of `pdl_edges`, or none: full), so a rebuild (or another recipe of the same shapes)
     measures nothing. `dm` is the decode_matmul module (it needs Triton)."""
-    from trtbuild.tactics import write_atomic
+    from trtbuild.store.tactics import write_atomic
 
     n, k, fusion = key
-    configs = dm.candidates(rows, fusion, split, k)
+    configs = dm.candidates(rows, fusion, split, k, n)
     identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
                 "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in configs]}
     if edit is not None:  # absent: full edges, as every timing before options.decode_timing (their keys stay valid)

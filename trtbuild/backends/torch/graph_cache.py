@@ -42,7 +42,7 @@ _TMP = ".tmp-"  # <digest>.tmp-<host>-<pid>: a compiled graph being copied into 
 
 def sweep_half_copied(tactics: Path) -> None:
     """Remove the graphs a build or worker on this host was copying into the cache when it was killed."""
-    from trtbuild.store import pid_alive
+    from trtbuild.store.local import pid_alive
 
     host = socket.gethostname()
     graphs = tactics / "graphs"

@@ -6,7 +6,7 @@ with `run_single_threaded=True`; without it capture fails and poisons the proces
 
 Two ways to drive it: `generate` (a batch of same-length prompts, greedy, timed: `trtbuild run` and the
 benchmark) and the slot API a scheduler uses (`prefill` one prompt into a cache row, `decode` any set of
-rows each at its own position, `release`), with sampling (trtbuild/sampling.py) on the logits the graphs
+rows each at its own position, `release`), with sampling (trtbuild/backends/sampling.py) on the logits the graphs
 return. Both use the one cache: a `generate` call uses rows 0..bucket-1, so it must not run while slots
 are in use.
 """
@@ -23,7 +23,7 @@ from trtbuild.backends import Generation
 from trtbuild.backends.torch.decode_graphs import DecodeGraphs
 from trtbuild.backends.torch.prefill_graphs import PrefillGraphs, prefill_graph_limit
 from trtbuild.errors import InputError, TrtbuildError
-from trtbuild.sampling import GREEDY, Sampling, sample
+from trtbuild.backends.sampling import GREEDY, Sampling, sample
 from trtbuild.timing import StepClock, sync
 
 

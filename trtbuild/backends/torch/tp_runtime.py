@@ -17,7 +17,7 @@ from trtbuild.backends import Generation
 from trtbuild.backends.torch.tensor_parallel import group
 from trtbuild.errors import TrtbuildError
 from trtbuild.models.llama import LlamaConfig
-from trtbuild.sampling import GREEDY, Sampling
+from trtbuild.backends.sampling import GREEDY, Sampling
 from trtbuild.timing import percentiles, sync
 
 import torch

@@ -19,7 +19,7 @@ def print_table(rep: dict[str, Any]) -> None:
     table.add_row("start-up", f"{p.get('startup_s', 0.0) * 1e3:.1f} ms", "import the framework, find the device")
     table.add_row("lookup", f"{p['lookup_s'] * 1e3:.1f} ms", f"key {e['key'][:16]} in {e.get('store') or 'the store'}")
     table.add_row("build", "cached" if e["cache_hit"] else f"{p['build_s']:.1f} s", _build_note(e))
-    if (fleet := e.get("fleet") or {}).get("url"):  # the remote tier (fleet.py): what it served or took, and when
+    if (fleet := e.get("fleet") or {}).get("url"):  # the remote tier (store/fleet.py): what it served or took, and when
         seconds = fleet.get("pull_s", 0.0) if fleet.get("tier") == "remote" else fleet.get("push_s", 0.0)
         verb = {"remote": "pulled from", "built": "pushed to"}.get(fleet.get("tier", ""), "not needed:")
         table.add_row("remote", f"{seconds:.2f} s" if fleet.get("tier") in ("remote", "built") else "-",

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from trtbuild.errors import InputError, TrtbuildError
-from trtbuild.openai_api import (ApiError, chunk, finish_reason, flat_message, parse, request_models, response, sse,
+from trtbuild.serving.openai_api import (ApiError, chunk, finish_reason, flat_message, parse, request_models, response, sse,
                                  usage_chunk)
-from trtbuild.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
+from trtbuild.serving.scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
 
-log = logging.getLogger("trtbuild.serve")
+log = logging.getLogger("trtbuild.serving.server")
 
 INSTALL_HINT = "pip install -e .  (FastAPI, uvicorn and prometheus_client are trtbuild's dependencies)"
 
@@ -68,7 +68,7 @@ class Server:
     def __init__(self, session: Any, max_queue: int = 256, on_fail: Callable[[], None] = lambda: None,
                  url: str = "", announce: Callable[[str], None] = lambda line: None,
                  kv: KvSettings | None = None) -> None:
-        from trtbuild.metrics import Metrics
+        from trtbuild.serving.metrics import Metrics
 
         self.session = session
         self.name: str = session.recipe.name
@@ -130,7 +130,7 @@ class Server:
         if not can:
             raise TrtbuildError("--kv-cache paged: this engine has no paged graph",
                                 hint="build the recipe with `options: {kv_cache: paged}` (backend torch)")
-        from trtbuild.kv_blocks import BlockPool
+        from trtbuild.serving.kv_blocks import BlockPool
 
         n = engine.open_pool(self.kv.memory, self.kv.blocks)
         return BlockPool(n, engine.paged.block_size, prefix_caching=self.kv.prefix)
@@ -161,7 +161,7 @@ class Server:
     def requests(self, prompts: list[list[int]], params: Any, max_tokens: int | None, default_max: int | None,
                  emit: Callable[[int, Event], None]) -> list[Request]:
         """One scheduler Request a choice: `n` per prompt, choice index = prompt index * n + j."""
-        from trtbuild.sampling import Sampling
+        from trtbuild.backends.sampling import Sampling
 
         scheduler = self.check_ready(params)
         engine = scheduler.engine
@@ -227,7 +227,7 @@ def startup_lines(session: Any, engine: Any, buckets: list[int], url: str) -> li
 
 def _text_side(session: Any) -> Any:
     """generate.py's tokenizer, chat template, EOS ids and incremental detokenizer for this model."""
-    from trtbuild.generate import text_side
+    from trtbuild.serving.generate import text_side
 
     return text_side(session)
 
@@ -245,7 +245,7 @@ def _warm_paged(engine: Any) -> None:
 def _warm(engine: Any, buckets: list[int]) -> None:
     """Every decode bucket's first calls (graph capture on a GPU) and the sampling path, before /health is
     ready: each bucket's rows prefilled with one token, decoded twice, released."""
-    from trtbuild.sampling import Sampling
+    from trtbuild.backends.sampling import Sampling
 
     plans = [Sampling(), Sampling(temperature=1.0, top_p=0.9, seed=0)]
     capture = getattr(engine, "capture_all", None)  # the torch backend: every cache window's graph, now
@@ -271,7 +271,7 @@ def create_app(server: Server) -> Any:
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from trtbuild.metrics import CONTENT_TYPE
+    from trtbuild.serving.metrics import CONTENT_TYPE
 
     Completion, Chat = request_models()
 

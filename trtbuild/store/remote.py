@@ -37,8 +37,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from trtbuild.errors import InputError, TrtbuildError
-from trtbuild.store import MANIFEST, SCHEMA, Entry, Store
-from trtbuild.tactics import write_atomic
+from trtbuild.store.local import MANIFEST, SCHEMA, Entry, Store
+from trtbuild.store.tactics import write_atomic
 
 Progress = Callable[[str], None]
 

@@ -39,7 +39,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from trtbuild.errors import InputError
-from trtbuild.tactics import write_atomic
+from trtbuild.store.tactics import write_atomic
 
 SCHEMA = "v1"  # the key schema and layout version; part of every key
 MANIFEST = "manifest.json"

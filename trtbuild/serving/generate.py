@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.errors import InputError
-from trtbuild.sampling import Sampling
+from trtbuild.backends.sampling import Sampling
 
 # Tokens kept before the first generated one when decoding incrementally: a SentencePiece-style decoder drops
 # a fragment's leading space, so text is always decoded from a few tokens back (vLLM's prefix offset).

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trtbuild import fingerprint
+from trtbuild.store import fingerprint
 from trtbuild.errors import InputError
-from trtbuild.store import Entry, Store
+from trtbuild.store.local import Entry, Store
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:

@@ -64,7 +64,7 @@ class TextWatch(Protocol):
 
 
 class Observer(Protocol):
-    """Where the scheduler reports what metrics need (serve.py's Prometheus collectors); every method cheap."""
+    """Where the scheduler reports what metrics need (server.py's Prometheus collectors); every method cheap."""
 
     def queued(self, waiting: int, running: int) -> None: ...
 
@@ -128,7 +128,7 @@ class Request:
 
     prompt: list[int]
     max_tokens: int
-    sampling: Any = None  # trtbuild.sampling.Sampling; None means the engine's default (greedy)
+    sampling: Any = None  # trtbuild.backends.sampling.Sampling; None means the engine's default (greedy)
     stop_ids: frozenset[int] = frozenset()  # EOS ids and the request's stop token ids
     watch: TextWatch | None = None  # text and stop strings; None: tokens only
     on_event: Callable[[Event], None] = lambda event: None  # called from the engine thread: must not block

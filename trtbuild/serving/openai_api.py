@@ -1,5 +1,5 @@
 """OpenAI's API as trtbuild serves it: the request bodies, their checks, the error object and the shapes of
-responses and streamed chunks. No HTTP here (serve.py); pydantic is imported on first use."""
+responses and streamed chunks. No HTTP here (server.py); pydantic is imported on first use."""
 
 from __future__ import annotations
 

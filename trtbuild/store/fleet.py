@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trtbuild.errors import TrtbuildError
-from trtbuild.remote import (PreconditionFailed, Progress, Remote, RemoteCorrupt, RemoteUnavailable, configured_url,
+from trtbuild.store.remote import (PreconditionFailed, Progress, Remote, RemoteCorrupt, RemoteUnavailable, configured_url,
                              safe_relpath)
-from trtbuild.store import Entry, Store
+from trtbuild.store.local import Entry, Store
 
 IN_USE_S = 3600.0  # an entry pulled this recently is in use: prune keeps it
 ORPHAN_S = 86400.0  # objects of a push that never wrote its manifest are removed by prune after this

@@ -5,7 +5,7 @@ One profiled prefill and decode step (a few of each, averaged), run through the 
 site (`layers.*.attention.qkv matmul`): the matmuls are found in the step's kernel sequence (four a layer and
 the LM head, in the model's order), and every other kernel by the matmuls around it. Each call site's bytes
 and FLOPs come from the engine's own shapes (`call_sites`), so its achieved rates can be set against the
-device's measured roofs (trtbuild/ceilings.py) and given a verdict.
+device's measured roofs (ceilings.py) and given a verdict.
 
 On the CPU the compiled graph's kernels are invisible to the profiler (Inductor's C++ kernels and its calls
 into ATen's mm emit no profiler events), so its operators are replayed eagerly: the same model, weights,

@@ -1,0 +1,588 @@
+"""The GPU regression gate: a fixed matrix of figures, each against a floor measured in the same run, compared
+with the card's baseline; a row more than 3% worse fails the gate (exit status 1).
+
+    python3 benchmarks/gate.py --plan                                   # the steps, the parts, their seconds
+    python3 benchmarks/gate.py --part 1 --seed benchmarks/results/2026-12-06-h100-1b --out $OUT
+    python3 benchmarks/gate.py --part 2 --smollm2 /tmp/smollm2 --out $OUT   # same machine, warm: part 1's store
+    python3 benchmarks/gate.py --cpu-smoke --out /tmp/gate-smoke        # the plumbing on a CPU, tiny shapes
+
+The matrix (docs/gate.md): the 1B bf16 engine's decode b1 / b8 and prefill 128 / 1024 / 2048 beside torch.compile
+(max-autotune, CUDA graphs); the 1B fp8 and int4_wo engines' decode b1 / b8, also as tokens/s against bf16;
+SmolLM2-135M-Instruct's bf16 greedy text against transformers' (benchmarks/greedy_match.py); `trtbuild
+profile`'s decode step against `run`'s TPOT (benchmarks/profile_check.py); `trtbuild serve` under 16 streams
+for 20 s (benchmarks/serve_bench.py's clients); each engine's build time (`trtbuild build --json`). Every
+measurement runs in a child process with a time limit taken from --budget, so a run cut off keeps the rows it
+has: gate.json is written after every row. Writes gate.json, gate.png, gate.log and details.tar.gz (the
+children's own reports and logs) under --out; with --save-seeds the tactic and torch.compile caches too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import gate_report  # noqa: E402
+from gate_report import row  # noqa: E402
+
+BF16, FP8, INT4 = "recipes/llama-3.2-1b.yaml", "recipes/llama-3.2-1b-fp8.yaml", "recipes/llama-3.2-1b-int4.yaml"
+TINY = "recipes/tiny-llama.yaml"
+SEED_PART = 15 << 20  # a returned file may have 16 MiB
+STARTUP_S = 20.0  # a cold machine's first `import torch` and CUDA context (results/2026-12-06-h100-1b/session.log)
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    part: int
+    cold_s: float  # a cold machine, no seeds
+    seeded_s: float  # tactic and torch.compile caches seeded (--seed), or part 1's store still there
+    basis: str  # where the estimate comes from
+
+
+# In the order they run: in each part the longest, least predictable tail last (torch.compile's autotuning in
+# part 1), so a cut-off costs the fewest rows. Estimates on an H100.
+STEPS = {
+    "build_bf16": Step("build 1B bf16", 1, 208, 70,
+                       "RESULTS.md: cold 208 s on an H100 (matmul selection 82 s, compile 110 s); seeded: compiled "
+                       "graphs copied, matmul timings taken again where the kernel list changed"),
+    "profile": Step("profile step vs run TPOT", 1, 40, 40,
+                    "results/2026-12-06-h100-1b-serve-profile: load, one profile, one run of 128 tokens"),
+    "bench_bf16": Step("1B bf16 rows, engine and torch.compile", 1, 250, 110,
+                       "results/2026-12-05-h200-1b-peers: torch.compile (max-autotune) 230 s, the engine 3 s, "
+                       "ceilings 5 s; a seeded Inductor cache skips the autotuning"),
+    "serve": Step("serve 1B, 16 streams, 20 s", 2, 75, 75,
+                  "server load and warm-up ~30 s (results/2026-12-06-h100-1b-serve-profile), 20 s of load, drain"),
+    "build_fp8": Step("build 1B fp8", 2, 115, 45, "RESULTS.md: 115 s on an H100"),
+    "build_int4": Step("build 1B int4_wo", 2, 149, 55, "RESULTS.md: 149 s on an H100 (GPTQ on the device)"),
+    "bench_quant": Step("1B fp8 / int4_wo / bf16 decode", 2, 50, 50,
+                        "three cache hits, 5 generations of 128 tokens per batch and the prefill lengths each"),
+    "smollm2": Step("SmolLM2 greedy vs transformers", 2, 130, 100,
+                    "unpack 10 s, a 135M engine at tactics level none ~60 s, transformers' generate 20 s"),
+}
+
+
+def plan_text(seeded: bool) -> str:
+    lines = [f"{'part':<5} {'step':<42} {'cold s':>7} {'seeded s':>9}  basis"]
+    for part in (1, 2):
+        steps = [s for s in STEPS.values() if s.part == part]
+        for s in steps:
+            lines.append(f"{part:<5} {s.name:<42} {s.cold_s:7.0f} {s.seeded_s:9.0f}  {s.basis}")
+        cold = STARTUP_S + sum(s.cold_s for s in steps)
+        warm = STARTUP_S + sum(s.seeded_s for s in steps)
+        lines.append(f"{part:<5} {'total (with ' + str(int(STARTUP_S)) + ' s start-up)':<42} {cold:7.0f} {warm:9.0f}")
+    total = STARTUP_S + sum(s.seeded_s for s in STEPS.values())
+    lines.append(f"all parts in one call, seeded: ~{total:.0f} s ({'fits' if total < 560 else 'does not fit'} "
+                 "one 10-minute call); cold: two calls")
+    lines.append(f"running now: {'seeded' if seeded else 'cold'} estimates")
+    return "\n".join(lines)
+
+
+# -- the run ----------------------------------------------------------------------------------------------------------
+class Gate:
+    """One run: its store, work folder, deadline and report; rows are judged and saved as they come."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.part = 1 if args.part == "all" else int(args.part)  # the part of the step running
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + args.budget
+        self.store, self.work, self.out = Path(args.engines), Path(args.work), Path(args.out)
+        for d in (self.store, self.work, self.out):
+            d.mkdir(parents=True, exist_ok=True)
+        self.log_file = (self.out / "gate.log").open("a")
+        self.env = os.environ | {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                                 "PYTHONUNBUFFERED": "1",
+                                 # the torch.compile peer's caches in a folder of their own, which --seed and
+                                 # --save-seeds carry (device_session.sh's SEED_PEER_CACHE, the same layout)
+                                 "TORCHINDUCTOR_CACHE_DIR": str(self.peer_cache / "inductor"),
+                                 "TRITON_CACHE_DIR": str(self.peer_cache / "triton")}
+        if args.cpu_smoke:
+            self.env["CUDA_VISIBLE_DEVICES"] = ""  # the children build and run for the CPU
+        self.baseline: dict[str, Any] | None = None
+        self.report: dict[str, Any] = {}
+
+    @property
+    def peer_cache(self) -> Path:
+        return Path(self.args.work) / "peer-cache"
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, message: str) -> None:
+        line = f"[gate +{time.monotonic() - self.t0:5.0f}s] {message}"
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+    def add(self, r: dict[str, Any]) -> None:
+        """Judge a row against the baseline and save the report at once (a run cut off keeps it)."""
+        self.report["rows"] = [x for x in self.report["rows"] if x["name"] != r["name"]]
+        self.report["rows"].append(gate_report.judge(r, {b["name"]: b for b in (self.baseline or {}).get("rows", [])}))
+        self.save()
+
+    def save(self) -> None:
+        text = json.dumps(self.report, indent=1, default=str) + "\n"
+        for path in (self.out / "gate.json", self.work / f"gate-part{self.report['part']}.json"):
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+
+    def child(self, name: str, cmd: list[str], reserve: float) -> tuple[int | None, str]:
+        """Run `cmd` in its own process group with what is left of the budget (less `reserve`); at the limit
+        SIGTERM (bench.py then writes what it measured), the group killed 15 s later. Returns (status or None
+        when cut off, its output)."""
+        log = self.work / f"{name}.log"
+        limit = max(5.0, self.left() - reserve)
+        self.log(f"{name}: {' '.join(cmd)} (limit {limit:.0f} s)")
+        with log.open("wb") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=self.env,
+                                    start_new_session=True)
+            try:
+                rc: int | None = proc.wait(limit)
+            except subprocess.TimeoutExpired:
+                rc = None
+                stop_group(proc)
+            except BaseException:  # Stopped: the gate's own limit; the child must not outlive it
+                stop_group(proc)
+                raise
+        text = log.read_text(errors="replace")
+        self.log(f"{name}: {'cut off at its limit' if rc is None else f'exit {rc}'}")
+        return rc, text
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """TERM the child, then KILL its whole group: Inductor's compile workers outlive a parent that was cut off."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+# -- the steps ----------------------------------------------------------------------------------------------------------
+def recipes(g: Gate) -> dict[str, str]:
+    """The recipes of the matrix; on the CPU smoke run the tiny Llama, and its quantized copies."""
+    if not g.args.cpu_smoke:
+        return {"bf16": BF16, "fp8": FP8, "int4": INT4}
+    import yaml
+
+    out = {"bf16": TINY}
+    doc = yaml.safe_load((REPO / TINY).read_text())
+    for key, precision in (("fp8", "fp8"), ("int4", "int4_wo")):
+        q = doc | {"name": f"{doc['name']}-{key}", "precision": precision}
+        path = g.work / f"{q['name']}.yaml"
+        path.write_text(yaml.safe_dump(q, sort_keys=False))
+        out[key] = str(path)
+    return out
+
+
+def label(g: Gate) -> str:
+    """The matrix's model in row names: the smoke run's rows are not the 1B's."""
+    return "tiny" if g.args.cpu_smoke else "1B"
+
+
+def build_step(g: Gate, key: str) -> None:
+    path = recipes(g)[key]
+    name = f"build {label(g)} {key}"
+    rc, text = g.child(f"build-{key}", [sys.executable, "-m", "trtbuild", "build", path, "--engines", str(g.store),
+                                        "--json", "--quiet"], reserve=g.args.reserve)
+    try:
+        result = json.loads(text.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        g.add(row(name, None, "s", g.part, status="error" if rc is not None else "not run",
+                  note=f"{'cut off' if rc is None else f'exit {rc}'}: {text.strip()[-300:]}"))
+        return
+    manifest = Path(result["engine"]["path"]) / "manifest.json"
+    reused = (json.loads(manifest.read_text()).get("tactics", {}).get("compiled_graphs_reused", [])
+              if manifest.is_file() else [])
+    hit = result["engine"]["cache_hit"]
+    phases = ", ".join(f"{k.removesuffix('_s')} {v:.0f}" for k, v in result.get("phases", {}).items() if v >= 1)
+    context = "seeded" if reused or g.args.seed else "cold"
+    if hit:
+        g.add(row(name, None, "s", g.part, status="not run", context=context,
+                  note="the engine was already in the store (a cache hit): its build time is that of the run that built it"))
+        return
+    # A build's time depends on the seeds (context) and on the host's load: compared at 25%, not 3%
+    g.add(row(name, result["build_s"], "s", g.part, tolerance=0.25, context=context,
+              note=f"{phases}" + (f"; compiled graphs reused: {', '.join(reused)}" if reused else "")))
+
+
+def bench_step(g: Gate, name: str, paths: list[str], variants: str) -> dict[str, Any] | None:
+    out = g.work / name
+    shutil.rmtree(out, ignore_errors=True)
+    rc, text = g.child(name, [sys.executable, "benchmarks/bench.py", *paths, "--sections", "variants", "--variants",
+                              variants, "--engines", str(g.store), "--out", str(out)]
+                       + (["--device", "cpu"] if g.args.cpu_smoke else []), reserve=g.args.reserve)
+    try:
+        return json.loads((out / "bench.json").read_text())
+    except (OSError, ValueError):
+        g.log(f"{name}: no bench.json: {text.strip()[-600:]}")
+        return None
+
+
+def _fig(variant: dict[str, Any] | None, kind: str, point: str) -> tuple[float | None, float | None]:
+    d = (variant or {}).get(kind, {}).get(point)
+    return (d["p50"] * 1e3, d.get("x_floor")) if d else (None, None)
+
+
+def engine_rows(g: Gate, rec: dict[str, Any] | None, key: str, kinds: tuple[str, ...], peer: str | None,
+                why_missing: str) -> dict[str, float]:
+    """The engine's rows of one recipe's bench.py section (and `peer`'s beside them); returns decode ms by batch."""
+    part = g.part
+    variants = (rec or {}).get("variants", {})
+    engine, other = variants.get("engine"), variants.get(peer) if peer else None
+    floors = (rec or {}).get("floors", {})
+    decode_ms: dict[str, float] = {}
+    for kind in kinds:
+        points = sorted(floors.get(f"{kind}_s", {}), key=int) or (["1", "8"] if kind == "decode" else ["128", "1024", "2048"])
+        for point in points:
+            name = f"{label(g)} {key} {'decode b' + point if kind == 'decode' else 'prefill ' + point}"
+            ms, x = _fig(engine, kind, point)
+            if ms is None:
+                err = (engine or {}).get("error") or why_missing
+                g.add(row(name, None, "ms", part, status="error" if (engine or {}).get("error") else "not run", note=err))
+                continue
+            pms, px = _fig(other, kind, point)
+            note = ""
+            if peer and pms is None:
+                note = f"torch.compile: {(other or {}).get('skipped') or (other or {}).get('error') or 'not reached'}"
+            g.add(row(name, ms, "ms", part, x_floor=x, note=note[:300],
+                      peer={"name": "torch.compile", "value": pms, "x_floor": px} if pms is not None else None))
+            if kind == "decode":
+                decode_ms[point] = ms
+    return decode_ms
+
+
+def bench_bf16_step(g: Gate) -> None:
+    path = recipes(g)["bf16"]
+    report = bench_step(g, "bench-bf16", [path], "engine,compile")
+    rec = (report or {}).get("recipes", {}).get(path)
+    engine_rows(g, rec, "bf16", ("decode", "prefill"), "compile", "bench.py wrote no figure (see details.tar.gz)")
+
+
+def bench_quant_step(g: Gate) -> None:
+    r = recipes(g)
+    report = bench_step(g, "bench-quant", [r["bf16"], r["fp8"], r["int4"]], "engine")
+    recs = (report or {}).get("recipes", {})
+    bf16 = engine_rows(g, recs.get(r["bf16"]), "bf16 (quant run)", ("decode",), None, "not reached")
+    for key in ("fp8", "int4"):
+        mine = engine_rows(g, recs.get(r[key]), key, ("decode",), None, "not reached")
+        for b, ms in mine.items():
+            if b in bf16:  # the same batch: the ratio of times is the ratio of tokens/s
+                g.add(row(f"{label(g)} {key} decode b{b} tok/s vs bf16", bf16[b] / ms, "x bf16", g.part,
+                          note=f"bf16 {bf16[b]:.3f} ms against {ms:.3f} ms in the same run"))
+
+
+def profile_step(g: Gate) -> None:
+    out = g.work / "profile"
+    name = f"{label(g)} bf16 profile step / run TPOT b1"
+    rc, text = g.child("profile", [sys.executable, "benchmarks/profile_check.py", recipes(g)["bf16"], "--engines",
+                                   str(g.store), "--out", str(out), "--batches", "1", "--prefill-len", "0"]
+                       + (["--prompt-len", "8", "--output-len", "16"] if g.args.cpu_smoke else []),
+                       reserve=g.args.reserve)
+    try:
+        agree = json.loads((out / "profile.json").read_text())["cases"]["decode_b1"]["agreement"]
+    except (OSError, ValueError, KeyError):
+        g.add(row(name, None, "x TPOT", g.part, status="error" if rc is not None else "not run",
+                  note=text.strip()[-300:]))
+        return
+    ratio = agree["ratio"]
+    g.add(row(name, ratio, "x TPOT", g.part, target="within 5%", met=abs(ratio - 1) <= 0.05,
+              note=f"profiled step {agree['profile_step_ms']:.4f} ms, run TPOT p50 {agree['run_tpot_p50_ms']:.4f} ms"))
+
+
+def serve_step(g: Gate) -> None:
+    """`trtbuild serve` of the bf16 recipe as it is, `--streams` closed-loop clients for `--serve-s` seconds
+    (serve_bench.py's server handling, workload and clients)."""
+    import serve_bench
+
+    part, streams, seconds = g.part, g.args.streams, g.args.serve_s
+    prefix = f"{label(g)} serve {streams} streams"
+    names = (f"{prefix} output tok/s", f"{prefix} TTFT p50", f"{prefix} TTFT p99")
+    path = REPO / recipes(g)["bf16"]
+    if g.left() < seconds + 60:
+        for n, unit in zip(names, ("tok/s", "ms", "ms"), strict=True):
+            g.add(row(n, None, unit, part, status="not run", note=f"{g.left():.0f} s left"))
+        return
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    shapes, model, vocab = doc["shapes"], doc["name"], int(doc["model"]["config"]["vocab_size"])
+    quick = g.args.cpu_smoke
+    try:
+        rc, text = g.child("serve-build", [sys.executable, "-m", "trtbuild", "build", str(path), "--engines",
+                                           str(g.store), "--quiet"], reserve=g.args.reserve + seconds + 30)
+        if rc != 0:
+            raise RuntimeError(f"build: {text.strip()[-300:]}")
+        port = serve_bench.free_port()
+        proc = serve_bench.start_server(path, str(g.store), port, max_queue=4096, log=g.work / "server.log",
+                                        timeout=max(30.0, g.left() - seconds - 30))
+    except (RuntimeError, OSError) as exc:
+        for n, unit in zip(names, ("tok/s", "ms", "ms"), strict=True):
+            g.add(row(n, None, unit, part, status="error", note=str(exc)[-300:]))
+        return
+    try:
+        # untimed: the first requests' one-time costs (as serve_bench.py does)
+        serve_bench.Clients(port, model, serve_bench.workload(4, shapes["max_input_len"], shapes["max_seq_len"],
+                                                                 quick, vocab, seed=99)).run(2)
+        clients = serve_bench.Clients(port, model, serve_bench.workload(
+            100_000, shapes["max_input_len"], shapes["max_seq_len"], quick, vocab, seed=streams))
+
+        def close() -> None:  # no request starts after the window; those running finish and count
+            with clients.lock:
+                clients.todo.clear()
+
+        timer = threading.Timer(seconds, close)
+        timer.start()
+        wall = clients.run(streams)
+        timer.cancel()
+        fig = serve_bench.level_figures(clients.results, wall, {}, {}, {"copy_Bps": 1.0}, None)
+    finally:
+        serve_bench.stop_server(proc)
+    (g.work / "serve.json").write_text(json.dumps(fig, indent=1) + "\n")
+    note = (f"{fig['requests']} requests in {fig['wall_s']:.1f} s, {fig['output_tokens']} tokens, "
+            f"{len(fig['errors'])} errors, on the recipe's {shapes['max_batch_size']} rows")
+    status = "error" if fig["errors"] else "ok"
+    g.add(row(names[0], fig["output_tok_per_s"], "tok/s", part, status=status, note=note))
+    g.add(row(names[1], fig["ttft_ms"]["p50"], "ms", part, status=status))
+    g.add(row(names[2], fig["ttft_ms"]["p99"], "ms", part, status=status))
+
+
+def smollm2_step(g: Gate) -> None:
+    name = "SmolLM2-135M bf16 greedy = transformers"
+    part = g.part
+    given = g.args.smollm2
+    if not given or not Path(given).exists():
+        g.add(row(name, None, "prompts", part, status="not run", hard=True,
+                  note=f"no SmolLM2 folder or pieces ({'--smollm2 not given' if not given else given + ' is absent'}); "
+                       "docs/gate.md says how to carry them"))
+        return
+    import smollm2
+
+    source = Path(given)
+    model = source if (source / "model.safetensors").is_file() else smollm2.unpack(source, g.work / "smollm2-hf")
+    out = g.work / "greedy.json"
+    rc, text = g.child("smollm2", [sys.executable, "benchmarks/greedy_match.py", "--model", str(model), "--engines",
+                                   str(g.store), "--work", str(g.work / "smollm2-recipes"), "--out", str(out)]
+                       + (["--new-tokens", "8"] if g.args.cpu_smoke else []), reserve=g.args.reserve)
+    try:
+        result = json.loads(out.read_text())
+    except (OSError, ValueError):
+        g.add(row(name, None, "prompts", part, hard=True, status="error" if rc is not None else "not run",
+                  note=text.strip()[-300:]))
+        return
+    hit = result["cache_hit"]
+    g.add(row("build SmolLM2-135M bf16", None if hit else result["build_s"], "s", part, tolerance=0.25,
+              context="seeded" if g.args.seed else "cold", status="not run" if hit else "ok",
+              note="a cache hit: built by an earlier run" if hit else "tactics level none"))
+    n = len(result["prompts"])
+    g.add(row(name, result["equal"], "prompts", part, target=f"all {n} equal", met=result["equal"] == n, hard=True,
+              note="; ".join(f"{p['matched']}/{p['compared']} ({p['stop'][:60]})" for p in result["prompts"])))
+
+
+RUNNERS: dict[str, Callable[[Gate], None]] = {
+    "build_bf16": lambda g: build_step(g, "bf16"), "profile": profile_step, "bench_bf16": bench_bf16_step,
+    "serve": serve_step, "build_fp8": lambda g: build_step(g, "fp8"), "build_int4": lambda g: build_step(g, "int4"),
+    "bench_quant": bench_quant_step, "smollm2": smollm2_step,
+}
+# One call (--part all): part 2's short steps before part 1's torch.compile, whose tail is the longest
+ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "smollm2", "bench_bf16")
+
+
+# -- seeds ----------------------------------------------------------------------------------------------------------------
+def unpack_seeds(g: Gate, folder: Path) -> None:
+    """device_session.sh's seeds: tactics.tar.gz* into the store, peer-cache.tar.gz.part-* into the peer caches."""
+    for stem, into in (("tactics.tar.gz", g.store), ("peer-cache.tar.gz", g.peer_cache)):
+        parts = sorted(folder.glob(f"{stem}*"))
+        if not parts:
+            continue
+        into.mkdir(parents=True, exist_ok=True)
+        data = b"".join(p.read_bytes() for p in parts)
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            tar.extractall(into, filter="data")
+        g.log(f"seeded {into} from {len(parts)} part(s) of {folder}/{stem} ({len(data) >> 20} MiB)")
+
+
+def save_seeds(g: Gate) -> None:
+    """The store's compiled graphs and decode-matmul timings, and Inductor's cache of the torch.compile peer, as
+    parts of at most 15 MiB under --out (device_session.sh's names, so either reads the other's seeds)."""
+    graphs = [p for p in sorted((g.store / "tactics" / "torch").glob("*/*")) if p.name in ("graphs", "decode_matmul")]
+    for stem, root, items in (("tactics.tar.gz", g.store, graphs),
+                              ("peer-cache.tar.gz", g.peer_cache, [g.peer_cache / "inductor"])):
+        items = [p for p in items if p.exists()]
+        if not items:
+            continue
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            for p in items:
+                tar.add(p, arcname=str(p.relative_to(root)))
+        data = buf.getvalue()
+        for i in range(0, len(data), SEED_PART):
+            (g.out / f"{stem}.part-a{chr(ord('a') + i // SEED_PART)}").write_bytes(data[i:i + SEED_PART])
+        g.log(f"saved {stem}: {len(data) >> 20} MiB in {-(-len(data) // SEED_PART)} part(s)")
+
+
+def details(g: Gate) -> None:
+    """The children's reports and logs in one file: at most 8 files come back from a device call."""
+    with tarfile.open(g.out / "details.tar.gz", "w:gz") as tar:
+        for p in sorted(g.work.rglob("*")):
+            if p.is_file() and p.suffix in (".json", ".log", ".txt", ".png") and "peer-cache" not in p.parts \
+                    and "smollm2-hf" not in p.parts and p.stat().st_size < 4 << 20:
+                tar.add(p, arcname=str(p.relative_to(g.work)))
+
+
+# -- main -------------------------------------------------------------------------------------------------------------------
+def device_name(cpu: bool) -> str:
+    if cpu:
+        return "cpu"
+    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0) "
+                           "if torch.cuda.is_available() else 'cpu')"], capture_output=True, text=True)
+    return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else "unknown"
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=REPO).stdout.strip()
+        return sha + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=("1", "2", "all"), default="all",
+                    help="1: the 1B bf16 rows with torch.compile and the profile; 2: serve, fp8/int4_wo, SmolLM2 (on "
+                         "the same warm machine: part 1's store in --engines); all: both in one call (seeded)")
+    ap.add_argument("--plan", action="store_true", help="print the steps and their estimated seconds, run nothing")
+    ap.add_argument("--budget", type=float, default=560.0, help="seconds this run may take in all (default 560)")
+    ap.add_argument("--reserve", type=float, default=15.0, help="seconds kept back from each step for the report")
+    ap.add_argument("--engines", default="/tmp/gate-engines", help="the store (part 2 reuses part 1's)")
+    ap.add_argument("--work", default="/tmp/gate-work", help="the children's reports and logs")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/<date>-<device>-gate")
+    ap.add_argument("--seed", action="append", type=Path, default=[],
+                    help="a folder of tactics.tar.gz* / peer-cache.tar.gz.part-* seeds (repeatable)")
+    ap.add_argument("--save-seeds", action="store_true", help="write the caches back as parts of <= 15 MiB under --out")
+    ap.add_argument("--smollm2", default=None,
+                    help="SmolLM2's Hugging Face folder, or the pieces `benchmarks/smollm2.py carry` wrote, gathered")
+    ap.add_argument("--baseline", type=Path, default=None, help="default benchmarks/baselines/<card>.json")
+    ap.add_argument("--write-baseline", default=None, metavar="WHY",
+                    help="write the baseline from this run's rows (the other rows kept); WHY is recorded in it")
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git, where the tree has .git)")
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--serve-s", type=float, default=20.0)
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="the plumbing on a CPU: tiny-llama, quick shapes, no torch.compile, serve for a few seconds")
+    args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        args.streams, args.serve_s = min(args.streams, 4), min(args.serve_s, 4.0)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.plan:
+        print(plan_text(bool(args.seed)))
+        return 0
+    date = time.strftime("%Y-%m-%d")
+    device = device_name(args.cpu_smoke)
+    card = gate_report.card(device)
+    args.out = args.out or os.environ.get("OUT") or str(
+        HERE / "results" / f"{date}-{card or device.split()[-1].lower()}-gate")
+    g = Gate(args)
+    # A device call's limit ends this process with SIGTERM: stop where it is, keep the rows, print the table
+    signal.signal(signal.SIGTERM, _stop)
+    base_path = args.baseline or (HERE / "baselines" / f"{card}.json" if card else None)
+    g.baseline = gate_report.load_baseline(base_path) if base_path else None
+    g.report = {"device": device, "card": card, "commit": args.commit or commit(), "date": date,
+                "time": time.strftime("%H:%M:%S"), "part": args.part, "command": " ".join(sys.argv),
+                "smoke": args.cpu_smoke, "budget_s": args.budget, "seeds": [str(s) for s in args.seed],
+                "baseline": str(base_path) if g.baseline else None, "rows": []}
+    # part 2 on the machine part 1 left warm: its rows come along, so this gate.json holds the whole gate
+    earlier = g.work / "gate-part1.json"
+    if args.part == "2" and earlier.is_file():
+        prior = json.loads(earlier.read_text())
+        if prior.get("commit") == g.report["commit"]:
+            g.report["rows"] = prior["rows"]
+            g.log(f"part 1's {len(prior['rows'])} rows taken from {earlier}")
+    g.save()
+    g.log(f"device {device}, commit {g.report['commit']}, baseline {base_path if g.baseline else 'none'}, "
+          f"budget {args.budget:.0f} s, out {g.out}")
+    for seed in args.seed:
+        unpack_seeds(g, seed)
+    order = ALL_ORDER if args.part == "all" else [k for k, s in STEPS.items() if str(s.part) == args.part]
+    try:
+        for key in order:
+            if g.left() < args.reserve + 15:
+                g.log(f"{STEPS[key].name}: not run, {g.left():.0f} s left")
+                g.report.setdefault("not_run", []).append(STEPS[key].name)
+                g.save()
+                continue
+            g.part = STEPS[key].part
+            g.log(f"{STEPS[key].name} ({g.left():.0f} s left; estimated {STEPS[key].seeded_s if args.seed else STEPS[key].cold_s:.0f} s)")
+            try:
+                RUNNERS[key](g)
+            except Exception as exc:  # noqa: BLE001 - one broken step must not cost the other rows
+                g.log(f"{STEPS[key].name}: {type(exc).__name__}: {exc}")
+                g.report.setdefault("step_errors", {})[key] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                g.save()
+    except Stopped:
+        g.report["stopped"] = "SIGTERM: the rows are what was measured before it"
+        g.save()
+    if args.save_seeds:
+        save_seeds(g)
+    details(g)
+    if args.write_baseline and not base_path:
+        g.log(f"no baseline written: {device} is neither an H100 nor an H200 (--baseline names a file)")
+    elif args.write_baseline and base_path:
+        base_path.parent.mkdir(parents=True, exist_ok=True)
+        base_path.write_text(json.dumps(gate_report.baseline_from(g.report, g.baseline, args.write_baseline),
+                                        indent=1) + "\n")
+        g.log(f"baseline written: {base_path}")
+    g.save()
+    g.log(gate_report.plot(g.report, g.out / "gate.png"))
+    text = gate_report.table(g.report)
+    print(text, flush=True)
+    g.log_file.write(text + "\n")
+    g.log_file.close()
+    if "stopped" in g.report:
+        return 143  # the status SIGTERM would have given: a gate cut short has not passed
+    return 1 if gate_report.failed(g.report["rows"]) or g.report.get("step_errors") else 0
+
+
+class Stopped(BaseException):
+    """SIGTERM, raised where the gate is. Not an Exception: a step's own handler must not swallow it."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second TERM ends the process at once
+    raise Stopped
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The GPU gate's judgement (benchmarks/gate_report.py): every row against the card's baseline, 3% worse in its own
+direction is a regression, a missing baseline row is new, a failed step or check fails the gate; and the
+bf16 tie rule of the SmolLM2 greedy row (benchmarks/greedy_match.py). Nothing is built here but in the smoke run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gate  # noqa: E402
+import gate_report as gr  # noqa: E402
+import greedy_match  # noqa: E402
+
+
+def _base(*rows: dict[str, Any]) -> dict[str, Any]:
+    return {"device": "NVIDIA H100 80GB HBM3", "commit": "abc", "date": "2026-12-06", "rows": list(rows)}
+
+
+def _judge(r: dict[str, Any], *base: dict[str, Any]) -> dict[str, Any]:
+    return gr.judge_all([r], _base(*base))[0]
+
+
+def test_a_ratio_to_the_floor_is_compared_not_the_time() -> None:
+    # the time moved 10% but the floor with it (another card's clocks): the ratio is what counts
+    base = {"name": "1B bf16 decode b1", "value": 1.0, "unit": "ms", "x_floor": 1.30}
+    assert _judge(gr.row("1B bf16 decode b1", 1.1, "ms", 1, x_floor=1.30), base)["verdict"] == "ok"
+    r = _judge(gr.row("1B bf16 decode b1", 1.0, "ms", 1, x_floor=1.35), base)
+    assert r["regression"] and r["verdict"] == "REGRESSION" and r["baseline"] == 1.30
+    assert r["change"] == pytest.approx(1.35 / 1.30 - 1)
+
+
+@pytest.mark.parametrize(("unit", "old", "new", "regression"), [
+    ("ms", 10.0, 10.29, False),  # 2.9% slower: within the tolerance
+    ("ms", 10.0, 10.31, True),  # 3.1% slower
+    ("ms", 10.0, 5.0, False),  # faster is never a regression
+    ("s", 100.0, 103.5, True),
+    ("tok/s", 1000.0, 971.0, False),  # 2.9% fewer tokens
+    ("tok/s", 1000.0, 969.0, True),  # 3.1% fewer
+    ("tok/s", 1000.0, 2000.0, False),
+    ("x bf16", 0.60, 0.58, True),
+    ("prompts", 4, 3, True),  # one prompt of four no longer equal
+    ("x TPOT", 1.02, 1.04, False),  # 2 points further from 1
+    ("x TPOT", 1.02, 1.06, True),  # 4 points further
+    ("x TPOT", 1.06, 0.98, False),  # closer to 1 from the other side
+])
+def test_three_percent_worse_in_the_units_own_direction(unit: str, old: float, new: float, regression: bool) -> None:
+    r = _judge(gr.row("r", new, unit, 1), {"name": "r", "value": old, "unit": unit})
+    assert r["regression"] is regression
+    assert r["verdict"] == ("REGRESSION" if regression else "ok")
+
+
+def test_missing_rows_not_run_rows_and_failures() -> None:
+    assert _judge(gr.row("new row", 1.0, "ms", 1))["verdict"] == "new"
+    assert not _judge(gr.row("new row", 1.0, "ms", 1))["regression"]
+    skipped = _judge(gr.row("r", None, "ms", 2, status="not run", note="no SmolLM2 pieces"),
+                     {"name": "r", "value": 1.0, "unit": "ms"})
+    assert skipped["verdict"] == "not run" and not skipped["regression"]
+    broken = _judge(gr.row("r", None, "ms", 1, status="error", note="Traceback"))
+    assert broken["verdict"] == "ERROR" and broken["regression"]
+    # a correctness row fails on its own check, baseline or not; a soft target only says NOT MET
+    assert _judge(gr.row("greedy", 3, "prompts", 2, target="all 4 equal", met=False, hard=True))["regression"]
+    soft = _judge(gr.row("profile", 1.07, "x TPOT", 1, target="within 5%", met=False))
+    assert soft["verdict"] == "new" and not soft["regression"]
+
+
+def test_builds_compare_only_with_a_baseline_of_the_same_seeding_and_at_their_own_tolerance() -> None:
+    base = {"name": "build 1B bf16", "value": 60.0, "unit": "s", "context": "seeded"}
+    cold = _judge(gr.row("build 1B bf16", 208.0, "s", 1, tolerance=0.25, context="cold"), base)
+    assert cold["verdict"].startswith("not compared") and not cold["regression"]
+    assert _judge(gr.row("build 1B bf16", 70.0, "s", 1, tolerance=0.25, context="seeded"), base)["verdict"] == "ok"
+    assert _judge(gr.row("build 1B bf16", 80.0, "s", 1, tolerance=0.25, context="seeded"), base)["regression"]
+
+
+def test_behind_torch_compile_is_flagged_per_row() -> None:
+    ahead = gr.row("prefill 1024", 4.4, "ms", 1, x_floor=1.7, peer={"name": "torch.compile", "value": 5.0})
+    behind = gr.row("prefill 128", 5.8, "ms", 1, x_floor=7.0, peer={"name": "torch.compile", "value": 4.0})
+    assert not ahead["behind"] and behind["behind"]
+    report = {"device": "H100", "commit": "abc", "date": "d", "part": "1", "rows": gr.judge_all([ahead, behind], None)}
+    text = gr.table(report)
+    assert "behind torch.compile on: prefill 128" in text and "no regression" in text
+
+
+def test_units_without_a_direction_are_refused() -> None:
+    with pytest.raises(ValueError, match="no direction"):
+        gr.row("r", 1.0, "furlongs", 1)
+
+
+def test_cards_and_baselines() -> None:
+    assert gr.card("NVIDIA H100 80GB HBM3") == "h100" and gr.card("NVIDIA H200") == "h200"
+    assert gr.card("cpu") is None
+    report = {"device": "NVIDIA H100", "commit": "new", "date": "2026-12-07",
+              "rows": [gr.row("a", 2.0, "ms", 1, x_floor=1.2), gr.row("b", None, "ms", 1, status="not run")]}
+    old = _base({"name": "a", "value": 1.0, "unit": "ms"}, {"name": "c", "value": 5.0, "unit": "tok/s", "part": 2})
+    new = gr.baseline_from(report, old, "the prefill attention changed")
+    rows = {r["name"]: r for r in new["rows"]}
+    assert rows["a"]["value"] == 2.0 and rows["a"]["x_floor"] == 1.2 and rows["a"]["commit"] == "new"
+    assert rows["c"]["value"] == 5.0  # part 2's row, not in this run, kept
+    assert "b" not in rows and new["why"] == "the prefill attention changed"
+
+
+@pytest.mark.parametrize(("engine", "ref", "top2", "equal", "matched"), [
+    ([5, 6, 7], [5, 6, 7], [(10.0, 1.0)] * 3, True, 3),
+    ([5, 6, 8], [5, 6, 7], [(10.0, 1.0), (10.0, 1.0), (17.0, 16.8)], True, 2),  # 0.2 <= 4 spacings of 0.125
+    ([5, 6, 8], [5, 6, 7], [(10.0, 1.0), (10.0, 1.0), (17.0, 16.0)], False, 2),  # a clear choice, not a tie
+    ([5, 9], [5, 6, 7], [(10.0, 1.0)] * 3, False, 1),
+    ([5, 6], [5, 6, 7], [(10.0, 1.0)] * 3, True, 2),  # the engine stopped (EOS) where the reference went on
+])
+def test_greedy_texts_are_equal_up_to_the_first_bf16_tie(engine: list[int], ref: list[int],
+                                                          top2: list[tuple[float, float]], equal: bool,
+                                                          matched: int) -> None:
+    got = greedy_match.match(engine, ref, top2)
+    assert got["equal"] is equal and got["matched"] == matched
+
+
+def test_bf16_spacing() -> None:
+    assert greedy_match.bf16_spacing(1.0) == 2 ** -7
+    assert greedy_match.bf16_spacing(17.0) == 0.125
+    assert greedy_match.bf16_spacing(-3.0) == 2 ** -6
+
+
+def test_the_plan_fits_each_part_into_one_call() -> None:
+    for part in (1, 2):
+        steps = [s for s in gate.STEPS.values() if s.part == part]
+        assert gate.STARTUP_S + sum(s.cold_s for s in steps) < 570, part
+    assert set(gate.ALL_ORDER) == set(gate.STEPS) == set(gate.RUNNERS)
+    assert "total" in gate.plan_text(seeded=False)
+
+
+def test_the_exit_status_follows_the_rows(tmp_path: Path) -> None:
+    """--plan runs nothing; a gate whose rows hold a regression exits 1 (the table says which)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gate.py"), "--plan"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 0 and "part" in proc.stdout
+    rows = gr.judge_all([gr.row("a", 2.0, "ms", 1, x_floor=2.0)], _base({"name": "a", "value": 1.0, "unit": "ms",
+                                                                       "x_floor": 1.0}))
+    assert [r["name"] for r in gr.failed(rows)] == ["a"]
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run(tmp_path: Path) -> None:
+    """The whole plumbing on the CPU: tiny engines built, every step's rows written, the table printed."""
+    base = tmp_path / "baseline.json"
+    args = [sys.executable, str(ROOT / "benchmarks" / "gate.py"), "--cpu-smoke", "--out", str(tmp_path / "out"),
+            "--work", str(tmp_path / "work"), "--engines", str(tmp_path / "e"), "--budget", "1500",
+            "--baseline", str(base), "--write-baseline", "smoke"]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "gate.json").read_text())
+    names = {r["name"]: r for r in report["rows"]}
+    assert names["tiny bf16 decode b1"]["x_floor"] > 0 and names["tiny fp8 decode b1 tok/s vs bf16"]["value"] > 0
+    assert names["tiny serve 4 streams output tok/s"]["value"] > 0
+    assert names["SmolLM2-135M bf16 greedy = transformers"]["verdict"] == "not run"
+    assert (tmp_path / "out" / "details.tar.gz").is_file() and base.is_file()
