@@ -235,7 +235,7 @@ def _text_side(session: Any) -> Any:
 def _warm_paged(engine: Any) -> None:
     """The paged graph's first calls: a one-token prompt and a decode step in block 0 (a free block, whose
     contents no request reads before writing them)."""
-    from trtbuild.sampling import Sampling
+    from trtbuild.backends.sampling import Sampling
 
     engine.prefill_paged(-1, [0], [0], 0, Sampling())
     engine.decode_paged([-1], [[0]], [0], [1], [Sampling(temperature=1.0, top_p=0.9, seed=0)])
