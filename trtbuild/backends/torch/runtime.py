@@ -276,7 +276,7 @@ class TorchEngine:
             raise InputError(f"prompt: token ids must be in [0, {self.vocab_size})")
         sampling.checked()
         greedy, logits = self.paged.prefill(blocks, tokens, start)
-        if start == 0:
+        if start == 0 or key not in self._prompts:  # a first chunk (after a cached prefix, start > 0)
             self._prompts[key], self._generated[key] = [], []
         self._prompts[key] += tokens
         end = start + len(tokens)
