@@ -27,13 +27,14 @@ from typing import Any
 from trtbuild.backends import BuildJob, BuildOutput
 from trtbuild.backends.torch import compile_workers, decode_kernels, graph_cache, moe_plan, prefill_attention, quantized
 from trtbuild.backends.torch.inductor import DTYPE_NAMES, inductor_caches, inductor_configs, kernels_wait, record_autotuning
+from trtbuild.backends.torch import export
 from trtbuild.backends.torch.export import bucket, export_graph, model_bytes, place_model
 from trtbuild.store import fingerprint
 
 WEIGHTS = "weights.safetensors"
 ENGINE_JSON = "engine.json"
 # Every recipe option this backend takes, with its modes (the first is the default).
-OPTIONS = decode_kernels.OPTIONS | prefill_attention.OPTIONS | quantized.OPTIONS | moe_plan.OPTIONS
+OPTIONS = decode_kernels.OPTIONS | prefill_attention.OPTIONS | quantized.OPTIONS | moe_plan.OPTIONS | export.OPTIONS
 
 
 def _option(recipe: Any, name: str) -> str:
@@ -155,7 +156,8 @@ class TorchAOTIBackend:
         phases["select_prefill_attention_s"] = time.perf_counter() - t
 
         graphs: dict[str, dict[str, Any]] = {}
-        for name in ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets)]:
+        paged = [export.PAGED] if _option(recipe, "kv_cache") == "paged" else []
+        for name in ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets), *paged]:
             job.progress(f"exporting {name}")
             graphs[name] = export_graph(model, name, shapes, device, plan.get(bucket(name), {}),
                                         attention["used"], prompt["used"])
@@ -199,7 +201,7 @@ class TorchAOTIBackend:
                     tuned.extend(report.get("tuned", []))
                 graph["compile_s"] = time.perf_counter() - g0
                 graph["pdl"] = bool(configs[name].get("triton.enable_pdl"))
-                graph["trtbuild_wait"] = name != "prefill" and kernels_wait(device)
+                graph["trtbuild_wait"] = name.startswith("decode_b") and kernels_wait(device)
                 del graph["program"]
         shutil.rmtree(spare, ignore_errors=True)
         phases["compile_s"] = time.perf_counter() - t
