@@ -237,7 +237,7 @@ def serving_recipe(path: Path, rows: int | None, folder: Path, paged: bool = Fal
 
 
 def measure_ceilings(engines: str) -> dict[str, Any]:
-    code = ("import json, sys, torch; from pathlib import Path; from trtbuild import ceilings; "
+    code = ("import json, sys, torch; from pathlib import Path; from trtbuild.measure import ceilings; "
             "dev = 'cuda' if torch.cuda.is_available() else 'cpu'; "
             "print(json.dumps(ceilings.cached(dev, Path(sys.argv[1])) | {'device': dev}))")
     proc = subprocess.run([sys.executable, "-c", code, str(Path(engines) / "ceilings")], capture_output=True,
