@@ -50,14 +50,14 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
         # decide instead; the compiler's support for the extensions (bf16, VNNI, AMX tiles) is still
         # compiled and checked, and a compiler that could not build the base ISA fails the build loudly.
         base["cpp.vec_isa_ok"] = True
-    if graph != "prefill" and pdl_compilable(device):
+    if graph.startswith("decode_b") and pdl_compilable(device):
         # Inductor's kernels wait for their predecessor inside the kernel, so the runtime may let them
         # start early in the captured decode step (trtbuild/backends/torch/pdl.py). The prefill graph is not
         # captured: it gains nothing.
         base["triton.enable_pdl"] = True
     if level == "none":
         return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
-    if level == "default" or graph == "prefill":
+    if level == "default" or not graph.startswith("decode_b"):  # prefill, paged: dynamic rows
         return base
     tuned = base | {"max_autotune": True, "coordinate_descent_tuning": False}
     return tuned if device.startswith("cuda") else tuned | {"max_autotune_gemm_backends": "ATEN"}
