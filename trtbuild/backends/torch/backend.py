@@ -167,7 +167,7 @@ class TorchAOTIBackend:
                     "tensors": {k: [list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()},
                     "plan": {str(b): {decode_kernels.key_name(k): c.name for k, c in sorted(p.items())}
                              for b, p in plan.items()},
-                    "attention": attention["used"], "prefill_attention": prompt["used"], "fold_norms": fold,
+                    "attention": attention["used"], "prefill_attention": prompt["used"],
                     "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"]}
         graphs: dict[str, dict[str, Any]] = {}
         for name in names:
