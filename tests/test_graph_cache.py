@@ -22,8 +22,8 @@ def test_the_architecture_key_follows_shapes_options_and_graph_but_not_the_weigh
 
 def test_an_export_record_is_used_only_while_its_compiled_graph_is_complete(tmp_path: Path) -> None:
     digest = "ab" * 32
-    graph = {"batch": 1, "window": "dynamic", "digest": digest, "program": object(), "so": "decode_b1/x.so"}
-    graph_cache.remember_export(tmp_path, "cd" * 32, graph)
+    graph = {"batch": 1, "window": "dynamic", "digest": digest, "program": object(), "export_s": 0.5}
+    graph_cache.remember_export(tmp_path, "cd" * 32, graph_cache.export_record(graph))
     assert graph_cache.known_export(tmp_path, "cd" * 32) is None  # the compiled graph is not in the cache
     marker = graph_cache.cached(tmp_path, digest)
     marker.parent.mkdir(parents=True)

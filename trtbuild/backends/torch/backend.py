@@ -170,6 +170,7 @@ class TorchAOTIBackend:
                     "attention": attention["used"], "prefill_attention": prompt["used"],
                     "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"]}
         graphs: dict[str, dict[str, Any]] = {}
+        records: dict[str, tuple[str, dict[str, Any]]] = {}  # name -> (architecture key, export record)
         for name in names:
             architecture = graph_cache.architecture_key(name, configs[name], material)
             known = graph_cache.known_export(job.tactics.path, architecture)
@@ -180,7 +181,7 @@ class TorchAOTIBackend:
                 graphs[name]["digest"] = graph_cache.graph_digest(graphs[name]["program"], configs[name])
             else:
                 graphs[name] = known | {"export_s": 0.0}
-            graphs[name]["architecture"] = architecture
+            records[name] = (architecture, graph_cache.export_record(graphs[name]))
             if (timed := decode_kernels.timed_step_us(matmuls, bucket(name))) is not None:
                 graphs[name]["matmuls_timed_us"] = timed  # for the run report: where a step's time goes
                 graphs[name]["fused_outside"] = decode_kernels.fused_outside(matmuls, bucket(name))
@@ -219,7 +220,7 @@ class TorchAOTIBackend:
                 graph["pdl"] = bool(configs[name].get("triton.enable_pdl"))
                 graph["trtbuild_wait"] = name.startswith("decode_b") and kernels_wait(device)
                 graph.pop("program", None)
-                graph_cache.remember_export(job.tactics.path, graph.pop("architecture"), graph)
+                graph_cache.remember_export(job.tactics.path, *records[name])
         shutil.rmtree(spare, ignore_errors=True)
         phases["compile_s"] = time.perf_counter() - t
         # of which, for the graphs compiled in this process: Inductor's Python, and the C++ compiler's

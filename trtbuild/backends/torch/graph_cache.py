@@ -39,11 +39,6 @@ def graph_digest(program: Any, configs: dict[str, Any]) -> str:
     return hashlib.sha256((text + "\0" + json.dumps(configs, sort_keys=True, default=str)).encode()).hexdigest()
 
 
-# What export adds to a graph's record besides the program: kept beside the compiled graph, so that a build
-# that finds the graph by its architecture key has the same record without exporting.
-_EXPORT_FIELDS = ("batch", "window", "matmuls", "attention", "prefill_attention", "digest")
-
-
 @functools.cache
 def package_sources() -> str:
     """A digest of every Python source of trtbuild: any code change may change what export makes of a model
@@ -80,12 +75,18 @@ def known_export(tactics: Path, architecture: str) -> dict[str, Any] | None:
     return record
 
 
-def remember_export(tactics: Path, architecture: str, graph: dict[str, Any]) -> None:
-    """Keep what export gave `graph` under its architecture key (written whole, then renamed)."""
+def export_record(graph: dict[str, Any]) -> dict[str, Any]:
+    """What export gave a graph besides its program (batch, window, kernels routed, the compiled-graph key):
+    kept beside the compiled graph, so that a build finding it by its architecture key has the same record."""
+    return {k: v for k, v in graph.items() if k not in ("program", "export_s")}
+
+
+def remember_export(tactics: Path, architecture: str, record: dict[str, Any]) -> None:
+    """Keep an `export_record` under its architecture key (written whole, then renamed)."""
     path = _export_record(tactics, architecture)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}{_TMP}{socket.gethostname()}-{os.getpid()}")
-    tmp.write_text(json.dumps({k: graph[k] for k in _EXPORT_FIELDS if k in graph}, sort_keys=True))
+    tmp.write_text(json.dumps(record, sort_keys=True))
     os.replace(tmp, path)
 
 
