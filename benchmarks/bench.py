@@ -201,13 +201,9 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
                    "moe-grouped": ("moe_prefill", "grouped", "prompts' tokens grouped by expert (torch._grouped_mm)"),
                    "kernel": ("decode_matmul", "kernel", "trtbuild's decode matmul kernel for every matmul"),
                    "aten-attention": ("decode_attention", "aten", "no trtbuild decode attention kernel"),
-                   "attention-unfused": ("decode_attention", "kernel-unfused",
-                                         "trtbuild's attention kernel without rope and the cache writes"),
-                   "fused": ("decode_fusion", "fused", "decode matmul kernel fused with the norms, gating and residual adds"),
                    "sdpa-prefill": ("prefill_attention", "sdpa", "prefill attention through SDPA's dispatch"),
                    "cudnn-prefill": ("prefill_attention", "cudnn", "prefill attention through cuDNN's"),
                    "split-k": ("decode_split_k", "timed", "split-K decode matmul configurations timed too"),
-                   "pdl-timing": ("decode_timing", "pdl", "decode matmuls selected in graphs with programmatic edges"),
                    "epilogue": ("decode_fusion", "epilogue", "decode matmul kernel fused with the gating and residual adds"),
                    # the default before 2026-12-04 (epilogue measured then), for A/B runs against the default epilogue
                    "no-epilogue": ("decode_fusion", "none", "decode matmul kernel alone, Inductor's gating and residual adds")}
@@ -489,12 +485,9 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma list of {', '.join(VARIANTS)}, engine@LEVEL (the recipe at tactics level LEVEL), "
                          "engine@cublas / engine@kernel (options.decode_matmul), "
-                         "engine@aten-attention / engine@attention-unfused "
-                         "(options.decode_attention), "
-                         "engine@fused (options.decode_fusion), "
+                         "engine@aten-attention (options.decode_attention), "
                          "engine@sdpa-prefill / engine@cudnn-prefill (options.prefill_attention), "
                          "engine@split-k (options.decode_split_k timed), "
-                         "engine@pdl-timing (options.decode_timing pdl), "
                          "engine@epilogue / engine@no-epilogue (options.decode_fusion epilogue, the default, / none), "
                          "engine@serial (every graph compiled in the build process, in a fresh store), "
                          "engine@no-pdl (the engine's decode graphs captured without PDL; after engine), "

@@ -106,15 +106,16 @@ if python3 -c "import json,sys; r=list(json.load(open('$OUT/bench.json'))['recip
   tail -12 "$OUT/preload/bench.log"
 fi
 
-# -- 4. where a decode step's time goes (PROFILE=0 skips), and an A/B of Inductor options for one graph
+# -- 4. where a step's time goes, call site by call site (`trtbuild profile`; PROFILE=0 skips), and an A/B of
+#       Inductor options for one graph
 #       (PROBE = benchmarks/probes/probe.py's arguments, e.g. "--graph prefill --options plain,autotune
 #       --example-lens 2,2048"; empty skips) --------------------------------------------------------------
 if [ "${PROFILE:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then
   # Serialized by default (PROFILE_PDL=0): under PDL a kernel's duration includes the time it waited for
   # its predecessor, so only a serialized capture gives each kernel's own cost (2026-12-04, H200)
-  log "decode profile (TRTBUILD_PDL=${PROFILE_PDL:-0})"
-  TRTBUILD_PDL=${PROFILE_PDL:-0} timeout $(( $(left) - 40 )) python3 benchmarks/probes/profile_decode.py "$RECIPE" --engines /tmp/bench-engines \
-    --out "$OUT/profile.json" > "$OUT/profile.txt" 2>&1; log "rc $?"; grep -v "^USDT" "$OUT/profile.txt" | head -60
+  log "profile (TRTBUILD_PDL=${PROFILE_PDL:-0})"
+  TRTBUILD_PDL=${PROFILE_PDL:-0} timeout $(( $(left) - 40 )) python3 -m trtbuild profile "$RECIPE" --engines /tmp/bench-engines \
+    --plot "$OUT/profile.png" > "$OUT/profile.txt" 2>&1; log "rc $?"; grep -v "^USDT" "$OUT/profile.txt" | head -60
 fi
 if [ -n "${PROBE:-}" ] && [ "$(left)" -gt 90 ]; then
   log "probe ${PROBE}"

@@ -185,7 +185,7 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
 # -- the steps ----------------------------------------------------------------------------------------------------------
 def recipes(g: Gate) -> dict[str, str]:
     """The recipes of the matrix; on the CPU smoke run the tiny Llama, and its quantized copies."""
-    if not g.args.cpu_smoke:
+    if not g.args.tiny:
         return {"bf16": BF16, "fp8": FP8, "int4": INT4}
     import yaml
 
@@ -201,7 +201,7 @@ def recipes(g: Gate) -> dict[str, str]:
 
 def label(g: Gate) -> str:
     """The matrix's model in row names: the smoke run's rows are not the 1B's."""
-    return "tiny" if g.args.cpu_smoke else "1B"
+    return "tiny" if g.args.tiny else "1B"
 
 
 def build_step(g: Gate, key: str) -> None:
@@ -301,7 +301,7 @@ def profile_step(g: Gate) -> None:
     name = f"{label(g)} bf16 profile step / run TPOT b1"
     rc, text = g.child("profile", [sys.executable, "benchmarks/profile_check.py", recipes(g)["bf16"], "--engines",
                                    str(g.store), "--out", str(out), "--batches", "1", "--prefill-len", "0"]
-                       + (["--prompt-len", "8", "--output-len", "16"] if g.args.cpu_smoke else []),
+                       + (["--prompt-len", "8", "--output-len", "16"] if g.args.tiny else []),
                        reserve=g.args.reserve)
     try:
         agree = json.loads((out / "profile.json").read_text())["cases"]["decode_b1"]["agreement"]
@@ -331,7 +331,7 @@ def serve_step(g: Gate) -> None:
 
     doc = yaml.safe_load(path.read_text())
     shapes, model, vocab = doc["shapes"], doc["name"], int(doc["model"]["config"]["vocab_size"])
-    quick = g.args.cpu_smoke
+    quick = g.args.tiny
     try:
         rc, text = g.child("serve-build", [sys.executable, "-m", "trtbuild", "build", str(path), "--engines",
                                            str(g.store), "--quiet"], reserve=g.args.reserve + seconds + 30)
@@ -387,7 +387,7 @@ def smollm2_step(g: Gate) -> None:
     out = g.work / "greedy.json"
     rc, text = g.child("smollm2", [sys.executable, "benchmarks/greedy_match.py", "--model", str(model), "--engines",
                                    str(g.store), "--work", str(g.work / "smollm2-recipes"), "--out", str(out)]
-                       + (["--new-tokens", "8"] if g.args.cpu_smoke else []), reserve=g.args.reserve)
+                       + (["--new-tokens", "8"] if g.args.tiny else []), reserve=g.args.reserve)
     try:
         result = json.loads(out.read_text())
     except (OSError, ValueError):
@@ -498,8 +498,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--serve-s", type=float, default=20.0)
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="the plumbing on a CPU: tiny-llama, quick shapes, no torch.compile, serve for a few seconds")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the plumbing on this machine's device (a GPU where there is one): tiny-llama and its "
+                         "quantized copies, quick shapes, serve for a few seconds; rows named 'tiny'")
     args = ap.parse_args(argv)
-    if args.cpu_smoke:
+    args.tiny = args.smoke or args.cpu_smoke
+    if args.tiny:
         args.streams, args.serve_s = min(args.streams, 4), min(args.serve_s, 4.0)
     return args
 
@@ -521,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     g.baseline = gate_report.load_baseline(base_path) if base_path else None
     g.report = {"device": device, "card": card, "commit": args.commit or commit(), "date": date,
                 "time": time.strftime("%H:%M:%S"), "part": args.part, "command": " ".join(sys.argv),
-                "smoke": args.cpu_smoke, "budget_s": args.budget, "seeds": [str(s) for s in args.seed],
+                "smoke": args.tiny, "budget_s": args.budget, "seeds": [str(s) for s in args.seed],
                 "baseline": str(base_path) if g.baseline else None, "rows": []}
     # part 2 on the machine part 1 left warm: its rows come along, so this gate.json holds the whole gate
     earlier = g.work / "gate-part1.json"

@@ -76,8 +76,7 @@ def decode_kernels(manifest: dict[str, Any]) -> str:
                          + (f", the step's matmuls {timed / 1e3:.3f} ms as the build timed them" if timed else ""))
     attention = manifest.get("tactics", {}).get("decode_attention", {}).get("used")
     if attention:
-        label = {"kernel": "trtbuild kernel (with rope and the cache writes)",
-                 "kernel-unfused": "trtbuild kernel (attention only)"}.get(attention, "aten")
+        label = "trtbuild kernel (with rope and the cache writes)" if attention == "kernel" else "aten"
         parts.append(f"decode attention: {label}")
     prompt = manifest.get("tactics", {}).get("prefill_attention", {})
     if prompt.get("used"):

@@ -40,15 +40,23 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-LEVELS = (1, 8, 32, 64)
+LEVELS = (1, 16, 64, 256)
+SYSTEM_PROMPT, QUESTION, OUT = 1000, 64, 128  # the shared-prefix workload: one system prompt, a question each
 
 
 # -- the workload ---------------------------------------------------------------------------------------------
-def workload(count: int, max_input: int, max_seq: int, quick: bool, vocab: int, seed: int = 0) -> list[dict[str, Any]]:
-    """`count` requests: prompt lengths uniform in [64, 1024] and output lengths in [64, 512] (quick: [4, 24]
-    and [4, 24]), each clipped to the engine's shapes; token ids seeded, the same for every run."""
+def workload(count: int, max_input: int, max_seq: int, quick: bool, vocab: int, seed: int = 0,
+             kind: str = "random") -> list[dict[str, Any]]:
+    """`count` requests. random: prompts of 256-1024 tokens, 128 out (quick: 4-24 and 4-24); shared-prefix: one
+    1000-token system prompt (quick: 24) and a 64-token question (quick: 4) each, 128 out (quick: 8). Clipped
+    to the engine's shapes; token ids seeded, the same for every run."""
     rng = random.Random(seed)
-    p_lo, p_hi, o_lo, o_hi = (4, 24, 4, 24) if quick else (64, 1024, 64, 512)
+    if kind == "shared-prefix":
+        system_len, q_len, o = (24, 4, 8) if quick else (SYSTEM_PROMPT, QUESTION, OUT)
+        system = [random.Random(7).randrange(min(vocab, 1000)) for _ in range(min(system_len, max_input - q_len))]
+        return [{"prompt": system + [rng.randrange(min(vocab, 1000)) for _ in range(q_len)],
+                 "max_tokens": max(1, min(o, max_seq - len(system) - q_len))} for _ in range(count)]
+    p_lo, p_hi, o_lo, o_hi = (4, 24, 4, 24) if quick else (256, 1024, OUT, OUT)
     out = []
     for _ in range(count):
         p = min(rng.randint(p_lo, p_hi), max_input)
@@ -81,9 +89,10 @@ def get(port: int, path: str, timeout: float = 10.0) -> tuple[int, str]:
         conn.close()
 
 
-def start_server(recipe: Path, engines: str, port: int, max_queue: int, log: Path, timeout: float) -> subprocess.Popen:
+def start_server(recipe: Path, engines: str, port: int, max_queue: int, log: Path, timeout: float,
+                 flags: list[str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trtbuild", "serve", str(recipe), "--engines", engines, "--no-build",
-           "--port", str(port), "--max-queue", str(max_queue), "--quiet"]
+           "--port", str(port), "--max-queue", str(max_queue), "--quiet", *(flags or [])]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
     t = time.perf_counter()
     while time.perf_counter() - t < timeout:
@@ -206,11 +215,16 @@ class Clients:
 
 
 # -- one recipe ---------------------------------------------------------------------------------------------------------
-def serving_recipe(path: Path, rows: int | None, folder: Path) -> tuple[Path, dict[str, Any]]:
-    """The recipe as given, or a copy with `rows` cache rows and decode buckets 1, 8, 16, 32, ... up to it."""
+def serving_recipe(path: Path, rows: int | None, folder: Path, paged: bool = False) -> tuple[Path, dict[str, Any]]:
+    """The recipe as given, or a copy with `rows` cache rows and decode buckets 1, 8, 16, 32, ... up to it, and
+    with `paged` the paged graph (options.kv_cache paged)."""
     doc = yaml.safe_load(path.read_text())
-    if rows is None:
+    if rows is None and not paged:
         return path, doc
+    if paged:
+        doc["name"] = f"{doc['name']}-paged"
+        doc.setdefault("options", {})["kv_cache"] = "paged"
+    rows = rows or doc["shapes"]["max_batch_size"]
     doc["name"] = f"{doc['name']}-rows{rows}"
     doc["shapes"]["max_batch_size"] = rows
     doc["shapes"]["batch_buckets"] = sorted({1, *(b for b in (8, 16, 32, 64, 128, 256) if b < rows), rows})
@@ -223,12 +237,26 @@ def serving_recipe(path: Path, rows: int | None, folder: Path) -> tuple[Path, di
 
 
 def measure_ceilings(engines: str) -> dict[str, Any]:
-    code = ("import json, sys, torch; from pathlib import Path; from trtbuild import ceilings; "
+    code = ("import json, sys, torch; from pathlib import Path; from trtbuild.measure import ceilings; "
             "dev = 'cuda' if torch.cuda.is_available() else 'cpu'; "
             "print(json.dumps(ceilings.cached(dev, Path(sys.argv[1])) | {'device': dev}))")
     proc = subprocess.run([sys.executable, "-c", code, str(Path(engines) / "ceilings")], capture_output=True,
                           text=True, cwd=REPO, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def workload_floor(reqs: list[dict[str, Any]], cfg: dict[str, Any], weight_bytes: float, kv_per_token: float,
+                   ceilings: dict[str, Any], concurrency: int) -> float:
+    """Seconds the workload needs at least: every prompt token's matmul FLOPs (2 x parameters, plus causal
+    attention) at the measured matmul rate, plus the decode steps' bytes at the copy rate, where a step of
+    `concurrency` rows reads the weights once and each row its KV cache."""
+    d, layers = cfg.get("hidden_size", 0), cfg.get("num_hidden_layers", 0)
+    params = weight_bytes / 2  # 16-bit weights: the floor of the bf16 engines the targets are set for
+    flops = sum(2 * params * len(r["prompt"]) + 2 * layers * d * len(r["prompt"]) ** 2 for r in reqs)
+    out_tokens = sum(r["max_tokens"] for r in reqs)
+    steps = out_tokens / max(1, concurrency)
+    context = sum(r["max_tokens"] * (len(r["prompt"]) + r["max_tokens"] / 2) for r in reqs)
+    return flops / ceilings["matmul_flops_per_s"] + (steps * weight_bytes + context * kv_per_token) / ceilings["copy_Bps"]
 
 
 def level_figures(results: list[dict[str, Any]], wall: float, before: dict[str, float], after: dict[str, float],
@@ -259,6 +287,9 @@ def level_figures(results: list[dict[str, Any]], wall: float, before: dict[str, 
         "tpot_ms": {"p50": percentile(tpot, 50) * 1e3, "p99": percentile(tpot, 99) * 1e3},
         "occupancy_mean": d.get("trtbuild_batch_occupancy_sum", 0.0) / occ_n if occ_n else None,
         "decode_steps": steps,
+        "preemptions": d.get("trtbuild_preemptions_total", 0.0),
+        "prefix_hits": d.get('trtbuild_prefix_cache_blocks_total{result="hit"}', 0.0),
+        "prefix_misses": d.get('trtbuild_prefix_cache_blocks_total{result="miss"}', 0.0),
     }
     if lone is not None and ok:
         # the target: 2x a lone request's TTFT plus one lone prefill per request ahead of it in the queue
@@ -271,7 +302,7 @@ def level_figures(results: list[dict[str, Any]], wall: float, before: dict[str, 
 def bench_recipe(path: Path, args: argparse.Namespace, ceilings: dict[str, Any], folder: Path, res: dict[str, Any],
                  save: Callable[[], None]) -> None:
     """Fill `res` with one recipe's figures, saving after each level (a run cut off keeps what it measured)."""
-    recipe, doc = serving_recipe(path, args.rows, folder)
+    recipe, doc = serving_recipe(path, args.rows, folder, args.paged)
     name = doc["name"]
     print(f"[serve_bench] {name}: build or find the engine ...", flush=True)
     t = time.perf_counter()
@@ -284,7 +315,8 @@ def bench_recipe(path: Path, args: argparse.Namespace, ceilings: dict[str, Any],
     port = free_port()
     log = Path(args.out) / f"server-{name}.log"
     t = time.perf_counter()
-    proc = start_server(recipe, args.engines, port, max_queue=4096, log=log, timeout=args.load_timeout)
+    proc = start_server(recipe, args.engines, port, max_queue=4096, log=log, timeout=args.load_timeout,
+                        flags=args.serve_flags.split())
     res["load_and_warm_s"] = time.perf_counter() - t
     lone = None
     try:
@@ -292,12 +324,16 @@ def bench_recipe(path: Path, args: argparse.Namespace, ceilings: dict[str, Any],
         Clients(port, name, workload(4, shapes["max_input_len"], shapes["max_seq_len"], args.quick, vocab, seed=99)).run(2)
         for n in args.concurrency:
             count = max(n * args.requests_per_client, args.min_requests)
-            reqs = workload(count, shapes["max_input_len"], shapes["max_seq_len"], args.quick, vocab, seed=n)
+            reqs = workload(count, shapes["max_input_len"], shapes["max_seq_len"], args.quick, vocab, seed=n,
+                            kind=args.workload)
             clients = Clients(port, name, reqs)
             before = scrape(port)
             wall = clients.run(n)
             after = scrape(port)
             fig = level_figures(clients.results, wall, before, after, ceilings, lone)
+            floor = workload_floor(reqs, doc["model"].get("config", {}) or {}, after.get("trtbuild_engine_weight_bytes", 0.0),
+                                   after.get("trtbuild_engine_kv_bytes_per_token", 0.0), ceilings, n)
+            fig["floor_s"], fig["fraction_of_floor"] = floor, floor / wall if wall else None
             if n == 1 and not fig["errors"]:
                 lone = {"ttft_s": fig["ttft_ms"]["p50"] / 1e3}
             res["levels"][str(n)] = fig
@@ -397,6 +433,9 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
     ap.add_argument("--quick", action="store_true", help="short prompts and outputs (CPU smoke test)")
+    ap.add_argument("--workload", choices=["random", "shared-prefix"], default="random")
+    ap.add_argument("--paged", action="store_true", help="build with options.kv_cache paged and serve its block pool")
+    ap.add_argument("--serve-flags", default="", help="more `trtbuild serve` flags, e.g. '--no-prefix-cache'")
     ap.add_argument("--decode-bench", action="store_true",
                     help="also run bench.py's timed decode of each recipe as given (engine variant) in this run")
     ap.add_argument("--load-timeout", type=float, default=900.0, help="seconds for the server to load and warm up")

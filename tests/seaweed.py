@@ -107,6 +107,13 @@ class Seaweed:
                                                             retries={"max_attempts": 1}))
         try:
             client.put_object(Bucket=BUCKET, Key=".ready", Body=b"")  # the volume server is up too
+            # After a restart the gateway takes writes (to a new volume) before the master has learned where the
+            # volumes written before the kill are: reads of them answer 500 InternalError for a second or two.
+            # Ready means every object already stored reads again.
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+                for obj in page.get("Contents", []):
+                    if obj["Size"]:
+                        client.get_object(Bucket=BUCKET, Key=obj["Key"], Range="bytes=0-0")["Body"].read()
             return True
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":

@@ -53,6 +53,18 @@ def test_first_build_is_a_miss_and_publishes_a_complete_entry(built: dict[str, A
     assert not any((built["store"] / "v1" / ".tmp").iterdir()), "the build folder must be gone after publish"
 
 
+def test_the_build_reports_how_each_graphs_compile_divides_between_inductor_and_the_cxx_compiler(
+        built: dict[str, Any]) -> None:
+    phases = built["build"]["phases"]
+    assert 0 < phases["compile_cxx_s"] < phases["compile_s"] and phases["compile_inductor_s"] > 0
+    graphs = json.loads((Path(built["build"]["engine"]["path"]) / "engine.json").read_text())["graphs"]
+    here = [g for g in graphs.values() if "worker" not in g]  # a worker's graph is timed in its own report
+    for graph in here:  # every graph compiled in the build's process: its parts fit in its compile
+        assert graph["compile_cxx_s"] > 0 and graph["compile_inductor_s"] > 0
+        assert graph["compile_cxx_s"] + graph["compile_inductor_s"] <= graph["compile_s"]
+    assert phases["compile_cxx_s"] == pytest.approx(sum(g["compile_cxx_s"] for g in here))
+
+
 def test_run_in_a_new_process_reuses_the_engine(built: dict[str, Any]) -> None:
     """A restart never rebuilds: the report says cache hit and the store gains no entry."""
     before = sorted(p.name for p in (built["store"] / "v1").iterdir())
@@ -155,8 +167,8 @@ def test_engine_tokens_match_the_eager_model(built: dict[str, Any], batch: int) 
     recipe = load_recipe(built["recipe"])
     prompts = [[(7 * i + 3 * r) % 128 for i in range(11)] for r in range(batch)]
     with open_session(recipe, built["store"], build=False) as session:
-        got = session.generate(prompts, 20)
-        again = session.generate(prompts, 20)  # a second generation must not see the first's cache
+        got = session.greedy(prompts, 20)
+        again = session.greedy(prompts, 20)  # a second generation must not see the first's cache
         # positions 11..29: decode runs in the 24-slot window, then crosses into the 48-slot one
         assert [d.windows for d in session.engine._decoders.values()] == [[24, 48]]
     want = eager_greedy(_folder(built["recipe"], built["store"]), prompts, 20, 48)
@@ -180,7 +192,7 @@ def test_weights_read_with_threads_give_the_same_tokens(built: dict[str, Any], m
     recipe = load_recipe(built["recipe"])
     prompts = [[(5 * i + 2) % 128 for i in range(9)]]
     with open_session(recipe, built["store"], build=False) as session:
-        got = session.generate(prompts, 10)
+        got = session.greedy(prompts, 10)
     assert calls == [3]
     assert got == eager_greedy(_folder(built["recipe"], built["store"]), prompts, 10, 48)
 
@@ -200,7 +212,7 @@ def test_batch_padded_to_a_bucket_and_sliced_prompts_stay_correct(built: dict[st
     with open_session(recipe, built["store"], build=False) as session:
         engine = session.engine
         assert engine.bucket_for(1) == 1 and engine.bucket_for(2) == 2
-        got = session.generate(prompts, 12)
+        got = session.greedy(prompts, 12)
     assert got == eager_greedy(_folder(built["recipe"], built["store"]), prompts, 12, 48)
 
 
@@ -224,7 +236,7 @@ def test_the_compiled_prefill_gives_a_padded_prompt_its_own_first_token(built: d
 def test_python_api_opens_a_prebuilt_engine_without_building(built: dict[str, Any]) -> None:
     recipe = trtbuild.load_recipe(built["recipe"])
     with trtbuild.open(recipe, engines=str(built["store"]), build=False) as session:
-        ids = session.generate([[1, 2, 3]], max_new_tokens=4)
+        ids = session.greedy([[1, 2, 3]], 4)
         assert len(ids[0]) == 4
         assert session.outcome.cache_hit and session.phases["build_s"] == 0.0
         assert session.phases["load_s"] > 0
@@ -280,6 +292,8 @@ def test_rebuild_and_other_weights_reuse_compiled_graphs_and_stay_correct(built:
     rebuilt = build(recipe, store)
     assert not rebuilt.cache_hit and rebuilt.key == first.key
     assert rebuilt.entry.manifest["tactics"]["compiled_graphs_reused"] == ["prefill", "decode_b1", "decode_b2"]
+    # nothing compiled, nor exported: the graphs are found by what export would read, weights' values aside
+    assert rebuilt.phases["compile_cxx_s"] == rebuilt.phases["compile_inductor_s"] == rebuilt.phases["export_s"] == 0
     doc = tiny_recipe_doc(name="seeded", shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48,
                                                  "batch_buckets": [1, 2]})
     doc["model"]["seed"] = 7
@@ -287,12 +301,13 @@ def test_rebuild_and_other_weights_reuse_compiled_graphs_and_stay_correct(built:
     outcome = build(other, store)
     assert outcome.key != first.key
     assert outcome.entry.manifest["tactics"]["compiled_graphs_reused"] == ["prefill", "decode_b1", "decode_b2"]
+    assert outcome.phases["compile_cxx_s"] == outcome.phases["compile_inductor_s"] == outcome.phases["export_s"] == 0
     prompts = [[4, 8, 15, 16, 23, 42]]
     with open_session(other, store, build=False) as session:
-        got = session.generate(prompts, 10)
+        got = session.greedy(prompts, 10)
     assert got == eager_greedy(outcome.model.materialize(), prompts, 10, 48)
     with open_session(recipe, store, build=False) as session:
-        assert session.generate(prompts, 10) != got, "different weights, different tokens"
+        assert session.greedy(prompts, 10) != got, "different weights, different tokens"
 
 
 def test_local_folder_with_tokenizer_runs_a_text_prompt(tmp_path: Path) -> None:
@@ -367,7 +382,7 @@ def test_tactics_max_on_the_cpu_builds_an_engine_that_loads_and_matches_eager(tm
     assert outcome.entry.manifest["tactics"]["prefill_attention"] == {"used": "sdpa", "note": "sdpa: a CPU build"}
     prompts = [[5, 3, 9, 1, 7, 2]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 12)
+        got = session.greedy(prompts, 12)
     assert got == eager_greedy(outcome.model.materialize(), prompts, 12, 32)
 
 
@@ -459,7 +474,7 @@ def test_graphs_compiled_in_worker_processes_are_the_serial_builds_graphs(
     assert not any(".workers" in f for f in entry.manifest["files"])
     prompts = [[4, 8, 15, 16, 23, 42]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        assert session.generate(prompts, 10) == eager_greedy(outcome.model.materialize(), prompts, 10, 48)
+        assert session.greedy(prompts, 10) == eager_greedy(outcome.model.materialize(), prompts, 10, 48)
 
 
 def test_a_worker_whose_export_differs_is_not_trusted_and_the_build_compiles_that_graph_itself(
@@ -481,39 +496,5 @@ def test_a_worker_whose_export_differs_is_not_trusted_and_the_build_compiles_tha
     assert graphs["decode_b1"]["reused"] is False
     prompts = [[1, 2, 3, 5, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        assert session.generate(prompts, 6) == eager_greedy(outcome.model.materialize(), prompts, 6, 48)
+        assert session.greedy(prompts, 6) == eager_greedy(outcome.model.materialize(), prompts, 6, 48)
 
-
-def test_a_build_that_folds_the_norm_gains_stores_the_folded_weights_and_runs_the_checkpoints_tokens(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """options.decode_fusion fused folds each norm's gain into the weight after it before the weights are
-    stored (on CUDA; forced here on the CPU, whose build goes through the same placement and saving): the
-    engine's file holds ones for the norms and W * g for QKV, gate/up and the LM head, and the engine's
-    tokens are the checkpoint's own. Norms away from one, or a fold lost before saving would not show."""
-    from safetensors.torch import load_file, save_file
-
-    from trtbuild.backends.torch import backend as torch_aoti
-
-    from .conftest import make_hf_folder
-
-    folder = make_hf_folder(tmp_path / "model")
-    hf = load_file(str(folder / "model.safetensors"))
-    g = torch.Generator().manual_seed(5)
-    for name in [n for n in hf if n.endswith("norm.weight")]:
-        hf[name] = torch.rand(hf[name].shape, generator=g) + 0.5
-    save_file(hf, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    monkeypatch.setattr(torch_aoti, "folds_norms", lambda recipe, device: True)
-    recipe = load_recipe(write_recipe(tmp_path, tiny_recipe_doc(name="folded", model={"source": "./model"},
-                                                                options={"decode_fusion": "fused"})))
-    outcome = build(recipe, tmp_path / "store")
-    assert json.loads((outcome.entry.path / "engine.json").read_text())["norm_gains_folded"] is True
-    stored = load_file(str(outcome.entry.path / "weights.safetensors"))
-    assert all(torch.equal(t, torch.ones_like(t)) for n, t in stored.items() if n.endswith("norm.weight"))
-    gain = hf["model.layers.0.input_layernorm.weight"]
-    q = hf["model.layers.0.self_attn.q_proj.weight"]
-    torch.testing.assert_close(stored["layers.0.attention.wqkv.weight"][: q.shape[0]], q * gain[None, :])
-    torch.testing.assert_close(stored["output.weight"], hf["lm_head.weight"] * hf["model.norm.weight"][None, :])
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
-    with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 8)
-    assert got == eager_greedy(folder, prompts, 8, 48)

@@ -126,3 +126,73 @@ def test_a_full_disk_while_writing_the_weights_is_a_clear_error_and_leaves_no_en
     assert "No space left on device while building 'tiny'; nothing was published" in result.output
     store = Store(tmp_path / "engines")
     assert store.entries() == [] and list(store.tmp_dir.iterdir()) == []
+
+
+def test_stop_reads_escapes_as_printf_does_in_the_readme_and_docs_examples(tmp_path: Path) -> None:
+    """The documented `--stop "\\n\\n"` reaches the shell as a backslash and an n; run reads it as a blank line."""
+    import re
+    import shlex
+
+    from .conftest import REPO
+
+    recipe = write_recipe(tmp_path, tiny_recipe_doc())
+    examples = [line for doc in ("README.md", "docs/generation.md")
+                for line in (REPO / doc).read_text().splitlines() if line.startswith("trtbuild run") and "--stop" in line]
+    assert len(examples) >= 2, "the README and docs/generation.md each show --stop"
+    for line in examples:
+        argv = shlex.split(re.sub(r"\s+#.*$", "", line))[2:]  # as a shell passes it, less `trtbuild run`
+        argv[argv.index("RECIPE")] = str(recipe)
+        ctx = main.commands["run"].make_context("run", argv)
+        assert ctx.params["stop"] == ("\n\n",), line
+    ctx = main.commands["run"].make_context("run", [str(recipe), "--stop", r"a\tb\\n\x41\u00e9\101\q", "--stop", "é"])
+    assert ctx.params["stop"] == ("a\tb\\nA\u00e9A\\q", "é")  # an unknown escape stays, as printf leaves it
+    result = CliRunner().invoke(main, ["run", str(recipe), "--stop", ""])
+    assert result.exit_code == 2 and "--stop" in result.output and "Traceback" not in result.output
+
+
+def test_cache_stats_counts_a_hit_as_its_entrys_build_time_once_a_process(tmp_path: Path) -> None:
+    """Three lookups of one entry in this process and one in another: four hits, which saved the entry's build
+    time twice (once a process), not four times."""
+    from trtbuild import builder
+    from trtbuild.recipe import load_recipe
+    from trtbuild.store.local import Store
+
+    recipe_path = write_recipe(tmp_path, tiny_recipe_doc(name="saved"))
+    recipe, store = load_recipe(recipe_path), Store(tmp_path / "engines")
+    _, _, _, key = builder._resolve(recipe, store, builder._startup(recipe))
+    entry = store.entries_dir / f"saved-{key[:16]}"  # a published-looking entry under the recipe's own key
+    entry.mkdir(parents=True)
+    (entry / "data.bin").write_bytes(b"x" * 10)
+    (entry / "manifest.json").write_text(json.dumps({
+        "key": key, "name": "saved", "backend": "torch", "precision": "fp32", "verified": True,
+        "files": {"data.bin": {"size": 10, "sha256": "0" * 64}}, "build": {"total_s": 40.0}}))
+    builder._SAVED_ONCE.discard(key)
+    for _ in range(3):
+        assert builder.build(recipe, store.root).cache_hit
+    assert run_cli("build", str(recipe_path), "--engines", str(store.root), "--json").returncode == 0
+    counts = json.loads(CliRunner().invoke(main, ["cache", "stats", "--engines", str(store.root), "--json"]).output)
+    assert counts["hits"] == 4 and counts["build_s_saved"] == pytest.approx(80.0), counts
+    text = CliRunner().invoke(main, ["cache", "stats", "--engines", str(store.root)]).output
+    assert "saved by hits 80.0 s (a hit saves its entry's build time, once a process)" in text
+
+
+def test_threads_default_to_the_free_cores_and_a_wide_tail_is_called_unstable(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from trtbuild import timing
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.2, 0.0, 0.0), raising=False)
+    n, why = timing.free_cores()
+    assert n == 3 and "8 core(s)" in why and "5.2 busy" in why
+    monkeypatch.setattr(os, "getloadavg", lambda: (30.0, 0.0, 0.0), raising=False)
+    assert timing.free_cores()[0] == 1  # never none
+    # the busy machine's figures: TPOT p50 50 ms, p99 1,480 ms; and a quiet one's
+    assert "unstable" in (timing.unstable({"p50": 0.050, "p99": 1.480}) or "")
+    assert timing.unstable({"p50": 0.045, "p99": 0.049}) is None
+    recipe = write_recipe(tmp_path, tiny_recipe_doc())
+    for command in ("run", "serve", "eval", "profile"):
+        extra = ["--text", str(recipe)] if command == "eval" else []
+        result = CliRunner().invoke(main, [command, str(recipe), *extra, "--threads", "0"])
+        assert result.exit_code == 2 and "--threads" in result.output, (command, result.output)

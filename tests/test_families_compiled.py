@@ -42,7 +42,7 @@ def test_compiled_engine_generates_transformers_tokens(engine: dict[str, Any]) -
     _, want = hf_reference(engine["hf"], tokens)
     # the build's own entry (re-resolving the recipe would key it again, for no purpose here)
     with Session(engine["recipe"], engine["outcome"], engine["store"], allow_build=False) as session:
-        got = session.generate(tokens.tolist(), DECODE_STEPS)
+        got = session.greedy(tokens.tolist(), DECODE_STEPS)
     assert got == want
 
 
@@ -77,8 +77,8 @@ def test_cuda_bf16_engine_of_each_family_matches_eager_within_bf16_rounding(tmp_
     assert outcome.entry.manifest["key_material"]["device"]["kind"] == "cuda"
     tokens = prompts().tolist()
     with Session(recipe, outcome, tmp_path / "store", allow_build=False) as session:
-        got = session.generate(tokens, DECODE_STEPS)
-        one = session.generate(tokens[:1], DECODE_STEPS)  # the batch-1 decode graph
+        got = session.greedy(tokens, DECODE_STEPS)
+        one = session.greedy(tokens[:1], DECODE_STEPS)  # the batch-1 decode graph
     folder = tmp_path / "model"
     assert eager_disagreements(folder, tokens, got, 32, dtype=torch.bfloat16, device="cuda") == []
     assert eager_disagreements(folder, tokens[:1], one, 32, dtype=torch.bfloat16, device="cuda") == []

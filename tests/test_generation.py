@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import TINY_CONFIG, make_hf_folder, write_recipe
 from tests.engine_helpers import eager_greedy
+from trtbuild.errors import InputError
 from trtbuild.serving.generate import Detokenizer, TextSide, eos_ids
 from trtbuild.recipe import load_recipe
 from trtbuild.runner import open_session
@@ -126,8 +127,6 @@ def test_slot_api_rows_in_any_cache_rows_and_order_each_at_its_own_position(sess
 
 
 def test_bad_slot_api_calls_are_refused_by_name(session: Any) -> None:
-    from trtbuild.errors import InputError
-
     engine = session.engine
     with pytest.raises(InputError, match="slot 4"):
         engine.prefill(4, [1, 2], Sampling())
@@ -176,6 +175,27 @@ def test_stop_token_ids_and_strings_end_a_row_and_are_not_returned(session: Any)
     eos = session.generate(prompt, max_tokens=12, stop_token_ids=[], ignore_eos=False)[0]
     assert eos.token_ids == [t for t in full.token_ids[:len(eos.token_ids)]]
     assert all(t not in (1, 299) for t in eos.token_ids)
+
+
+def test_generate_takes_one_name_refuses_wrong_types_by_name_and_returns_what_the_call_says(session: Any) -> None:
+    """`max_tokens` everywhere; the old `max_new_tokens` is refused with the name to use (it selected another form with
+    another return type); a wrong type is an InputError naming the argument, not a TypeError from deep inside."""
+    from trtbuild.serving.generate import Completion
+
+    with pytest.raises(InputError, match=r"max_new_tokens: not a parameter; use max_tokens .*session.greedy"):
+        session.generate(["hi"], max_new_tokens=4)
+    with pytest.raises(InputError, match=r"max_tokens: expected an int or None, got str '4'"):
+        session.generate(["hi"], max_tokens="4")
+    with pytest.raises(InputError, match=r"temperature: expected a number, got str.*seed: expected an int"):
+        session.generate(["hi"], max_tokens=2, temperature="0.5", seed=1.5)
+    with pytest.raises(InputError, match=r"greedy\(\): max_tokens: expected an int, got str"):
+        session.greedy([[1, 2, 3]], "4")
+    with pytest.raises(InputError, match=r"greedy\(\): input_ids: expected a list of token-id lists"):
+        session.greedy(["hi"], 4)
+    done = session.generate([PROMPTS[0]], max_tokens=5, ignore_eos=True)
+    assert isinstance(done, list) and all(isinstance(c, Completion) for c in done)
+    ids = session.greedy([PROMPTS[0]], 5)
+    assert ids == [done[0].token_ids] and session.last is not None
 
 
 def test_streaming_gives_the_tokens_and_text_of_the_whole_generation(session: Any) -> None:

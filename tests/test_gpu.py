@@ -26,9 +26,9 @@ def test_cuda_engine_matches_eager_and_replays_decode_in_a_cuda_graph(tmp_path: 
     assert outcome.entry.manifest["key_material"]["device"]["kind"] == "cuda"
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        session.generate(prompts, 1)  # the first token comes from prefill: no decode graph is captured
+        session.greedy(prompts, 1)  # the first token comes from prefill: no decode graph is captured
         assert not any(d.graphs for d in session.engine._decoders.values())
-        got = session.generate(prompts, 24)  # positions 8..30: the 24-slot window, then the 48-slot one
+        got = session.greedy(prompts, 24)  # positions 8..30: the 24-slot window, then the 48-slot one
         assert all(sorted(d.graphs) == d.windows == [24, 48] for d in session.engine._decoders.values())
         report = run_report(session, batch_size=1, input_len=8, output_len=8, iterations=2)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
@@ -56,7 +56,7 @@ def test_prefill_graphs_replay_padded_prompts_and_give_the_tokens_of_the_direct_
     prompts = (a, b, c, d, a)
     with open_session(recipe, tmp_path / "store", build=False) as session:
         engine = session.engine
-        got = [session.generate(p, 6) for p in prompts]
+        got = [session.greedy(p, 6) for p in prompts]
         assert engine.prefill_report()["lengths"] == {"prompt": 8, "graph": 16}
         assert engine.prefill_report()["shapes"] == [[1, 32], [1, 16]]  # (1, 16) used last
         assert engine.prefill_report()["captures_reserved_mib"] >= 0
@@ -85,7 +85,7 @@ def test_cuda_tactics_max_records_each_gemm_selection_quietly_and_matches_eager(
     assert "AUTOTUNE" not in capfd.readouterr().err
     prompts = [[5, 3, 9, 1, 7, 2]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 12)
+        got = session.greedy(prompts, 12)
     want = eager_greedy(outcome.model.materialize(), prompts, 12, 32, device="cuda")
     # Triton's GEMMs sum in another order than cuBLAS: the leading tokens must agree
     assert [row[:6] for row in got] == [row[:6] for row in want]
@@ -165,26 +165,21 @@ def test_a_restart_takes_the_weights_it_preloaded_while_torch_imported(tmp_path:
     assert runs["1"]["output_ids"] == runs["0"]["output_ids"]
 
 
-@pytest.mark.parametrize("fusion", ["none", "split-k", "epilogue", "fused", "pdl-timing"])
+@pytest.mark.parametrize("fusion", ["none", "split-k", "epilogue"])
 def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_reused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str) -> None:
     """options.decode_matmul kernel: every decode matmul goes through trtbuild's Triton kernel (chosen
     by timing its configurations over the model's weights), AOTInductor compiles it into the decode
     packages, the tokens are the eager model's, and a rebuild takes the timings from the tactic cache.
-    With options.decode_fusion fused, each call site's norm, gating or residual add is in the kernel, the
-    norms' gains folded into the weights (rms / rms_gate: this model's LM head is not tied); with
-    epilogue, only the gating and the residual adds. With
+    With options.decode_fusion epilogue, the gating and the residual adds are in the kernel. With
     split-k (options.decode_split_k timed, the other candidates taken away), every matmul is split-K: two
-    kernels inside the custom op, with a workspace of partial sums. With pdl-timing (options.decode_timing pdl,
-    on Hopper), every candidate was timed in graphs with programmatic edges."""
+    kernels inside the custom op, with a workspace of partial sums."""
     import json
 
     from trtbuild.kernels import matmul_configs
     from trtbuild.store.local import Store
 
-    options = {"decode_matmul": "kernel", "decode_fusion": fusion if fusion in ("fused", "epilogue") else "none"}
-    if fusion == "pdl-timing":
-        options["decode_timing"] = "pdl"
+    options = {"decode_matmul": "kernel", "decode_fusion": "epilogue" if fusion == "epilogue" else "none"}
     if fusion == "split-k":
         options["decode_split_k"] = "timed"
         monkeypatch.setattr(matmul_configs, "ONE_ROW", [])
@@ -199,19 +194,16 @@ def test_decode_kernel_is_compiled_into_the_decode_graphs_and_its_timings_are_re
         assert shapes and all(r["used"] != "cublas" and r.get("reused") is not True and r["cublas_us"] > 0
                               for r in shapes.values())
         assert all(("p" in r["used"]) == (fusion == "split-k") for r in shapes.values())
-        assert all(r.get("edges", "full") == ("programmatic" if fusion == "pdl-timing" else "full") for r in shapes.values())
         fusions = sorted(key.partition("+")[2] for key in shapes)
         # five call sites; without fusion, gate/up and the LM head are one key (both 128x32 here)
-        assert fusions == {"fused": ["residual", "residual", "rms", "rms", "rms_gate"],
-                           "epilogue": ["", "", "gate", "residual", "residual"]}.get(fusion, [""] * 4)
+        assert fusions == (["", "", "gate", "residual", "residual"] if fusion == "epilogue" else [""] * 4)
     engine = json.loads((outcome.entry.path / "engine.json").read_text())
     assert all(len(engine["graphs"][g]["matmuls"]) == len(record[g]) for g in record)
     assert engine["graphs"]["prefill"].get("matmuls") is None  # prefill keeps cuBLAS
-    assert engine["norm_gains_folded"] is (fusion == "fused")
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 16)
-        one = session.generate(prompts[:1], 16)
+        got = session.greedy(prompts, 16)
+        one = session.greedy(prompts[:1], 16)
     # each token eager's best given the engine's tokens before it, within bf16 rounding: the kernels sum in
     # fp32 and round once, and this model's third token is a bf16 tie (tests/test_eager_reference.py)
     folder = outcome.model.materialize()
@@ -243,17 +235,16 @@ def test_prefill_attention_through_cudnn_is_compiled_into_the_prefill_graph_and_
     assert engine["graphs"]["prefill"]["prefill_attention"] == "cudnn"
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 12)
-        short = session.generate([prompts[0][:5]], 12)
+        got = session.greedy(prompts, 12)
+        short = session.greedy([prompts[0][:5]], 12)
     want = eager_greedy(outcome.model.materialize(), prompts, 12, 48, dtype=torch.bfloat16, device="cuda")
     want_short = eager_greedy(outcome.model.materialize(), [prompts[0][:5]], 12, 48, dtype=torch.bfloat16, device="cuda")
     assert [row[:4] for row in got] == [row[:4] for row in want]  # bf16 sums in another order
     assert short[0][:4] == want_short[0][:4]
 
 
-@pytest.mark.parametrize("mode", ["kernel", "kernel-unfused"])
-def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_eager(tmp_path: Path, mode: str) -> None:
-    """options.decode_attention kernel (rope and the cache writes in the kernel) and kernel-unfused on a
+def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_eager(tmp_path: Path) -> None:
+    """options.decode_attention kernel (rope and the cache writes in the kernel) on a
     bf16 model with head_dim 16 (the kernel's smallest): the decode graphs call trtbuild's attention kernel,
     prefill keeps SDPA, and the leading tokens are the eager model's, across two cache windows and at both
     batch sizes (so the cache the kernel writes is what later steps and windows read)."""
@@ -261,6 +252,7 @@ def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_
 
     from .conftest import TINY_CONFIG
 
+    mode = "kernel"
     doc = tiny_recipe_doc(precision="bf16", options={"decode_attention": mode, "decode_matmul": "cublas"},
                           shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
     doc["model"]["config"] = {**TINY_CONFIG, "hidden_size": 64}  # 4 heads of 16
@@ -271,8 +263,8 @@ def test_decode_attention_kernel_is_compiled_into_the_decode_graphs_and_matches_
     assert [engine["graphs"][g].get("attention") for g in ("prefill", "decode_b1", "decode_b2")] == [None, mode, mode]
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
-        got = session.generate(prompts, 24)
-        one = session.generate(prompts[:1], 24)
+        got = session.greedy(prompts, 24)
+        one = session.greedy(prompts[:1], 24)
     want = eager_greedy(outcome.model.materialize(), prompts, 24, 48, dtype=torch.bfloat16, device="cuda")
     assert [row[:4] for row in got] == [row[:4] for row in want]  # bf16 sums in another order
     assert one[0][:4] == want[0][:4]
@@ -307,7 +299,7 @@ def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(
     for allowed in (True, False):
         with open_session(recipe, tmp_path / "store", build=False) as session:
             session.engine.pdl_allowed = allowed
-            runs[allowed] = (session.generate(prompts, 24), session.generate(prompts[:1], 24))
+            runs[allowed] = (session.greedy(prompts, 24), session.greedy(prompts[:1], 24))
             report = session.engine.launch_report()
         assert sorted(report) == ["decode_b1", "decode_b2"]
         for r in report.values():

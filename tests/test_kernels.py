@@ -1,6 +1,6 @@
 """trtbuild's Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1), against the
 model's own ATen code. Skipped where Triton is not installed (CI's CPU torch does not bring it; the H200
-runs the compiled kernels in tests/test_gpu.py and benchmarks/probes/attention_probe.py). fp32 throughout: the
+runs the compiled kernels in tests/test_gpu.py). fp32 throughout: the
 interpreter's bf16 dot is not reliable."""
 
 from __future__ import annotations
@@ -79,8 +79,7 @@ def test_decode_attention_with_rope_rotates_writes_the_cache_and_attends_as_the_
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["kernel", "kernel-unfused"])
-def test_decode_steps_through_the_attention_kernel_give_the_logits_of_the_aten_model(attention: str) -> None:
+def test_decode_steps_through_the_attention_kernel_give_the_logits_of_the_aten_model() -> None:
     """A prompt through the model's ATen path, then decode steps with every Attention routed to the kernel
     (as a decode graph routes them): the same logits as the unrouted model, step after step, so the cache
     the kernel writes is the one the next step reads."""
@@ -99,7 +98,7 @@ def test_decode_steps_through_the_attention_kernel_give_the_logits_of_the_aten_m
         tokens = logits[0].argmax(-1, keepdim=True)
         pos = torch.tensor([step], device=DEVICE)
         want = models[0](tokens, pos)
-        with routed(models[1], {}, attention):
+        with routed(models[1], {}, "kernel"):
             got = models[1](tokens, pos)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         logits = [want, got]
@@ -159,8 +158,8 @@ def test_split_k_is_a_candidate_for_the_plain_matmul_only() -> None:
 
 
 def test_a_routed_model_computes_what_the_unrouted_one_does_with_and_without_fusion() -> None:
-    """Every Linear of a small model through the kernel (as a decode graph routes them), fused where its
-    call site allows, only the epilogue fused, and matmul-only: the same logits as the model's ATen path."""
+    """Every Linear of a small model through the kernel (as a decode graph routes them), with its call site's
+    epilogue fused and matmul-only: the same logits as the model's ATen path."""
     from trtbuild.backends.torch.decode_kernels import fusion_of, routed
     from trtbuild.kernels.decode_matmul import MatmulConfig
     from trtbuild.models.llama import Linear, LlamaConfig, Transformer
@@ -178,60 +177,18 @@ def test_a_routed_model_computes_what_the_unrouted_one_does_with_and_without_fus
     want = model(tokens, pos)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     whole, split = MatmulConfig(16, 32, 4, 1), MatmulConfig(16, 32, 4, 1, 2)  # split-K: the plain matmul only
-    for fused, config in ((True, whole), (False, whole), (False, split)):
-        plan = {(m.out_features, m.in_features, m.fusion if fused else "none"): config for m in linears}
+    assert {m.fusion for m in linears} == {"norm", "residual", "norm_gate"}
+    for mode, config in (("epilogue", whole), ("none", whole), ("none", split)):
+        plan = {(m.out_features, m.in_features, fusion_of(m, mode)): config for m in linears}
         with routed(model, plan):
-            assert all(m.decode_config is config and m.decode_fusion == (m.fusion if fused else "none") for m in linears)
-            assert {m.fusion for m in linears} == {"norm", "residual", "norm_gate"}
+            assert all(m.decode_config is config for m in linears)
+            # the gating and residual adds in the kernel under epilogue, every norm outside it
+            assert {m.fusion: m.decode_fusion for m in linears} == (
+                {"norm": "none", "residual": "residual", "norm_gate": "gate"} if mode == "epilogue"
+                else dict.fromkeys(("norm", "residual", "norm_gate"), "none"))
             got = model(tokens, pos)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert all(m.decode_config is None and m.decode_fusion == "none" for m in linears)
-    # options.decode_fusion epilogue: the gating and residual adds in the kernel, every norm outside it
-    plan = {(m.out_features, m.in_features, fusion_of(m, "epilogue")): whole for m in linears}
-    with routed(model, plan):
-        assert {m.fusion: m.decode_fusion for m in linears} == {"norm": "none", "residual": "residual", "norm_gate": "gate"}
-        got = model(tokens, pos)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("tied", [True, False])
-def test_a_model_with_its_norm_gains_folded_computes_what_the_unfolded_one_does(tied: bool) -> None:
-    """options.decode_fusion fused folds each norm's gain into the weights after it: the folded model, through
-    ATen and with every Linear through the kernel doing the norm (rms / rms_gate, no gain read), gives the
-    unfolded model's logits. A tied LM head (the embedding table) keeps its norm's gain, and its call site
-    stays a gained norm: folding into it would change the token embeddings too."""
-    from trtbuild.backends.torch.decode_kernels import fusion_of, routed
-    from trtbuild.kernels.decode_matmul import MatmulConfig
-    from trtbuild.models.llama import Linear, LlamaConfig, Transformer
-
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=tied,
-                      qkv_bias=False, o_bias=False, mlp_bias=False)
-    torch.manual_seed(0)
-    model = Transformer(cfg, max_batch_size=2, max_seq_len=16, dtype=torch.float32).to(DEVICE)
-    for mod in model.modules():  # norms away from 1, so a gain lost in the fold would show
-        if hasattr(mod, "eps"):
-            torch.nn.init.uniform_(mod.weight, 0.5, 1.5)
-    if tied:
-        model.output.weight = model.tok_embeddings.weight
-    tokens = torch.randint(0, 64, (2, 3), device=DEVICE)
-    pos = torch.arange(3, device=DEVICE)
-    want = model(tokens, pos, all_logits=True)
-    embedding = model.tok_embeddings.weight.clone()
-    model.fold_norm_gains()
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    head = "norm" if tied else "rms"
-    assert [m.fusion for m in linears[:5]] == ["rms", "residual", "rms_gate", "residual", "rms"]
-    assert model.output.fusion == head and model.norm.folded is not tied
-    assert torch.equal(model.tok_embeddings.weight, embedding)
-    torch.testing.assert_close(model(tokens, pos, all_logits=True), want, atol=1e-4, rtol=1e-4)
-    step = torch.randint(0, 64, (2, 1), device=DEVICE)
-    plan = {(m.out_features, m.in_features, fusion_of(m, "fused")): MatmulConfig(16, 32, 4, 1) for m in linears}
-    with routed(model, plan):
-        assert model.output.decode_fusion == head and linears[0].decode_fusion == "rms"
-        got = model(step, torch.tensor([3], device=DEVICE))
-    with routed(model, {}):
-        torch.testing.assert_close(got, model(step, torch.tensor([3], device=DEVICE)), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("rope", [False, True])
@@ -271,47 +228,39 @@ def test_the_matmul_probe_times_extra_configurations_beside_the_builds_and_plans
         monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/probes/matmul_probe.py's bookkeeping, dry-run on the tiny recipe: the build's candidates (one here)
     through `select`, then the extra configurations, each launched and judged against ATen: the one-row set
-    at batch 1, the other at batch 2;
-    under `pdl` every graph timed with the edit `pdl_edges` gives. The stand-in clock makes every timing
+    at batch 1, the other at batch 2. The stand-in clock makes every timing
     faster than the one before, so the last extra configuration must be the fastest way for every shape
     and the `best` step must use it."""
-    from trtbuild import timing
     from trtbuild.kernels import decode_matmul as dm
 
     probe = benchmark_module("matmul_probe")
-    clock, edits = iter(range(10_000, 0, -1)), []
+    clock = iter(range(10_000, 0, -1))
 
-    def fake_graph_seconds(calls: object, reps: int = 15, edit: object = None) -> float:
+    def fake_graph_seconds(calls: object, reps: int = 15) -> float:
         calls()  # type: ignore[operator]  # the launches run (through the interpreter); only the clock is fake
-        edits.append(timing.active_edit(edit))
         return next(clock) * 1e-6
 
-    pdl_edit = object()
     monkeypatch.setattr(probe, "DEVICE", DEVICE)
     monkeypatch.setattr(probe, "DTYPE", torch.float32)
     monkeypatch.setattr(probe, "graph_seconds", fake_graph_seconds)
     monkeypatch.setattr(dm, "graph_seconds", fake_graph_seconds)
     monkeypatch.setattr(dm, "candidates", lambda rows, fusion="none", split=False, k=0, n=0: [dm.MatmulConfig(8, 32, 4, 1)])
-    monkeypatch.setattr(probe, "pdl_edges", lambda device: pdl_edit)
     extra = {"one": probe.parse_configs("n4k64w4s1,n2k128w8s3")["one"], "rows": [dm.MatmulConfig(16, 64, 4, 2)]}
     saved: list[int] = []  # after each batch of each timing, what is measured so far goes to `save`
-    out = probe.probe_recipe(str(ROOT / "recipes" / "tiny-llama.yaml"), [1, 2], 1, extra, ("serialized", "pdl"),
-                             save=lambda partial: saved.append(sum(len(b) for b in partial["step"].values())))
-    assert saved == [1, 2, 3, 4]  # batches with their plans timed so far
+    out = probe.probe_recipe(str(ROOT / "recipes" / "tiny-llama.yaml"), [1, 2], 1, extra,
+                             save=lambda partial: saved.append(len(partial["step"])))
+    assert saved == [1, 2]  # batches with their plans timed so far
 
-    for t in ("serialized", "pdl"):
-        for name, row in out["shapes"][t]["1"].items():
-            assert set(row["extra"]) == {"n4k64w4s1", "n2k128w8s3"}, name
-            assert all(isinstance(us, float) for us in row["extra"].values()), row["extra"]
-            assert row["best"] == "n2k128w8s3", name
-        assert out["step"][t]["1"]["best"]["choice"] == dict.fromkeys(out["fusion"], "n2k128w8s3")
-        # at batch 2 the "rows" set: the tensor-core path's configuration, timed and (the clock says) fastest
-        assert all(list(row["extra"]) == ["n16k64w4s2"] and isinstance(row["extra"]["n16k64w4s2"], float)
-                   for row in out["shapes"][t]["2"].values())
-        assert out["step"][t]["2"]["best"]["choice"] == dict.fromkeys(out["fusion"], "n16k64w4s2")
-    assert out["step"]["serialized"]["1"]["selected"]["choice"]["qkv"] == "n8k32w4s1"
-    half = len(edits) // 2  # the serialized pass first, then the same graphs under the pdl edit
-    assert edits[:half] == [None] * half and edits[half:] == [pdl_edit] * half
+    for name, row in out["shapes"]["1"].items():
+        assert set(row["extra"]) == {"n4k64w4s1", "n2k128w8s3"}, name
+        assert all(isinstance(us, float) for us in row["extra"].values()), row["extra"]
+        assert row["best"] == "n2k128w8s3", name
+    assert out["step"]["1"]["best"]["choice"] == dict.fromkeys(out["fusion"], "n2k128w8s3")
+    # at batch 2 the "rows" set: the tensor-core path's configuration, timed and (the clock says) fastest
+    assert all(list(row["extra"]) == ["n16k64w4s2"] and isinstance(row["extra"]["n16k64w4s2"], float)
+               for row in out["shapes"]["2"].values())
+    assert out["step"]["2"]["best"]["choice"] == dict.fromkeys(out["fusion"], "n16k64w4s2")
+    assert out["step"]["1"]["selected"]["choice"]["qkv"] == "n8k32w4s1"
 
 
 @pytest.mark.parametrize("fusion", ["none", "residual", "gate"])
@@ -321,7 +270,7 @@ def test_the_matmul_probe_refuses_an_extra_configuration_whose_result_differs_fr
     from trtbuild.kernels import decode_matmul as dm
 
     probe = benchmark_module("matmul_probe")
-    monkeypatch.setattr(probe, "graph_seconds", lambda calls, reps=15, edit=None: (calls(), 5e-6)[1])
+    monkeypatch.setattr(probe, "graph_seconds", lambda calls, reps=15: (calls(), 5e-6)[1])
     g = torch.Generator().manual_seed(1)
     weights = [torch.randn(48 if fusion == "gate" else 24, 40, generator=g).to(DEVICE) for _ in range(2)]
     config = dm.MatmulConfig(8, 16, 4, 1)
@@ -373,7 +322,7 @@ def test_decode_attention_serves_each_sequence_at_its_own_position_in_its_own_ca
 
 
 def test_decode_attention_without_rope_reads_each_sequence_from_its_own_row_to_its_own_position() -> None:
-    """The attention-only kernel (kernel-unfused) with per-sequence positions and cache rows."""
+    """The kernel without rope and the cache writes, with per-sequence positions and cache rows."""
     from trtbuild.kernels.decode_attention import decode_attention
     from trtbuild.models.llama import _cached_attention
 
@@ -389,8 +338,7 @@ def test_decode_attention_without_rope_reads_each_sequence_from_its_own_row_to_i
         torch.testing.assert_close(got[i:i + 1], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["kernel", "kernel-unfused"])
-def test_ragged_decode_steps_through_the_kernel_give_the_logits_of_the_aten_model(attention: str) -> None:
+def test_ragged_decode_steps_through_the_kernel_give_the_logits_of_the_aten_model() -> None:
     """Decode steps of sequences at different positions, in cache rows other than their batch index (the slot
     API's steps), routed through the kernel: the logits of the unrouted model, step after step."""
     from trtbuild.backends.torch.decode_kernels import routed
@@ -415,7 +363,7 @@ def test_ragged_decode_steps_through_the_kernel_give_the_logits_of_the_aten_mode
     for step in range(4):
         pos = torch.tensor(lengths, device=DEVICE)[:, None] + step
         want = models[0](tokens[0], pos, slots=slots)
-        with routed(models[1], {}, attention):
+        with routed(models[1], {}, "kernel"):
             got = models[1](tokens[0], pos, slots=slots)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         tokens[0] = want.argmax(-1, keepdim=True)

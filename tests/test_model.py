@@ -239,8 +239,10 @@ def test_decode_fusion_is_never_for_a_linear_with_a_bias() -> None:
     from trtbuild.backends.torch.decode_kernels import fusion_of, key_name, parse_key
     from trtbuild.models.llama import Linear
 
-    qkv, qkv_bias = Linear(32, 64, bias=False, fusion="norm"), Linear(32, 64, bias=True, fusion="norm")
-    assert [fusion_of(qkv, "none"), fusion_of(qkv, "fused"), fusion_of(qkv_bias, "fused")] == ["none", "norm", "none"]
+    up, up_bias = Linear(32, 64, bias=False, fusion="norm_gate"), Linear(32, 64, bias=True, fusion="norm_gate")
+    assert [fusion_of(up, "none"), fusion_of(up, "epilogue"), fusion_of(up_bias, "epilogue")] == ["none", "gate", "none"]
+    # the norm before a matmul stays outside the kernel: QKV's call site is a plain matmul
+    assert fusion_of(Linear(32, 64, bias=False, fusion="norm"), "epilogue") == "none"
     for key in [(64, 32, "none"), (96, 32, "norm_gate"), (32, 48, "residual")]:
         assert parse_key(key_name(key)) == key
     assert key_name((64, 32, "none")) == "64x32" and key_name((96, 32, "norm_gate")) == "96x32+norm_gate"
@@ -274,21 +276,11 @@ def test_a_fused_call_site_takes_the_fastest_of_cublas_the_fused_kernel_and_the_
     # a call site without fusion: cuBLAS or the kernel, as timed
     assert pick(timings("none", "cublas", 18.06, None, plain=18.38), None, "auto") == ("cublas", "none", 18.06)
     assert pick(timings("none", "cublas", 1.0, None, broken="failed: x"), None, "kernel") == (None, "none", None)
-    # 8B gate/up at batch 1 with the norm's gain folded (H200, 2026-12-04): the norm inside costs ~7 us, so
-    # the kernel with the gating alone and Inductor's norm (56.57 + 59.26 - 57.61 = 58.22) beats cuBLAS +
-    # Inductor (59.26), the fused kernel (63.67) and the plain kernel + Inductor (57.72 + 59.26 - 55.49)
-    up = timings("rms_gate", "cublas", 55.49, 59.26, fused=63.67)
-    gate = timings("gate", "gated", 55.80, 57.61, gated=56.57)
-    assert pick(up, timings("none", "cublas", 55.86, None, plain=57.72), "auto", gate) == ("gated", "gate", 58.22)
-    assert pick(up, timings("none", "cublas", 55.86, None, plain=57.72), "auto") == ("cublas", "none", 59.26)
     # 8B gate/up at batch 1 under epilogue (2026-12-05): cuBLAS + the gating timed faster than cuBLAS alone
     # (58.51 against 62.02), noise; the plain kernel + a negative gating (59.34 - 3.51) must not beat the
     # fused kernel (57.70), which would add Inductor's gating kernel to every layer
     gated = timings("gate", "fused", 62.02, 58.51, fused=57.70)
     assert pick(gated, timings("none", "plain", 62.01, None, plain=59.34), "auto") == ("fused", "gate", 57.70)
-    # the same for the norm's share under fused: never below nothing
-    noisy_gate = timings("gate", "gated", 55.80, 60.00, gated=56.57)
-    assert pick(up, None, "auto", noisy_gate) == ("gated", "gate", 56.57)
 
 
 def test_the_h200s_8b_timings_route_every_fused_call_site_to_the_fused_kernel() -> None:
@@ -341,7 +333,7 @@ def test_blocks_larger_than_a_small_matrix_are_timed_once() -> None:
     assert candidates(8, k=4096, n=4096) == ROWS
 
 
-def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch: pytest.MonkeyPatch,
+def test_an_epilogue_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
     """matmul_plan end to end with a stand-in for the Triton module (the real one needs a GPU): the call
     sites are grouped by shape and fusion, each timed once and kept in the tactic cache, and the plan
@@ -353,7 +345,6 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
     from trtbuild.backends.torch import decode_kernels
     from trtbuild.backends.torch.decode_kernels import matmul_plan
     from trtbuild.models.llama import LlamaConfig
-    from trtbuild.timing import active_edit
 
     @dc(frozen=True)
     class Config:
@@ -364,129 +355,79 @@ def test_a_fused_plan_routes_each_call_site_the_way_its_timings_say(monkeypatch:
             return cls(name)
 
     timed: list[tuple[int, int, str]] = []
-    edits: list[object] = []  # the graph edit each timing would apply (options.decode_timing)
 
     def select(weights: list[Tensor], rows: int, fusion: str, split: bool = False) -> dict[str, Any]:
         n, k = weights[0].shape
         timed.append((n, k, fusion) + (("split",) if split else ()))
-        edits.append(active_edit())
         fused = fusion != "none"
-        # QKV (norm): the fused kernel is slow, the plain one fast; everything else: the fused kernel wins
-        slow = fusion == "norm" and n == 64
+        # gate/up (gate): the fused kernel is slow, the plain one fast; everything else: the fused kernel wins
+        slow = fusion == "gate"
         return {"fusion": fusion, "cublas_us": 10.0, "choice": "cublas" if slow else "k", "candidates":
                 {"k": 20.0 if slow else (8.0 if fused else 9.5)}, **({"unfused_us": 12.0} if fused else {})}
 
     widths: list[int] = []  # the row width each candidate list was asked for (lists may differ by width)
 
-    def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0) -> list[Config]:
+    def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0, n: int = 0) -> list[Config]:
         widths.append(k)
         return [Config("k")] + [Config("k-split")] * split
 
     fake = types.SimpleNamespace(MAX_ROWS=16, MatmulConfig=Config, select=select, source_digest=lambda: "src",
                                  candidates=candidates)
-    monkeypatch.setitem(sys.modules, "trtbuild.kernels.decode_matmul", fake)
-    import trtbuild.models
+    from trtbuild.backends.torch import kernel_warmup
 
-    monkeypatch.setattr(trtbuild.models, "decode_matmul", fake, raising=False)
+    ahead: list[list[tuple[Any, ...]]] = []  # what each plan handed to be compiled ahead of its timings
+    monkeypatch.setattr(kernel_warmup, "precompile", lambda work, device, progress: ahead.append(work) or {})
+    monkeypatch.setitem(sys.modules, "trtbuild.kernels.decode_matmul", fake)
+    import trtbuild.kernels
+
+    # `from trtbuild.kernels import decode_matmul` reads the package's attribute first, which an earlier import
+    # of the real module (another test in the same process) has set
+    monkeypatch.setattr(trtbuild.kernels, "decode_matmul", fake, raising=False)
     cfg = LlamaConfig.from_hf(dict(TINY_CONFIG))
     model = Transformer(cfg, max_batch_size=2, max_seq_len=16, dtype=torch.float32)
     job = types.SimpleNamespace(tactics=types.SimpleNamespace(path=tmp_path), progress=lambda message: None)
-    plan, record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "fused")  # type: ignore[arg-type]
+    plan, record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue")  # type: ignore[arg-type]
     d, f = cfg.hidden_size, cfg.intermediate_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     shapes = [(qkv, d), (d, d), (2 * f, d), (d, f), (cfg.vocab_size, d)]
-    assert qkv == 64  # the shape `select` above makes slow when fused
-    # QKV: 20 fused vs 12 cuBLAS + ops vs 9.5 + (12 - 10) = 11.5 for the kernel alone with Inductor's norm
+    assert (2 * f, d) == (cfg.vocab_size, d)  # gate/up's plain matmul and the LM head: one key of the plan
+    # gate/up: 20 fused vs 12 cuBLAS + its gating vs 9.5 + (12 - 10) = 11.5 for the kernel alone with Inductor's
+    # gating; the norms stay outside the kernel, so QKV and the LM head are plain matmuls
     assert {key: c.name for key, c in plan[1].items()} == {
-        (qkv, d, "none"): "k", (d, d, "residual"): "k", (2 * f, d, "norm_gate"): "k", (d, f, "residual"): "k",
-        (cfg.vocab_size, d, "norm"): "k"}
-    assert record["decode_b1"][f"{qkv}x{d}+norm"]["fused"] is False
-    assert record["decode_b1"][f"{qkv}x{d}+norm"]["kernel_does"] == "none"
-    # what a step's matmuls take as timed, for the run report: QKV the kernel alone + Inductor's norm
-    # (11.5) and the fused kernel (8.0) at the other three call sites of every layer, and the LM head once
+        (qkv, d, "none"): "k", (d, d, "residual"): "k", (2 * f, d, "none"): "k", (d, f, "residual"): "k"}
+    assert record["decode_b1"][f"{2 * f}x{d}+gate"]["fused"] is False
+    assert record["decode_b1"][f"{2 * f}x{d}+gate"]["kernel_does"] == "none"
+    # what a step's matmuls take as timed, for the run report: gate/up the kernel alone + Inductor's gating
+    # (11.5), the fused kernel (8.0) at the residual adds, the plain kernel (9.5) at QKV and, once, the LM head
     layers = cfg.num_layers
     assert [(r["calls"], r["chosen_us"]) for r in record["decode_b1"].values()] == \
-        [(layers, 11.5), (layers, 8.0), (layers, 8.0), (layers, 8.0), (1, 8.0)]
-    assert decode_kernels.timed_step_us(record, 1) == layers * 35.5 + 8.0
+        [(layers, 9.5), (layers, 8.0), (layers, 11.5), (layers, 8.0), (1, 9.5)]
+    assert decode_kernels.timed_step_us(record, 1) == layers * 37.0 + 9.5
     assert decode_kernels.timed_step_us(record, 8) is None
-    # the QKV's norm is Inductor's (the kernel alone won), every other fusion is the kernel's
-    assert decode_kernels.fused_outside(record, 1) == [f"{qkv}x{d}+norm"]
+    # gate/up's gating is Inductor's (the kernel alone won), every other fusion is the kernel's
+    assert decode_kernels.fused_outside(record, 1) == [f"{2 * f}x{d}+gate"]
     assert decode_kernels.fused_outside(record, 8) == []
-    # each call site group timed once with its fusion and once without, for `pick`; this config's LM head
-    # and gate/up share a shape (128x32) but not a layer count, so each has its own timing
-    # (gate/up: and with its gating alone, the norm outside)
-    fusions = ["norm", "residual", "norm_gate", "residual", "norm"]
-    assert sorted(timed) == sorted([(n, k, x) for (n, k), fusion in zip(shapes, fusions, strict=True) for x in (fusion, "none")]
-                                   + [(2 * f, d, "gate")])
+    # each fused call site timed once with its fusion and once without, for `pick`; the LM head and
+    # gate/up share a shape but not a layer count, so each has its own plain timing
+    fusions = ["none", "residual", "gate", "residual", "none"]
+    assert sorted(timed) == sorted([(n, k, fusion) for (n, k), fusion in zip(shapes, fusions, strict=True)]
+                                   + [(n, k, "none") for (n, k), fusion in zip(shapes, fusions) if fusion != "none"])
     assert sorted(set(widths)) == sorted({k for _, k in shapes})  # each call site's own row width
+    # compiled ahead, in parallel (kernel_warmup.py): exactly the timings then taken, each with its candidates
+    assert len(ahead) == 1 and sorted((n, k, fusion) for _, n, k, fusion, _, _ in ahead[0]) == sorted(timed)
+    assert all(rows == 1 and configs == ("k",) and dtype == "torch.float32" for rows, _, _, _, dtype, configs in ahead[0])
     timed.clear()
-    again, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "fused")  # type: ignore[arg-type]
-    assert again == plan and timed == []  # every timing from the tactic cache
+    again, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue")  # type: ignore[arg-type]
+    assert again == plan and timed == [] and len(ahead) == 1  # every timing from the tactic cache: nothing to compile
     # options.decode_split_k timed: another candidate list, so new timings (the cached ones stay valid)
     matmul_plan(model, (1,), "default", "auto", "cuda", job, "none", "timed")  # type: ignore[arg-type]
     assert sorted(timed) == sorted({(n, k, "none", "split") for n, k in shapes})
-    # options.decode_fusion epilogue: gate/up keeps only its gating; every norm stays outside, so QKV and the
-    # LM head are plain matmuls. All timed already: gate/up's gating alone by the fused plan, for `pick`
+    # options.decode_fusion none: plain matmuls only, timed already by the epilogue plan but for gate/up's
+    # shape, which now holds gate/up's and the LM head's matrices in one group (a timing of its own)
     timed.clear()
-    plan, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue")  # type: ignore[arg-type]
-    assert timed == []
-    assert sorted(plan[1]) == sorted([(qkv, d, "none"), (d, d, "residual"), (2 * f, d, "gate"), (d, f, "residual"),
-                                      (cfg.vocab_size, d, "none")])
-    assert set(edits) == {None}  # every timing so far in graphs with full edges
-    # options.decode_timing pdl: every call site timed again, each graph with the programmatic edit, kept
-    # under a key of its own (the full-edge timings stay); a rebuild reuses them
-    programmatic = object()
-    monkeypatch.setattr(decode_kernels, "pdl_edges", lambda device: lambda graph: programmatic)
-    edits.clear()
-    _, pdl_record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue", "none", "pdl")  # type: ignore[arg-type]
-    assert len(timed) == len(edits) == 8  # five call sites, three of them also without their epilogue
-    assert all(e is not None and e(0) is programmatic for e in edits)
-    assert all(r["edges"] == "programmatic" and not r.get("reused") for r in pdl_record["decode_b1"].values())
-    timed.clear()
-    _, again_record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue", "none", "pdl")  # type: ignore[arg-type]
-    assert timed == [] and all(r["reused"] for r in again_record["decode_b1"].values())
-    _, full_record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue")  # type: ignore[arg-type]
-    assert timed == [] and not any("edges" in r for r in full_record["decode_b1"].values())
-    # a change to the code that makes the edges (pdl.py) times every call site under PDL again: its
-    # zero-edge bug had failed every candidate of the LM head, and those failures were cached
-    from trtbuild.backends.torch import pdl
-    changed = tmp_path / "pdl.py"
-    changed.write_bytes(Path(pdl.__file__).read_bytes() + b"# changed\n")
-    monkeypatch.setattr(pdl, "__file__", str(changed))
-    matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue", "none", "pdl")  # type: ignore[arg-type]
-    assert len(timed) == 8
-    timed.clear()
-    matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue")  # type: ignore[arg-type]
-    assert timed == []  # the full-edge timings do not depend on it
-
-
-def test_the_graph_edit_of_an_enclosing_block_applies_where_a_timing_names_none() -> None:
-    """timing.graph_edits: what `graph_seconds` applies to each captured graph when its caller gives no edit
-    (options.decode_timing pdl reaches the kernel module's `select` this way), restored after the block."""
-    from trtbuild.timing import active_edit, graph_edits
-
-    def outer(graph: int) -> None:
-        return None
-
-    def own(graph: int) -> None:
-        return None
-
-    assert active_edit() is None
-    with graph_edits(outer):
-        assert active_edit() is outer and active_edit(own) is own
-        with graph_edits(None):
-            assert active_edit() is None
-        assert active_edit() is outer
-    assert active_edit() is None
-
-
-def test_pdl_timing_is_refused_with_the_reason_where_pdl_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trtbuild.backends.torch import decode_kernels, pdl
-    from trtbuild.errors import TrtbuildError
-
-    monkeypatch.setattr(pdl, "available", lambda on_cuda: "compute capability 8.x (PDL needs 9.0, Hopper, or later)")
-    with pytest.raises(TrtbuildError, match=r"options.decode_timing: 'pdl' .* compute capability 8.x"):
-        decode_kernels.pdl_edges("cuda:0")
+    plan, _ = matmul_plan(model, (1,), "default", "auto", "cuda", job, "none")  # type: ignore[arg-type]
+    assert timed == [(2 * f, d, "none")]
+    assert sorted(plan[1]) == sorted({(n, k, "none") for n, k in shapes})
 
 
 def test_the_kernels_inline_assembly_has_no_escaped_line_breaks() -> None:

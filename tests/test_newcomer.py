@@ -128,6 +128,19 @@ def test_validate_reads_a_local_folder_as_run_would(tmp_path: Path) -> None:
         assert "Traceback" not in result.output
 
 
+def test_validate_reports_every_problem_of_a_local_folder_at_once(tmp_path: Path) -> None:
+    """A yarn rope_scaling and a hidden_size the weights disagree with: both in one run, as a recipe's are."""
+    folder = make_hf_folder(tmp_path / "model")
+    (folder / "config.json").write_text(json.dumps({**TINY_CONFIG, "hidden_size": 64, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}))
+    doc = tiny_recipe_doc(model={"source": "./model"})
+    result = CliRunner().invoke(main, ["validate", str(write_recipe(tmp_path, doc))])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "rope_scaling" in result.output and "yarn" in result.output, result.output
+    assert re.search(r"tensor model\.\S+ has shape \(\d+, 32\), config\.json implies \(\d+, 64\)", result.output)
+    assert "problems in the model folder" in result.output
+
+
 # -- cache commands ---------------------------------------------------------------------------------
 def test_cache_show_takes_a_key_prefix_a_name_or_the_path_run_prints(engine_store: Path) -> None:
     a = _fake_entry(engine_store, "alpha", "abcdef01" + "1" * 56)
@@ -157,21 +170,33 @@ def test_cache_ls_shows_pins(engine_store: Path) -> None:
     assert "PINNED" in table[0] and " yes " in next(line for line in table if line.startswith("alpha"))
 
 
-def test_quarantine_is_counted_and_pruned_oldest_first(engine_store: Path) -> None:
+def test_quarantine_is_counted_and_the_stats_hint_removes_it(engine_store: Path) -> None:
+    """The command `cache stats` names removes the quarantine; any prune removes it first, however generous its
+    limits, and `--quarantine` alone leaves the engines."""
     store = Store(engine_store)
     store.ensure()
     old = store.quarantine(_fake_entry(engine_store, "old", "1" * 64, size=3000), "sha256 differs")
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     new = store.quarantine(_fake_entry(engine_store, "new", "2" * 64, size=2000), "size differs")
+    kept = _fake_entry(engine_store, "kept", "3" * 64)
     cli = CliRunner()
     stats = json.loads(cli.invoke(main, ["cache", "stats", "--json"]).output)
     assert stats["quarantined"] == 2 and stats["quarantine_bytes"] >= 5000
-    assert "quarantined 2" in cli.invoke(main, ["cache", "stats"]).output
-    result = cli.invoke(main, ["cache", "prune", "--max-size", "3K"])
+    out = cli.invoke(main, ["cache", "stats"]).output
+    hint = re.search(r"`trtbuild (cache prune[^`]*)` removes them", out)
+    assert "quarantined 2" in out and hint, out
+    dry = cli.invoke(main, [*hint.group(1).split(), "--dry-run"])
+    assert dry.exit_code == 0 and dry.output.index(old.name) < dry.output.index(new.name), dry.output
+    result = cli.invoke(main, hint.group(1).split())
     assert result.exit_code == 0 and f"removed quarantine/{old.name}" in result.output, result.output
-    assert not old.exists() and new.exists()  # the oldest went first, and that was enough
-    result = cli.invoke(main, ["cache", "prune", "--max-size", "0"])
-    assert not new.exists() and "-> 0 B" in result.output
+    assert not old.exists() and not new.exists() and kept.exists()
+    again = store.quarantine(_fake_entry(engine_store, "again", "4" * 64), "sha256 differs")
+    for limits in (["--max-size", "100G"], ["--older-than", "30d"]):
+        result = cli.invoke(main, ["cache", "prune", *limits])
+        assert result.exit_code == 0 and not again.exists() and kept.exists(), result.output
+        again = store.quarantine(_fake_entry(engine_store, "again", "4" * 64), "sha256 differs")
+    bare = cli.invoke(main, ["cache", "prune"])
+    assert bare.exit_code == 2 and "--quarantine" in bare.output and again.exists()
 
 
 def test_doctor_imports_every_declared_dependency_and_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,6 +256,18 @@ def test_the_report_agrees_with_a_stopwatch_and_shows_no_gpu_rows_on_a_cpu(engin
 
 
 @pytest.mark.slow
+def test_a_cpu_run_says_its_threads_and_prints_no_rate_without_its_ceiling(engine: dict[str, Any]) -> None:
+    args = ["run", str(engine["recipe"]), "--engines", str(engine["store"]), "--iterations", "2"]
+    report = read_json_line(run_cli(*args, "--threads", "1", "--json").stdout)
+    assert report["threads"] == {"threads": 1, "why": "--threads"} and "unstable" in report
+    default = read_json_line(run_cli(*args, "--json").stdout)["threads"]
+    assert 1 <= default["threads"] <= len(os.sched_getaffinity(0)) and "busy" in default["why"]
+    text = run_cli(*args, "--threads", "1", env={"COLUMNS": "400"}).stdout
+    assert "threads: 1 (--threads)" in text
+    assert "GB/s" not in text and "FLOP/s" not in text, text  # a CPU has no ceiling in the run report
+
+
+@pytest.mark.slow
 def test_a_corrupt_entry_found_by_verify_is_reported_quarantined_and_rebuilt(engine: dict[str, Any],
                                                                             tmp_path: Path) -> None:
     store = tmp_path / "engines"
@@ -278,3 +315,25 @@ def test_a_tied_lm_head_is_counted_once_in_the_bytes_a_step_reads(engine: dict[s
         stored = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
     with open_session(load_recipe(engine["recipe"]), engine["store"], build=False) as session:
         assert session.engine.weight_bytes == stored
+
+
+@pytest.mark.slow
+def test_an_api_build_prints_none_of_the_frameworks_noise(tmp_path: Path) -> None:
+    """tiny-llama built through the Python API, with one row and one bucket (sizes export takes as static), in a
+    new process as a user's script runs: nothing on stderr, no Python warning raised."""
+    script = """
+import sys, warnings, yaml, trtbuild
+doc = yaml.safe_load(open("recipes/tiny-llama.yaml"))
+doc["shapes"].update(max_batch_size=1, batch_buckets=[1])
+doc["run"]["batch_size"] = 1
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    outcome = trtbuild.build(doc, sys.argv[1])
+assert not outcome.cache_hit
+print("\\n".join(f"{w.category.__name__}: {w.message}" for w in caught))
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "engines")], cwd=REPO, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr
+    assert proc.stdout.strip() == "", proc.stdout

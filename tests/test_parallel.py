@@ -200,7 +200,7 @@ def test_compiled_tp2_engine_matches_one_rank_and_reports_each_rank(tmp_path: Pa
     recipe = load_recipe(path)
     with open_session(recipe) as session:
         entry = session.outcome.entry.path
-        got = session.generate(PROMPT, 12)
+        got = session.greedy(PROMPT, 12)
         rep = run_report(session, batch_size=1, input_len=8, output_len=6, iterations=2)
         # the slot API a server drives runs on both ranks too
         first = session.engine.prefill(1, PROMPT[1][:5], GREEDY)

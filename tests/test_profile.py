@@ -302,3 +302,53 @@ def test_gpu_decode_profile_names_every_kernel_and_matches_the_step(tmp_path: Pa
     # checks 5% at real sizes
     assert decode["step_s"] == pytest.approx(decode["engine_step_s"], rel=0.10)
     json.dumps(result)
+
+
+def test_kept_ceilings_say_their_age_and_how_to_refresh_and_a_site_above_a_roof_calls_them_implausible(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import time
+
+    calls = []
+    monkeypatch.setattr(ceilings, "measure", lambda device, b, n: calls.append(n) or
+                        {"copy_Bps": 1e12, "matmul_flops_per_s": 1e14})
+    ceilings.cached("cpu", tmp_path)
+    kept = next(tmp_path.glob("*.json"))
+    doc = json.loads(kept.read_text())
+    kept.write_text(json.dumps(doc | {"measured_at": time.time() - 3 * 86400}))
+    again = ceilings.cached("cpu", tmp_path)
+    assert "measured 3 days ago" in again["source"] and "--remeasure" in again["source"] and len(calls) == 1
+    assert ceilings.cached("cpu", tmp_path, fresh=True)["source"].startswith("measured now") and len(calls) == 2
+    assert os.path.getsize(kept) > 0
+    cfg = LlamaConfig.from_hf(TINY_CONFIG)
+    sites = call_sites(cfg, 1, 1, 7, 4)
+    steps = [[Op(n, 3.0) for n in _layer(["attn"]) * 2 + ["gemv_head", "argmax"]]]
+    plausible = {"phases": {"decode": table(steps, 60e-6, sites, 2, CEILINGS)}}
+    assert ceilings.implausible(plausible) == []
+    low = CEILINGS | {"copy_Bps": 1e3}  # roofs measured while something else held the machine
+    assert f"decode: {QKV}" in ceilings.implausible({"phases": {"decode": table(steps, 60e-6, sites, 2, low)}})
+
+
+@pytest.mark.parametrize("columns", [100, 220])
+def test_the_profile_table_fits_the_terminal_keeps_call_sites_whole_and_puts_the_engines_step_first(
+        columns: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from trtbuild.measure.profile_report import print_profile
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    cfg = LlamaConfig.from_hf(TINY_CONFIG)
+    sites = call_sites(cfg, 1, 1, 7, 4)
+    names = _layer(["a_very_long_attention_kernel_name_from_inductor_fused_rope_cat_mm"]) * 2 + ["gemv_head", "argmax"]
+    phase = table([[Op(n, 3.0) for n in names]], 61_243.6e-6, sites, 2, CEILINGS)
+    result = {"recipe": "tiny", "device": "cpu", "method": "eager", "ceilings": CEILINGS | {"device_name": "cpu x2"},
+              "phases": {"decode": {"batch_size": 1, "bucket": 1, "prompt_len": 7, "runs": 1,
+                                    "engine_step_s": 145.1e-6, **phase}}}
+    print_profile(result)
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= columns, out
+    for row in phase["rows"]:
+        assert row["site"] in out, (row["site"], out)  # whole, on one line
+    assert "layers…" not in out and "…" not in "".join(line[:40] for line in out.splitlines())
+    step = next(line for line in out.splitlines() if line.startswith("  step"))
+    assert step.index("145.1 µs as `run` times the engine") < step.index("61,243.6")
+    floor = phase["floor_s"]
+    assert f"the engine's step is {145.1e-6 / floor:.2f}x its floor" in out

@@ -5,6 +5,8 @@ installed. fp32 activations on the CPU: the interpreter's bf16 dot is not reliab
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -65,6 +67,86 @@ def test_a_scale_or_nibble_read_wrongly_would_be_caught() -> None:
     assert (got.float() - want).abs().max() > 1e-3 * want.abs().max()
 
 
+def _every_candidate() -> list[tuple[str, int, str]]:
+    """(format, rows, configuration name) for every candidate of every list: the one-row lists at 1 row, the
+    tensor-core lists at 2 and 8. Candidates that differ only in warps or stages are one case here: the
+    interpreter runs neither (they change the compiled code's schedule, not what it computes)."""
+    from trtbuild.kernels import matmul_configs as mc
+
+    out: dict[tuple[str, int, int, int, int], tuple[str, int, str]] = {}
+    for fmt in ("int4", "fp8"):
+        for rows, configs in ((1, mc.QUANT_ONE_ROW[fmt] + mc.QUANT_ONE_ROW_SPLIT),
+                              (2, mc.QUANT_ROWS[fmt] + mc.QUANT_ROWS_SPLIT), (8, mc.QUANT_ROWS[fmt] + mc.QUANT_ROWS_SPLIT)):
+            for c in configs:
+                out.setdefault((fmt, rows, c.block_n, c.block_k, c.split), (fmt, rows, c.name))
+    return list(out.values())
+
+
+@pytest.mark.parametrize(("fmt", "rows", "name"), _every_candidate())
+def test_every_candidate_matches_the_dequantized_matmul(fmt: str, rows: int, name: str) -> None:
+    """Each configuration the build may choose, on a shape with an odd number of columns (a partly masked block)
+    and one step more than whole: int4 in groups of 128, the last step three groups long (the rest masked
+    whole); fp8 with a last step of 40 columns. Split-K slices end where k does."""
+    from trtbuild.kernels.quant_matmul import MatmulConfig, launch_shape, quant_matmul
+
+    config = MatmulConfig.parse(name)
+    k = config.block_k + (3 * 128 if fmt == "int4" else 40)
+    n = 2 * config.block_n + 3
+    x, stored, want = _case(fmt, rows, n, k, 11 * rows + k)
+    assert launch_shape(config, rows, k, 128 if fmt == "int4" else 0) == (config.block_n, config.block_k)
+    got = quant_matmul(x, stored["qweight"], stored["scale"], stored.get("zero"), config)
+    tol = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+def test_candidates_are_pruned_by_what_cannot_win_at_the_shape() -> None:
+    """Llama 1B's down projection (2048 x 8192) at batch 1 keeps split-K, where 4-row blocks give 512 programs
+    for 132 SMs; 8B's gate/up (28672 x 4096) has programs enough and keeps none. Narrow matrices drop the steps
+    and blocks more than twice their size; int4 keeps only whole groups, at most 16 a step."""
+    from trtbuild.kernels.matmul_configs import QUANT_ONE_ROW, quant_candidates
+
+    down = quant_candidates("int4", 1, 2048, 8192, 128)
+    assert {c.name for c in down if c.split > 1} >= {"n4k512w4s1p2", "n4k512w4s1p4", "n8k1024w4s1p4"}
+    assert [c for c in down if c.split == 1] == QUANT_ONE_ROW["int4"]
+    assert not any(c.split > 1 for c in quant_candidates("int4", 1, 28672, 4096, 128))
+    assert not any(c.split > 1 for c in quant_candidates("fp8", 1, 2048, 8192, 0, sms=16))  # a small GPU is full
+    small = quant_candidates("int4", 1, 6, 576, 64)
+    assert small and all(c.block_k <= 1024 and c.block_k % 64 == 0 and c.block_n <= 8 for c in small)
+    assert all(c.block_k // 32 <= 16 for c in quant_candidates("int4", 1, 4096, 4096, 32))
+    assert {c.name for c in quant_candidates("int8", 8, 4096, 4096)} == {c.name for c in quant_candidates("fp8", 8, 4096, 4096)}
+
+
+def test_quantized_decode_routes_each_quantized_linear_to_its_planned_configuration() -> None:
+    """export.quantized_decode: the plan's configuration for its (out, in, format), the format's fixed one where
+    the plan has none, and nothing past the kernel's 16 rows or on the CPU (the graphs then dequantize)."""
+    from types import SimpleNamespace
+
+    from trtbuild.backends.torch.export import place_model, quantized_decode
+    from trtbuild.kernels.quant_matmul import CONFIGS, MatmulConfig
+    from trtbuild.models import calibrate
+    from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes
+    from trtbuild.models.llama import LlamaConfig
+
+    from .conftest import TINY_CONFIG
+
+    cfg = LlamaConfig.from_hf(TINY_CONFIG)
+    hf = {k: torch.randn(s) * 0.2 for k, s in hf_parameter_shapes(cfg).items()}
+    state = calibrate.rtn_state(convert_hf_state_dict(hf, cfg), "int4")
+    model = place_model(cfg, SimpleNamespace(max_batch_size=2, max_input_len=8, max_seq_len=16), torch.float32,
+                        "cpu", state)
+    quantized = [m for m in model.modules() if getattr(m, "quant", None)]
+    first = quantized[0]
+    chosen = MatmulConfig(8, 512, 4, 3, 2)
+    with quantized_decode(model, "cuda", {(first.out_features, first.in_features, "int4"): chosen}, 2):
+        shape = (first.out_features, first.in_features)
+        assert {m.decode_config for m in quantized if (m.out_features, m.in_features) == shape} == {chosen}
+        assert {m.decode_config for m in quantized if (m.out_features, m.in_features) != shape} == {CONFIGS["int4"]}
+    assert all(m.decode_config is None for m in quantized)
+    for device, rows in (("cuda", 32), ("cpu", 2)):
+        with quantized_decode(model, device, {}, rows):
+            assert all(m.decode_config is None for m in quantized)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 8])
@@ -121,3 +203,71 @@ def test_a_decode_step_through_the_quantized_kernel_gives_the_logits_of_the_dequ
             model(tokens, torch.arange(4, device=DEVICE), from_start=True)  # the prompt, dequantizing (prefill)
             logits.append(model(tokens[:, :1], torch.tensor([4], device=DEVICE)))
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_the_build_times_each_quantized_shape_once_per_batch_and_plans_the_fastest(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """decode_kernels.matmul_plan on a tiny int4 model, with stand-ins for the kernels' selections (the real ones
+    need a GPU): each (out, in, int4) is timed once per batch over its layers, its fastest candidate planned under
+    the format's key and recorded beside the dense LM head's, cached so a rebuild times nothing; a batch past the
+    kernel's 16 rows times nothing; a shape where no candidate ran keeps the fixed configuration."""
+    from types import SimpleNamespace
+
+    from trtbuild.backends.torch import decode_kernels
+    from trtbuild.backends.torch.export import place_model
+    from trtbuild.kernels import decode_matmul as dm
+    from trtbuild.kernels import quant_matmul as qm
+    from trtbuild.kernels.matmul_configs import MatmulConfig
+    from trtbuild.models import calibrate
+    from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes
+    from trtbuild.models.llama import LlamaConfig
+
+    from .conftest import TINY_CONFIG
+
+    timed: list[tuple[int, int, int, int]] = []
+
+    def select(layers: list[tuple[torch.Tensor, ...]], rows: int, reps: int = 15,
+               configs: list[MatmulConfig] | None = None) -> dict[str, Any]:
+        n, k = layers[0][0].shape[0], layers[0][0].shape[1] * 2
+        timed.append((n, k, rows, len(layers)))
+        assert configs  # the build's pruned list, as its cache key names it
+        if n == k:  # the output projection: nothing ran
+            return {"format": "int4", "choice": None, "candidates": {c.name: "failed: no" for c in configs}}
+        us = {c.name: 10.0 + i for i, c in enumerate(configs)}
+        return {"format": "int4", "choice": configs[-1].name, "candidates": us | {configs[-1].name: 1.0}}
+
+    monkeypatch.setattr(qm, "select", select)
+    monkeypatch.setattr(dm, "select", lambda weights, rows, fusion="none", split=False: {
+        "fusion": fusion, "cublas_us": 5.0, "choice": "cublas", "candidates": {}})
+    cfg = LlamaConfig.from_hf(TINY_CONFIG)
+    hf = {k: torch.randn(s) * 0.2 for k, s in hf_parameter_shapes(cfg).items()}
+    state = calibrate.rtn_state(convert_hf_state_dict(hf, cfg), "int4")
+    model = place_model(cfg, SimpleNamespace(max_batch_size=2, max_input_len=8, max_seq_len=16), torch.float32,
+                        "cpu", state)
+    from trtbuild.backends.torch import kernel_warmup
+
+    ahead: list[list[tuple[Any, ...]]] = []  # what the plan handed over to be compiled ahead of its timings
+    monkeypatch.setattr(kernel_warmup, "precompile", lambda work, device, progress: ahead.append(work) or {})
+    job = SimpleNamespace(tactics=SimpleNamespace(path=tmp_path), progress=lambda message: None)
+    plan, record = decode_kernels.matmul_plan(model, (1, 32), "default", "auto", "cuda", job, "none")  # type: ignore[arg-type]
+    d, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    quantized = [(qkv, d), (d, cfg.num_heads * cfg.head_dim), (2 * f, d), (d, f)]
+    assert sorted(timed) == sorted((n, k, 1, layers) for n, k in quantized)  # none at 32 rows
+    # every quantized timing's candidates were compiled ahead, with the layers' own layout
+    quant_work = [w for w in ahead[0] if w[3] == "int4"]
+    assert sorted((n, k) for _, n, k, _, _, _ in quant_work) == sorted(quantized)
+    assert all(rows == 1 and len(spec) == 3 and spec[0][1] == "torch.uint8" for rows, _, _, _, spec, _ in quant_work)
+    assert d == cfg.num_heads * cfg.head_dim  # the output projection: the stand-in's shape where nothing ran
+    lists = {(n, k): qm.candidates_for(*next((m.qweight, m.scale, m.zero) for m in model.modules()
+                                             if getattr(m, "quant", None) and (m.out_features, m.in_features) == (n, k)), 1)
+             for n, k in quantized}
+    assert plan[1] == {(n, k, "int4"): lists[(n, k)][-1] for n, k in quantized if n != k}
+    entry = record["decode_b1"][f"{2 * f}x{d}+int4"]
+    assert entry["used"] == lists[(2 * f, d)][-1].name and entry["calls"] == layers and entry["chosen_us"] == 1.0
+    assert record["decode_b1"][f"{d}x{d}+int4"]["used"].endswith("(fixed: no candidate ran)")
+    assert decode_kernels.fused_outside(record, 1) == []  # the quantized kernel's fusions are not the dense kind
+    assert decode_kernels.timed_step_us(record, 1) == 3 * layers * 1.0 + 5.0  # and cuBLAS's LM head, once
+    timed.clear()
+    again, _ = decode_kernels.matmul_plan(model, (1,), "default", "auto", "cuda", job, "none")  # type: ignore[arg-type]
+    assert again == plan and timed == []  # from the tactic cache

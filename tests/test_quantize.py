@@ -140,7 +140,6 @@ def test_quantized_precisions_validate_for_the_torch_backend(tmp_path: Path) -> 
 @pytest.mark.parametrize("overrides, message", [
     ({"precision": "fp8", "options": {"int4_method": "rtn"}}, "options.int4_method: only for precision int4_wo"),
     ({"precision": "int4_wo", "options": {"int4_method": "awq"}}, "options.int4_method: expected one of gptq, rtn"),
-    ({"precision": "int8_wo", "options": {"decode_fusion": "fused"}}, "options.decode_fusion: 'fused'"),
     ({"precision": "int3_wo"}, "precision: expected one of"),
 ])
 def test_quantization_options_that_cannot_build_are_named(tmp_path: Path, overrides: dict[str, Any],

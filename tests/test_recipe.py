@@ -230,14 +230,14 @@ def test_unknown_backend() -> None:
 
 def test_backend_checks_its_own_options() -> None:
     assert ("options.workspace: unknown option for backend torch "
-            "(known: decode_matmul, decode_attention, decode_fusion, decode_split_k, decode_timing, prefill_attention, "
+            "(known: decode_matmul, decode_attention, decode_fusion, decode_split_k, prefill_attention, "
             "int4_method, moe_decode, moe_prefill)"
             in problems_of(tiny_recipe_doc(options={"workspace": 1})))
     assert ("options.prefill_attention: expected one of auto, sdpa, cudnn, got 'flash'"
             in problems_of(tiny_recipe_doc(options={"prefill_attention": "flash"})))
     for mode in ("auto", "sdpa", "cudnn"):
         parse_recipe(tiny_recipe_doc(options={"prefill_attention": mode}), Path("r.yaml"))
-    assert ("options.decode_attention: expected one of auto, aten, kernel, kernel-unfused, got 'flash'"
+    assert ("options.decode_attention: expected one of auto, aten, kernel, got 'flash'"
             in problems_of(tiny_recipe_doc(options={"decode_attention": "flash"})))
     assert ("options.decode_matmul: expected one of auto, cublas, kernel, got 'triton'"
             in problems_of(tiny_recipe_doc(options={"decode_matmul": "triton"})))
@@ -246,12 +246,12 @@ def test_backend_checks_its_own_options() -> None:
                for p in problems_of(tiny_recipe_doc(options={"decode_matmul": "kernel"}, tactics={"level": "none"})))
     for mode in ("auto", "cublas", "kernel"):
         parse_recipe(tiny_recipe_doc(options={"decode_matmul": mode}, tactics={"level": "default"}), Path("r.yaml"))
-    for mode in ("auto", "aten", "kernel", "kernel-unfused"):
+    for mode in ("auto", "aten", "kernel"):
         parse_recipe(tiny_recipe_doc(options={"decode_attention": mode}), Path("r.yaml"))
     # YAML reads a bare `off` as False: the mode is `none`, and the error says so
-    assert ("options.decode_fusion: expected one of epilogue, none, fused, got False"
+    assert ("options.decode_fusion: expected one of epilogue, none, got False"
             in problems_of(tiny_recipe_doc(options={"decode_fusion": False})))
-    for mode in ("none", "fused", "epilogue"):
+    for mode in ("none", "epilogue"):
         parse_recipe(tiny_recipe_doc(options={"decode_fusion": mode}), Path("r.yaml"))
     assert ("options.decode_split_k: expected one of none, timed, got 'on'"
             in problems_of(tiny_recipe_doc(options={"decode_split_k": "on"})))
@@ -267,7 +267,7 @@ def test_a_torch_recipe_without_options_builds_with_each_options_default() -> No
     recipe = parse_recipe(tiny_recipe_doc(), Path("r.yaml"))
     assert {name: _option(recipe, name) for name in OPTIONS} == {
         "decode_matmul": "auto", "decode_attention": "auto", "decode_fusion": "epilogue", "decode_split_k": "none",
-        "decode_timing": "serialized", "prefill_attention": "auto", "int4_method": "gptq", "moe_decode": "aten",
+        "prefill_attention": "auto", "int4_method": "gptq", "moe_decode": "aten",
         "moe_prefill": "dense"}
     assert ("options.moe_decode: expected one of aten, auto, kernel, got 'triton'"
             in problems_of(tiny_recipe_doc(options={"moe_decode": "triton"})))
@@ -275,13 +275,16 @@ def test_a_torch_recipe_without_options_builds_with_each_options_default() -> No
     assert _option(unfused, "decode_fusion") == "none"
 
 
-def test_only_a_cuda_build_with_fused_decode_kernels_folds_the_norm_gains() -> None:
-    """The fold exists for the decode kernels (CUDA only); every other build stores the checkpoint's weights."""
-    from trtbuild.backends.torch.backend import folds_norms
-
-    fused = parse_recipe(tiny_recipe_doc(options={"decode_fusion": "fused"}), Path("r.yaml"))
-    assert folds_norms(fused, "cuda") and not folds_norms(fused, "cpu")
-    assert not folds_norms(parse_recipe(tiny_recipe_doc(), Path("r.yaml")), "cuda")
+@pytest.mark.parametrize("options, expected", [
+    ({"decode_fusion": "fused"}, "options.decode_fusion: expected one of epilogue, none, got 'fused'"),
+    ({"decode_attention": "kernel-unfused"}, "options.decode_attention: expected one of auto, aten, kernel, got 'kernel-unfused'"),
+    ({"decode_timing": "pdl"}, "options.decode_timing: unknown option for backend torch"),
+])
+def test_a_removed_mode_is_one_error_naming_its_field(options: dict[str, Any], expected: str) -> None:
+    """Modes kept only for comparison are gone (their measurements stay in benchmarks/RESULTS.md): a recipe
+    that still names one gets one problem, on its field, and builds nothing."""
+    problems = problems_of(tiny_recipe_doc(precision="int8_wo", options=options))
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
 
 
 @pytest.mark.parametrize("mutate, expected", [

@@ -345,3 +345,17 @@ def test_a_remote_that_accepts_but_never_answers_degrades_in_seconds(
     assert got.remote is None and got.lease is None and "unreachable" in got.warning
     assert elapsed < 60, elapsed  # two attempts of 10 s each, and their backoff
     assert capsys.readouterr().err.count("trtbuild: warning:") == 1
+
+
+def test_a_restarted_server_serves_what_it_stored_once_it_says_it_is_ready(own_server: Seaweed, tmp_path: Path) -> None:
+    """The harness's readiness, which the kill tests rely on: after a SIGKILL and a start, every object written
+    before the kill reads at once (the gateway takes writes a moment before the old volumes are found again)."""
+    remote = Remote(f"s3://{BUCKET}/restart")
+    for i in range(12):
+        remote.client.put_object(Bucket=BUCKET, Key=remote.name(f"obj{i}"), Body=b"x" * (1 << 20))
+    for _ in range(4):
+        own_server.kill()
+        own_server.start()
+        fresh = Remote(f"s3://{BUCKET}/restart")
+        for i in range(12):
+            assert len(fresh.client.get_object(Bucket=BUCKET, Key=fresh.name(f"obj{i}"))["Body"].read()) == 1 << 20

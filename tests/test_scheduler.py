@@ -216,13 +216,32 @@ def test_stop_string_from_the_text_watch_ends_the_request() -> None:
 def test_queue_bound() -> None:
     engine = StandIn(rows=1)
     s = Scheduler(engine, max_queue=2)
-    s.submit(req([1], 5)[0])
+    s.submit(req([1], 5)[0])  # a free row: admitted at the next step, not counted against the queue
     s.submit(req([2], 5)[0])
-    with pytest.raises(QueueFull) as exc:
-        s.submit(req([3], 5)[0])
-    assert exc.value.retry_after_s >= 1
-    s.step()  # one admitted: a place in the queue is free again
     s.submit(req([3], 5)[0])
+    with pytest.raises(QueueFull) as exc:
+        s.submit(req([4], 5)[0])
+    assert exc.value.retry_after_s >= 1
+    s.step()  # one admitted, two still waiting for the one row
+    with pytest.raises(QueueFull):
+        s.submit(req([4], 5)[0])
+
+
+def test_a_burst_fills_the_idle_rows_and_the_queue_bounds_only_the_rest() -> None:
+    """8 idle rows and a queue of 1: of 12 requests at once, 8 are admitted, 1 waits, 3 are refused."""
+    engine = StandIn(rows=8)
+    s = Scheduler(engine, max_queue=1)
+    accepted, refused = [], 0
+    for i in range(12):
+        try:
+            accepted.append(s.submit(req([i + 1], 5)[0]))
+        except QueueFull:
+            refused += 1
+    assert (len(accepted), refused) == (9, 3)
+    s.step()
+    assert (s.running, s.waiting) == (8, 1)
+    run_until_idle(s)
+    assert all(r.on_event.finish == "length" for r in accepted)  # type: ignore[attr-defined]
 
 
 def test_cancel_running_and_waiting() -> None:

@@ -81,10 +81,10 @@ def _post(port: int, path: str, body: bytes) -> tuple[int, dict[str, Any], dict[
         conn.close()
 
 
-def _start(recipe: Path, engines: Path, max_queue: int) -> tuple[subprocess.Popen[str], int]:
+def _start(recipe: Path, engines: Path, max_queue: int, *flags: str) -> tuple[subprocess.Popen[str], int]:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "trtbuild", "serve", str(recipe), "--engines", str(engines),
-                             "--no-build", "--port", str(port), "--max-queue", str(max_queue)],
+                             "--no-build", "--port", str(port), "--max-queue", str(max_queue), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -332,6 +332,63 @@ def test_malformed_requests_get_openai_errors(server: dict[str, Any], body: byte
     assert got == status, err
     assert message in err["error"]["message"] and err["error"]["type"]
     assert _get(server["port"], "/health")[0] == 200  # and the server is still up
+
+
+def test_unknown_paths_and_methods_get_openai_errors_and_every_refusal_is_counted(server: dict[str, Any]) -> None:
+    port = server["port"]
+    before = {r: _metric(port, f'trtbuild_requests_rejected_total{{reason="{r}"}}')
+              for r in ("not_found", "method_not_allowed", "model_not_found", "invalid", "context_length")}
+    got, err, _ = _post(port, "/v1/nothing", b"{}")
+    assert got == 404 and "no such endpoint: /v1/nothing" in err["error"]["message"], err
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["code"] == "not_found"
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/v1/completions")
+    resp = conn.getresponse()
+    err = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 405 and "GET is not allowed on /v1/completions" in err["error"]["message"], err
+    assert _post(port, "/v1/completions", b'{"model": "other", "prompt": "hi"}')[0] == 404
+    assert _post(port, "/v1/completions", b"{not json")[0] == 400
+    assert _post(port, "/v1/completions", b'{"model": "served", "prompt": [1, 2], "max_tokens": 63}')[0] == 400
+    after = {r: _metric(port, f'trtbuild_requests_rejected_total{{reason="{r}"}}') for r in before}
+    assert {r: after[r] - before[r] for r in before} == {"not_found": 1, "method_not_allowed": 1,
+                                                         "model_not_found": 1, "invalid": 1, "context_length": 1}
+
+
+def test_a_burst_fills_the_idle_rows_before_the_queue_bound_counts(built: dict[str, Any]) -> None:
+    """4 idle rows and --max-queue 1: a burst of 12 gets at least 4 + 1 places; every other request is a 429
+    counted in /metrics, none an error. The operator's start-up block says what is served and where."""
+    proc, port = _start(built["recipe"], built["engines"], max_queue=1)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    gate = threading.Barrier(12)
+    answers: list[Any] = []
+
+    def one() -> None:
+        gate.wait()
+        try:
+            answers.append(client.completions.create(model="served", prompt=[9] * 8, max_tokens=MAX_SEQ - 8,
+                                                     temperature=0, extra_body={"ignore_eos": True}))
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            answers.append(exc)
+
+    try:
+        threads = [threading.Thread(target=one) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        full = [a for a in answers if isinstance(a, openai.RateLimitError)]
+        done = [a for a in answers if not isinstance(a, Exception)]
+        assert len(full) + len(done) == 12, [a for a in answers if isinstance(a, Exception) and a not in full][:3]
+        assert len(done) >= 5, f"only {len(done)} of 12 served with 4 idle rows and a queue of 1"
+        assert _metric(port, 'trtbuild_requests_rejected_total{reason="queue_full"}') == len(full)
+    finally:
+        code, out = _stop(proc)
+    assert code == 0, out[-3000:]
+    assert "engine   " in out and "found in the local store" in out and str(built["engines"]) in out, out[-3000:]
+    assert "decode buckets 1, 4; prompts up to 32 tokens, sequences up to 64" in out
+    assert f"KV cache {4 * MAX_SEQ} tokens = 4 requests of the full {MAX_SEQ} tokens" in out
+    assert f"ready on http://127.0.0.1:{port}/v1" in out
 
 
 def test_openai_client_sees_a_too_long_request_as_bad_request(server: dict[str, Any]) -> None:

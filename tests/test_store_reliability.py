@@ -278,14 +278,14 @@ def test_a_run_takes_the_weights_preloaded_from_its_own_entry(published: dict[st
     monkeypatch.setenv("TRTBUILD_PRELOAD", "1")
     recipe = load_recipe(published["recipe"])
     with open_session(recipe, store_dir, build=False) as s:
-        want = s.generate([[1, 2, 3]], 4)
+        want = s.greedy([[1, 2, 3]], 4)
         assert s.engine.load_note == ""  # type: ignore[attr-defined]
     drv = HostDriver()
     assert weights_preload.start(store_dir / "v1" / published["entry"] / "weights.safetensors", 2, driver=drv)
     with open_session(recipe, store_dir, build=False) as s:
         report = run_report(s, batch_size=1, input_len=3, output_len=4, iterations=1)
         assert "during start-up" in report["load_note"] and drv.device
-        assert s.generate([[1, 2, 3]], 4) == want
+        assert s.greedy([[1, 2, 3]], 4) == want
     assert not drv.device and not drv.misuse  # freed at the session's exit, not left to the runner
 
 
@@ -300,7 +300,7 @@ def test_closing_a_session_frees_its_weights_and_caches(published: dict[str, Any
     monkeypatch.setenv("TRTBUILD_LOAD_THREADS", "2")
     store_dir = _copy_store(published, tmp_path / "engines")
     with open_session(load_recipe(published["recipe"]), store_dir, build=False) as s:
-        s.generate([[1, 2, 3]], 4)
+        s.greedy([[1, 2, 3]], 4)
         consts = [weakref.ref(t) for t in s.engine._consts.values()]  # type: ignore[attr-defined]
         assert all(c().untyped_storage().nbytes() > 0 for c in consts)  # type: ignore[union-attr]
     gc.collect()

@@ -2,7 +2,8 @@
 
     import trtbuild
     with trtbuild.open("recipes/tiny-llama.yaml") as session:   # builds if needed, then loads
-        ids = session.generate([[1, 2, 3]], max_new_tokens=16)
+        completions = session.generate(["Once upon a time"], max_tokens=16)   # list[generate.Completion]
+        ids = session.greedy([[1, 2, 3]], max_tokens=16)                      # the timed form: list[list[int]]
 
 `open` takes a recipe file, a `Recipe`, or a mapping with a recipe's fields; `build=False` makes a
 missing engine an error instead of a build (a server restart never compiles).

@@ -8,14 +8,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import importlib
+import logging
 import os
 import signal
 import shutil
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +117,20 @@ def _resolve(recipe: Recipe, store: Store,
     return backend, model, material, key_of(material)
 
 
+# Keys whose hit has already been counted as saving their build in this process: a session, an eval against a
+# second recipe or a test that looks the same engine up again saves nothing more than the first lookup did.
+_SAVED_ONCE: set[str] = set()
+
+
+def _record_hit(store: Store, entry: Entry, name: str, *, waited: bool) -> None:
+    """A hit in the event log, with the build seconds it really saved: the entry's own build time, at most once a
+    process, and none when this process waited for another one's build of it (it spent that time waiting)."""
+    first = entry.key not in _SAVED_ONCE and not waited
+    _SAVED_ONCE.add(entry.key)
+    saved = float(entry.manifest.get("build", {}).get("total_s") or 0.0) if first else 0.0
+    store.record("hit", key=entry.key, name=name, saved_s=saved)
+
+
 def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allow_build: bool = True,
           full_verify: bool = False, progress: Progress = lambda message: None,
           remote: str | None = None) -> BuildOutcome:
@@ -130,7 +147,7 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
     lookup_s = time.perf_counter() - t0 - startup_s
     where = f"{store.root} ({store.origin})"
     if entry is not None:
-        store.record("hit", key=key, name=recipe.name, saved_s=entry.manifest.get("build", {}).get("total_s"))
+        _record_hit(store, entry, recipe.name, waited=False)
         return BuildOutcome(entry, True, lookup_s, 0.0, model, startup_s=startup_s, store=where)
     if store.quarantined:
         progress(f"corrupt entry {store.quarantined[-1]}; building it again")
@@ -147,7 +164,7 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
     with store.lock(key, on_wait=on_wait):
         entry = store.lookup(key, full_verify=full_verify)  # the holder we waited for may have published it
         if entry is not None:
-            store.record("hit", key=key, name=recipe.name, saved_s=entry.manifest.get("build", {}).get("total_s"))
+            _record_hit(store, entry, recipe.name, waited=bool(waited))
             return BuildOutcome(entry, True, lookup_s, 0.0, model, waited_for=waited[0] if waited else None,
                                 startup_s=startup_s, quarantined=list(store.quarantined), store=where)
         # The remote tier (store/fleet.py): pull, or wait for another host's build, or take the lease to build (with
@@ -174,6 +191,28 @@ def build(recipe: Recipe, engines: str | os.PathLike[str] | None = None, *, allo
         return outcome
 
 
+@contextlib.contextmanager
+def framework_quiet() -> Iterator[None]:
+    """The framework's own warnings and log lines (torch's deprecations, its notes on its own internals) kept
+    from a build's output: a user who wrote a valid recipe has nothing to act on in them, and the CLI and the
+    Python API should print the same. TRTBUILD_DEBUG=1 lets them through."""
+    if os.environ.get("TRTBUILD_DEBUG") == "1":
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in ("torch", "triton")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        for module in (r"torch(\.|$)", r"triton(\.|$)"):
+            warnings.filterwarnings("ignore", module=module)
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
+
+
 def _build_locked(recipe: Recipe, store: Store, backend: backends.Backend, model: ResolvedModel,
                   material: dict[str, Any], key: str, progress: Progress) -> BuildOutcome:
     fault_point("build_start")
@@ -189,7 +228,8 @@ def _build_locked(recipe: Recipe, store: Store, backend: backends.Backend, model
                                         material["backend"]["toolchain"])
         job = BuildJob(recipe=recipe, model=model, workdir=workdir, tactics=tactics,
                        device=material["device"], progress=progress_with_faults)
-        output = backend.build(job)
+        with framework_quiet():
+            output = backend.build(job)
         fault_point("before_publish")
         build_s = time.perf_counter() - t_build
         now = time.time()

@@ -11,9 +11,9 @@ import contextlib
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, Union, overload
 
 from trtbuild import backends
 from trtbuild.backends import Engine, Generation
@@ -22,7 +22,10 @@ from trtbuild.errors import (BackendUnavailableError, EngineMissingError, Incomp
                              TrtbuildError)
 from trtbuild.recipe import Recipe, run_shape_problems
 from trtbuild.store.local import Store, verify
-from trtbuild.timing import percentiles
+from trtbuild.timing import percentiles, unstable
+
+if TYPE_CHECKING:
+    from trtbuild.serving.generate import Chunk, Completion
 
 _build = build  # open_session's `build` flag shadows the function
 
@@ -36,8 +39,43 @@ DATASHEET_PEAKS: dict[str, tuple[float, float]] = {
 }
 
 
+Prompts = Union[str, list[int], list[dict[str, str]], list[str], list[list[int]], list[list[dict[str, str]]]]
+_RENAMED = {"max_new_tokens": "max_tokens (the name `serve` and the OpenAI API use); the timed greedy form that "
+                              "returned token ids is session.greedy(ids, max_tokens)"}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _refuse_removed(removed: dict[str, object]) -> None:
+    """A keyword generate() does not take is the user's to fix: named, with its replacement when it has one (a
+    renamed keyword is refused rather than mapped, because it selected another form with another return type)."""
+    for name in removed:
+        if name in _RENAMED:
+            raise InputError(f"generate(): {name}: not a parameter; use {_RENAMED[name]}")
+        raise InputError(f"generate(): {name}: not a parameter")
+
+
+def _check_types(where: str, **values: tuple[object, type, bool]) -> None:
+    """InputError naming every argument of the wrong type ({name: (value, type, None allowed)}); an int is a
+    float here, a bool is not an int (Python's own comparisons would fail later, deep in the sampler)."""
+    wrong = []
+    for name, (value, kind, optional) in values.items():
+        if value is None and optional:
+            continue
+        ok = (isinstance(value, bool) if kind is bool else _is_int(value) if kind is int
+              else isinstance(value, (int, float)) and not isinstance(value, bool))
+        if not ok:
+            wrong.append(f"{name}: expected {'an int' if kind is int else 'a number' if kind is float else 'a bool'}"
+                         f"{' or None' if optional else ''}, got {type(value).__name__} {value!r:.40}")
+    if wrong:
+        raise InputError(f"{where}: " + "; ".join(wrong))
+
+
 class Session:
-    """An open engine. `with open_session(recipe) as s: s.generate(ids, 16)`; no device work before entry."""
+    """An open engine. `with open_session(recipe) as s: s.generate(["Hi"], max_tokens=16)`; no device work before
+    entry."""
 
     def __init__(self, recipe: Recipe, outcome: BuildOutcome, engines: str | os.PathLike[str] | None = None,
                  allow_build: bool = False, progress: Progress = lambda message: None) -> None:
@@ -118,31 +156,49 @@ class Session:
         self.engine.warmup(batch_size, input_len, output_len)
         self.phases["warmup_s"] = self.phases.get("warmup_s", 0.0) + time.perf_counter() - t
 
-    def generate(self, prompts: Any, max_new_tokens: int | None = None, *, max_tokens: int | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] = (),
-                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, ignore_eos: bool = False,
-                 stream: bool = False) -> Any:
+    @overload
+    def generate(self, prompts: Prompts, *, max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 stop_token_ids: Sequence[int] = (), repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 ignore_eos: bool = False, stream: Literal[False] = False, **removed: object) -> list[Completion]: ...
+
+    @overload
+    def generate(self, prompts: Prompts, *, max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 stop_token_ids: Sequence[int] = (), repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 ignore_eos: bool = False, stream: Literal[True], **removed: object) -> Iterator[Chunk]: ...
+
+    def generate(self, prompts: Prompts, *, max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 stop_token_ids: Sequence[int] = (), repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 ignore_eos: bool = False, stream: bool = False,
+                 **removed: object) -> list[Completion] | Iterator[Chunk]:
         """Generate from `prompts`: a text, a list of texts, token ids (a list of ints), a list of those, or a
         chat (a list of {"role", "content"} messages, or a list of chats, rendered by the model's template).
 
-        With `max_new_tokens` (the form `trtbuild run` and the benchmark use): token-id prompts of one length,
-        greedy, timed, no stop condition; returns each row's new ids.
-        Otherwise each prompt runs on its own row (prompts of any length, as many at once as the engine has
-        rows), sampled as asked (temperature 0 is greedy; `seed` makes a sampled prompt's tokens repeatable
-        whatever else runs beside it) until an EOS id of the model (unless `ignore_eos`), one of
-        `stop_token_ids`, a `stop` string (not included in the text), or `max_tokens` (default: until
-        max_seq_len). Returns a list of generate.Completion (token_ids, text, finish_reason), or with `stream`
-        an iterator of generate.Chunk as the tokens come (text decoded incrementally: never half a character)."""
+        Each prompt runs on its own row (prompts of any length, as many at once as the engine has rows),
+        sampled as asked (temperature 0 is greedy; `seed` makes a sampled prompt's tokens repeatable whatever
+        else runs beside it) until an EOS id of the model (unless `ignore_eos`), one of `stop_token_ids`, a
+        `stop` string (not included in the text), or `max_tokens` new tokens (default: until max_seq_len).
+        Returns one generate.Completion (token_ids, text, finish_reason) a prompt; with `stream=True` an
+        iterator of generate.Chunk as the tokens come (text decoded incrementally: never half a character).
+        The timed greedy form that returns token ids is `greedy()`."""
         from trtbuild.serving import generate as gen
         from trtbuild.backends.sampling import Sampling
 
-        if max_new_tokens is not None:
-            self.last = self.engine.generate(prompts, max_new_tokens)
-            return self.last.output_ids
+        _refuse_removed(removed)
+        _check_types("generate()", max_tokens=(max_tokens, int, True), temperature=(temperature, float, False),
+                     top_k=(top_k, int, False), top_p=(top_p, float, False), seed=(seed, int, True),
+                     repetition_penalty=(repetition_penalty, float, False),
+                     presence_penalty=(presence_penalty, float, False), ignore_eos=(ignore_eos, bool, False),
+                     stream=(stream, bool, False))
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(x, str) for x in stops):
+            raise InputError(f"generate(): stop: expected a string or a list of strings, got {stop!r}")
+        if not all(_is_int(x) for x in stop_token_ids):
+            raise InputError(f"generate(): stop_token_ids: expected a list of ints, got {stop_token_ids!r}")
         text = self.text()
         ids = self._prompt_ids(prompts, text)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
         sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty).checked()
         stop_ids = frozenset(stop_token_ids) | (frozenset() if ignore_eos else text.eos_ids)
@@ -153,6 +209,19 @@ class Session:
         gen.check_jobs(self.engine, jobs)  # before any work, and before a stream's first item is asked for
         chunks = gen.stream(self.engine, jobs)
         return chunks if stream else gen.collect(chunks, len(jobs), text.can_detokenize)
+
+    def greedy(self, input_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """The timed greedy form `trtbuild run` and the benchmark use: token-id prompts of one length, `max_tokens`
+        new tokens each, no stop condition. Returns each row's new ids; the timings are in `self.last`."""
+        _check_types("greedy()", max_tokens=(max_tokens, int, False))
+        if (not isinstance(input_ids, list) or not input_ids
+                or not all(isinstance(r, list) and r and all(_is_int(t) for t in r) for r in input_ids)):
+            raise InputError(f"greedy(): input_ids: expected a list of token-id lists, got {input_ids!r:.80}")
+        if len({len(r) for r in input_ids}) != 1:
+            raise InputError("greedy(): input_ids: every row needs the same length (generate() takes rows of any "
+                             "lengths)")
+        self.last = self.engine.generate(input_ids, max_tokens)
+        return self.last.output_ids
 
     def text(self) -> Any:
         """The model's text side (generate.TextSide): tokenizer, chat template, EOS ids."""
@@ -296,6 +365,7 @@ def run_report(session: Session, *, batch_size: int, input_len: int, output_len:
                          "end_to_end": batch_size * output_len / end_to_end if end_to_end > 0 else 0.0},
         "output_ids": gens[-1].output_ids,
     }
+    report["unstable"] = unstable(tpot)  # a sentence when the tail says the machine was busy, else None
     report["roofline"] = roofline(gens[-1], ttft["p50"], tpot["p50"], session.engine.device)
     report["load_note"] = getattr(session.engine, "load_note", "")
     report["load_parts"] = dict(getattr(session.engine, "load_parts", {}))  # torch backend: graphs, weights, constants

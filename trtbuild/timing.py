@@ -8,7 +8,7 @@ intervals once, after one synchronize, at the end.
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -72,50 +72,57 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(s), "p90": rank(0.90), "p99": rank(0.99), "mean": statistics.fmean(s)}
 
 
-# The edit `graph_seconds` applies when its caller passes none (`graph_edits`).
-_DEFAULT_EDIT: contextvars.ContextVar[Callable[[int], object] | None] = contextvars.ContextVar("graph_edit", default=None)
+# p99 this many times p50 or more: the samples measured the machine's other work, not the engine's
+UNSTABLE_RATIO = 2.0
 
 
-@contextlib.contextmanager
-def graph_edits(edit: Callable[[int], object] | None) -> Iterator[None]:
-    """Every `graph_seconds` inside the block that is given no edit of its own applies `edit`. For a
-    backend that times a kernel module's candidates its own way (options.decode_timing pdl) without the
-    module knowing: that module's source keys its timings in the tactic cache, and how the graphs were
-    joined is keyed apart by the backend."""
-    token = _DEFAULT_EDIT.set(edit)
-    try:
-        yield
-    finally:
-        _DEFAULT_EDIT.reset(token)
+def free_cores() -> tuple[int, str]:
+    """The threads a CPU run should use: the cores this process may run on less those already busy (the 1-minute
+    load average), at least one; and the sentence that says so. More threads than free cores make every step
+    wait for the slowest, preempted one: the tail (p99) grows many times the median."""
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    n = max(1, min(allowed, int(allowed - load + 0.5)))
+    return n, f"{allowed} core(s) this process may use, {load:.1f} busy (1-minute load average)"
 
 
-def active_edit(edit: Callable[[int], object] | None = None) -> Callable[[int], object] | None:
-    """The edit a graph timing applies: its own, else that of the innermost enclosing `graph_edits`."""
-    return edit or _DEFAULT_EDIT.get()
+def use_threads(threads: int | None) -> dict[str, Any]:
+    """Set torch's intra-op threads before any work: `threads`, or what `free_cores` allows. Returns what the
+    report prints: {"threads": n, "why": ...}."""
+    import torch
+
+    if threads is None:
+        n, why = free_cores()
+        why = f"default: {why}; --threads to choose"
+    else:
+        n, why = threads, "--threads"
+    torch.set_num_threads(n)
+    return {"threads": n, "why": why}
 
 
-def graph_seconds(calls: Callable[[], object], reps: int = 15, edit: Callable[[int], object] | None = None) -> float:
+def unstable(samples: dict[str, float]) -> str | None:
+    """A sentence when a percentile dict's p99 is far above its p50 (figures that measured the machine's load)."""
+    if samples.get("p50", 0.0) > 0 and samples.get("p99", 0.0) >= UNSTABLE_RATIO * samples["p50"]:
+        return (f"p99 is {samples['p99'] / samples['p50']:.1f}x p50: the figures are unstable (other work on the "
+                "machine, or more threads than free cores); measure again on a quiet machine or with fewer --threads")
+    return None
+
+
+def graph_seconds(calls: Callable[[], object], reps: int = 15) -> float:
     """Seconds per replay of one CUDA graph holding `calls`: the median of `reps` event-timed replays.
-    `edit` (or, without one, that of an enclosing `graph_edits`), given the captured graph (a cudaGraph_t
-    as an int) before it is instantiated, may change it (e.g. its edges made programmatic, backends/pdl.py).
 
     In a graph, as in the engine's decode, there is no launch overhead between kernels; outside one,
     Python's ~20 us per launch would hide a 2 us matmul."""
     import torch
-
-    edit = active_edit(edit)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         calls()  # compiles and warms outside the capture
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph(keep_graph=True) if edit else torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         calls()
-    if edit:
-        edit(graph.raw_cuda_graph())
-        graph.instantiate()
     for _ in range(3):
         graph.replay()
     return event_seconds(graph.replay, reps)

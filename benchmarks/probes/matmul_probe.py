@@ -12,15 +12,13 @@ inside one CUDA graph per candidate (no launch overhead, as in the engine):
     longer list times every call site of that batch again: ~90 s at 8B),
 then the whole step's matmuls in layer order (QKV, output, gate/up, down per layer, then the LM head)
 with cuBLAS only, with what the selection chose per shape and, with `--configs`, with the fastest of
-all per shape. `--timing pdl` (or `both`) times every graph with the programmatic edges the decode
-graphs run with on Hopper (options.decode_timing pdl); `--fusion epilogue` gives each call site the
-default engine's fusion (the residual adds and the gating in the kernel). Bandwidth is weight bytes
+all per shape. `--fusion epilogue` gives each call site the default engine's fusion (the residual adds and the gating in the kernel). Bandwidth is weight bytes
 read / time (the copy rate of bench.py counts read + write).
 A probe for choosing a default, not a benchmark of the engine (bench.py is that). Needs CUDA + Triton.
 
     python benchmarks/probes/matmul_probe.py recipes/llama-3.1-8b.yaml recipes/llama-3.2-1b.yaml --out $OUT
     python benchmarks/probes/matmul_probe.py recipes/llama-3.1-8b.yaml --batches 1 --configs wide \
-        --timing both --fusion epilogue --out $OUT
+        --fusion epilogue --out $OUT
 """
 
 from __future__ import annotations
@@ -36,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from trtbuild.backends.torch.decode_kernels import fastest, pdl_edges  # noqa: E402
+from trtbuild.backends.torch.decode_kernels import fastest  # noqa: E402
 from trtbuild.kernels.decode_matmul import (GATED, MatmulConfig, _failure, decode_matmul,  # noqa: E402
                                            output_columns, reference, select)
-from trtbuild.timing import graph_edits, graph_seconds  # noqa: E402
+from trtbuild.timing import graph_seconds  # noqa: E402
 from trtbuild.models.llama import LlamaConfig  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 
@@ -130,11 +128,10 @@ def shape_row(weights: list[torch.Tensor], m: int, fusion: str, extra: list[Matm
 
 
 def probe_recipe(path: str, batches: list[int], reps: int, extra: dict[str, list[MatmulConfig]] | None = None,
-                 timings: tuple[str, ...] = ("serialized",), fusion: str = "none",
+                 fusion: str = "none",
                  save: Callable[[dict[str, Any]], None] = lambda partial: None) -> dict[str, Any]:
-    """Every weight shape of the recipe at each batch, under each edge mode of `timings` (serialized: full
-    edges; pdl: the programmatic ones the decode graphs use, `decode_kernels.pdl_edges`), with `fusion`
-    (none, or epilogue: the default engine's call sites). `extra` configurations (`parse_configs`: "one" at
+    """Every weight shape of the recipe at each batch, with `fusion` (none, or epilogue: the default engine's
+    call sites). `extra` configurations (`parse_configs`: "one" at
     batch 1, "rows" above) are timed beside the build's own candidates, and the step's matmuls are timed with each plan. `save`
     gets the result so far after each batch (a probe cut off by its time limit keeps what it measured)."""
     recipe = load_recipe(path)
@@ -154,35 +151,32 @@ def probe_recipe(path: str, batches: list[int], reps: int, extra: dict[str, list
     total = sum(w.numel() * w.element_size() for ws in weights.values() for w in ws)
     out: dict[str, Any] = {"recipe": recipe.name, "layers": cfg.num_layers, "weight_bytes": total, "fusion": fusions,
                            "shapes": {}, "step": {}}
-    for timing in timings:
-        with graph_edits(pdl_edges(DEVICE) if timing == "pdl" else None):
-            for m in batches:
-                more = (extra or {}).get("one" if m == 1 else "rows", [])
-                rows = {name: shape_row(weights[name], m, fusions[name], more, reps) for name in shapes}
-                out["shapes"].setdefault(timing, {})[str(m)] = rows
-                for name, row in rows.items():
-                    _print_shape(recipe.name, timing, m, name, row)
-                plans = {"cublas": {n: "cublas" for n in shapes}, "selected": {n: r["choice"] for n, r in rows.items()}}
-                if more:
-                    plans["best"] = {n: r["best"] for n, r in rows.items()}
-                for plan, chosen in plans.items():
-                    t = graph_seconds(_step(cfg, weights, fusions, chosen, m, gen), reps)
-                    out["step"].setdefault(timing, {}).setdefault(str(m), {})[plan] = {
-                        "ms": t * 1e3, "TBps": total / t / 1e12, "choice": chosen}
-                    print(f"[probe] {recipe.name} {timing} b{m} whole step's matmuls, {plan:9s} {t * 1e3:7.3f} ms "
-                          f"{total / t / 1e12:.2f} TB/s {chosen if plan != 'cublas' else ''}", flush=True)
-                save(out)
+    for m in batches:
+        more = (extra or {}).get("one" if m == 1 else "rows", [])
+        rows = {name: shape_row(weights[name], m, fusions[name], more, reps) for name in shapes}
+        out["shapes"][str(m)] = rows
+        for name, row in rows.items():
+            _print_shape(recipe.name, m, name, row)
+        plans = {"cublas": {n: "cublas" for n in shapes}, "selected": {n: r["choice"] for n, r in rows.items()}}
+        if more:
+            plans["best"] = {n: r["best"] for n, r in rows.items()}
+        for plan, chosen in plans.items():
+            t = graph_seconds(_step(cfg, weights, fusions, chosen, m, gen), reps)
+            out["step"].setdefault(str(m), {})[plan] = {"ms": t * 1e3, "TBps": total / t / 1e12, "choice": chosen}
+            print(f"[probe] {recipe.name} b{m} whole step's matmuls, {plan:9s} {t * 1e3:7.3f} ms "
+                  f"{total / t / 1e12:.2f} TB/s {chosen if plan != 'cublas' else ''}", flush=True)
+        save(out)
     weights.clear()  # free this recipe's weights before the next
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return out
 
 
-def _print_shape(recipe: str, timing: str, m: int, name: str, row: dict[str, Any]) -> None:
+def _print_shape(recipe: str, m: int, name: str, row: dict[str, Any]) -> None:
     nbytes = row["n"] * row["k"] * DTYPE.itemsize
     timed = {c: us for c, us in (row["candidates"] | row["extra"]).items() if isinstance(us, float)}
     own = fastest(row)
-    parts = [f"[probe] {recipe} {timing} b{m} {name:8s} [{row['n']}x{row['k']}] cublas {row['cublas_us']:8.2f} us "
+    parts = [f"[probe] {recipe} b{m} {name:8s} [{row['n']}x{row['k']}] cublas {row['cublas_us']:8.2f} us "
              f"{nbytes / row['cublas_us'] / 1e6:.2f} TB/s"]
     unfused = row.get("unfused_us")
     if unfused is not None:  # a fused call site: cuBLAS with Inductor's ops around it
@@ -230,15 +224,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--configs", default="", help="configurations to time beside the build's candidates: names "
                     "(n4k2048w4s3,...), at every batch, or 'wide' (WIDE at batch 1, WIDE_ROWS above)")
-    ap.add_argument("--timing", default="serialized", help="serialized, pdl or both: the graphs' edges, as "
-                    "options.decode_timing")
     ap.add_argument("--fusion", choices=("none", "epilogue"), default="none",
                     help="epilogue: each call site with the default engine's fusion (residual, gating)")
     ap.add_argument("--out", type=Path, default=Path("."))
     a = ap.parse_args()
-    timings = ("serialized", "pdl") if a.timing == "both" else (a.timing,)
-    if any(t not in ("serialized", "pdl") for t in timings):
-        raise SystemExit(f"--timing: {a.timing!r} is not serialized, pdl or both")
     extra = parse_configs(a.configs)
     t0 = time.perf_counter()
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
@@ -249,8 +238,8 @@ def main() -> None:
         (a.out / "matmul_probe.json").write_text(json.dumps(result | {"recipes": [*result["recipes"], partial]}, indent=1))
 
     for path in a.recipes:
-        result["recipes"].append(probe_recipe(path, [int(b) for b in a.batches.split(",")], a.reps, extra, timings,
-                                              a.fusion, save))
+        result["recipes"].append(probe_recipe(path, [int(b) for b in a.batches.split(",")], a.reps, extra, a.fusion,
+                                              save))
         (a.out / "matmul_probe.json").write_text(json.dumps(result, indent=1))
     print(f"[probe] done in {time.perf_counter() - t0:.0f} s; {a.out / 'matmul_probe.json'}")
 

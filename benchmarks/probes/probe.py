@@ -25,20 +25,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # peers.py, beside bench.py
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_decode.py, a sibling probe
 import trtbuild  # noqa: E402,F401  - before torch: one libstdc++ for the compiled graphs
 
 import torch  # noqa: E402
 
 import peers  # noqa: E402
-from profile_decode import kernels_of, profile_steps, show  # noqa: E402
 from trtbuild.backends.torch import export, graph_cache, inductor  # noqa: E402
 from trtbuild.backends.torch.decode_graphs import DecodeGraphs  # noqa: E402
 from trtbuild.backends.torch.runtime import _Model  # noqa: E402
 from trtbuild.models.source import resolve  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 from trtbuild.store.local import Store  # noqa: E402
-from trtbuild.timing import StepClock  # noqa: E402
+from trtbuild.timing import StepClock, sync  # noqa: E402
 
 # Inductor option sets on top of the backend's base options (no weights in the .so, kept constants).
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -54,6 +52,59 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # from the shapes the short list was chosen for); compiles for many minutes on a large model
     "autotune_exhaustive": {"max_autotune": True, "max_autotune_gemm_search_space": "EXHAUSTIVE"},
 }
+
+
+# A decode step profiled kernel by kernel: what each option set's graph spends its time on.
+def profile_steps(decoder: Any, batch: int, prompt_len: int, steps: int, device: str) -> dict[str, Any]:
+    """Time `steps` decode steps from position prompt_len, then profile as many again."""
+    first = torch.ones(decoder.tok.shape[0], dtype=torch.long, device=device)
+    decoder.prepare(prompt_len, prompt_len + steps)  # captures the graphs these steps replay
+    decoder.start(first, prompt_len)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        decoder.step()
+    sync(device)
+    wall = (time.perf_counter() - t) / steps
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    decoder.start(first, prompt_len)
+    sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            decoder.step()
+        sync(device)
+    kernels = kernels_of(prof, steps)
+    return {"batch": batch, "bucket": decoder.tok.shape[0], "prompt_len": prompt_len, "steps": steps,
+            "window": decoder.window_for(prompt_len),  # at the first step
+            "wall_us_per_step": wall * 1e6,
+            "kernel_us_per_step": sum(k["us_per_step"] for k in kernels),
+            "launches_per_step": sum(k["per_step"] for k in kernels), "kernels": kernels}
+
+
+def kernels_of(prof: Any, calls: int) -> list[dict[str, Any]]:
+    """Device kernels a profile saw, per call of what was profiled (`calls` of them), slowest first."""
+    kernels = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(e, "self_cuda_time_total", 0)
+        if device_us and "CUDA" in str(e.device_type):
+            kernels.append({"name": e.key, "per_step": e.count / calls, "us_per_step": device_us / calls})
+    return sorted(kernels, key=lambda k: -k["us_per_step"])
+
+
+def show(r: dict[str, Any], top: int) -> str:
+    lines = [f"== batch {r['batch']} (bucket {r['bucket']}), after a {r['prompt_len']}-token prompt, window "
+             f"{r['window']} slots: wall {r['wall_us_per_step']:.1f} us/step, kernels {r['kernel_us_per_step']:.1f} "
+             f"us/step in {r['launches_per_step']:.0f} launches (gaps {r['wall_us_per_step'] - r['kernel_us_per_step']:.1f} us)"]
+    lines.append(f"  {'us/step':>9} {'share':>6} {'per step':>8}  kernel")
+    for k in r["kernels"][:top]:
+        share = k["us_per_step"] / max(r["wall_us_per_step"], 1e-9)
+        lines.append(f"  {k['us_per_step']:9.2f} {share:6.1%} {k['per_step']:8.1f}  {k['name'][:110]}")
+    return "\n".join(lines)
 
 
 def compile_graph(program: Any, options: str, work: Path, device: str, consts: dict[str, Any]) -> tuple[Any, float]:

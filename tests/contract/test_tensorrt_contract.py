@@ -28,7 +28,7 @@ def _build_and_run(recipe_path: Path, engines: Path, prompt: list[list[int]], n:
     recipe = load_recipe(recipe_path)
     outcome = build(recipe, engines=engines)
     with open_session(recipe, engines=engines) as session:
-        tokens = session.generate(prompt, n)
+        tokens = session.greedy(prompt, n)
     return outcome, tokens
 
 
@@ -248,7 +248,7 @@ def test_a_plain_tensor_network_runs_first_and_steady_state(install_trt: Any, on
     recipe = load_recipe(onnx_recipe(model=tiny_onnx.mlp(), precision="fp32"))
     build(recipe, engines=tmp_path / "engines")
     with open_session(recipe, engines=tmp_path / "engines") as session:
-        session.generate([[0], [0], [0]], 5)  # batch 3 picks the bucket-4 profile
+        session.greedy([[0], [0], [0]], 5)  # batch 3 picks the bucket-4 profile
         gen = session.last
     assert gen.output_ids == [[], [], []] and len(gen.decode_step_s) == 4 and gen.prefill_s > 0
     assert trt._fake_state["executions"] >= 5

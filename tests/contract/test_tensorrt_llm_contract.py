@@ -44,7 +44,7 @@ def test_recipe_to_build_to_store_to_run(install_trtllm: Any, tmp_path: Path, fl
     assert info["versions"]["tensorrt_llm"] == lib.__version__ and info["versions"]["tensorrt"] == "10.16.1.11"
     assert "step_building_trt_llm_engine_s" in outcome.entry.manifest["build"]["phases"]
     with open_session(recipe, engines=tmp_path / "engines") as session:
-        tokens = session.generate([[1, 2, 3], [7, 8, 9]], 4)
+        tokens = session.greedy([[1, 2, 3], [7, 8, 9]], 4)
         gen = session.last
     assert tokens == [[4, 5, 6, 7], [10, 11, 12, 13]]  # the double's greedy token is last + 1
     assert gen.prefill_s > 0 and len(gen.decode_step_s) == 3

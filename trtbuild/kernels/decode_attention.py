@@ -13,12 +13,11 @@ kernel reads exactly slots 0..pos, whatever window the runtime captured the step
 its own position and its own cache row (`pos[b]`, `slots[b]`): a batch of sequences of different lengths,
 in any rows of the cache, is one launch, each program reading only its own sequence's filled slots.
 
-Registered as two custom ops, which AOTInductor compiles into the decode packages:
-`trtbuild::decode_attention_rope` (the default) takes the QKV projection's output as it is and also
+Registered as a custom op, which AOTInductor compiles into the decode packages:
+`trtbuild::decode_attention_rope` takes the QKV projection's output as it is and also
 rotates the query and the new key and writes the new key and value into the cache. In the H200 profile
 of a 1B step, those were three Inductor kernels per layer (56 us of 1111 at batch 1, plus their launch
 gaps) for a few kilobytes each; here they are a few loads in programs that run anyway.
-`trtbuild::decode_attention` attends only (options.decode_attention: kernel-unfused, for A/B runs).
 Used for 16-bit models only: its dots run on tensor cores, which would round fp32 to tf32.
 Imported only where Triton and a GPU are present; lives with the model code because its source is
 part of every engine's key.
@@ -259,17 +258,10 @@ def decode_attention_rope(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: T
     return _run(_decode_attention_partial, _decode_attention_merge, qkv, rope, k_cache, v_cache, pos, slots, heads)
 
 
-@triton_op("trtbuild::decode_attention", mutates_args=())
-def decode_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, slots: Tensor) -> Tensor:
-    """The kernel as a custom op, attention only (options.decode_attention: kernel-unfused); pos and slots [B]."""
-    return _run(wrap_triton(_decode_attention_partial), wrap_triton(_decode_attention_merge), q, None, k_cache, v_cache,
-                pos, slots, q.shape[2])
-
-
 @triton_op("trtbuild::decode_attention_rope", mutates_args=("k_cache", "v_cache"))
 def decode_attention_rope_op(qkv: Tensor, rope: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
                              slots: Tensor, heads: int) -> Tensor:
-    """The kernel as a custom op with rope and the cache writes: what the decode graphs call by default."""
+    """The kernel as a custom op with rope and the cache writes: what the decode graphs call."""
     return _run(wrap_triton(_decode_attention_partial), wrap_triton(_decode_attention_merge), qkv, rope, k_cache, v_cache,
                 pos, slots, heads)
 

@@ -35,7 +35,8 @@ from torch.library import triton_op, wrap_triton
 
 from trtbuild.kernels.grid_dependency import release_successor, wait_for_predecessor, waits_on
 from trtbuild.kernels.grid_dependency import source_digest as wait_digest
-from trtbuild.kernels import fusions
+from trtbuild.kernels import blocks, fusions
+from trtbuild.kernels.blocks import REDUCE_BLOCK, dot_acc, _split_reduce_kernel
 from trtbuild.kernels.fusions import FUSIONS, GAINED, GATED, NORMED  # noqa: F401 (FUSIONS: the names callers use)
 from trtbuild.kernels.matmul_configs import MatmulConfig, candidates
 from trtbuild.timing import graph_seconds
@@ -44,9 +45,10 @@ MAX_ROWS = 16  # the dot path pads the rows to 16; a larger batch is a GEMM, cuB
 
 
 def source_digest() -> str:
-    """This file's content and its wait's: a compiled graph that calls the kernel is only reusable with the same kernel."""
+    """This file's content, its wait's and the shared blocks': a compiled graph that calls the kernel is only
+    reusable with the same kernel."""
     return hashlib.sha256(Path(__file__).read_bytes() + Path(fusions.__file__).read_bytes()
-                          + wait_digest().encode()).hexdigest()[:16]
+                          + wait_digest().encode() + blocks.source_digest().encode()).hexdigest()[:16]
 
 
 
@@ -82,17 +84,6 @@ def _row_sums(squares, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr):
         return tl.sum(tl.where(rows[:, None] == rows[None, :], squares, 0.0), axis=1)
     else:
         return tl.sum(tl.sum(squares, axis=2), axis=1)
-
-
-@triton.jit
-def _dot(acc, x, w, USE_DOT: tl.constexpr):
-    """acc + x @ w^T for one BLOCK_K step."""
-    if USE_DOT:
-        # tensor cores need 16 rows; the padding rows are masked zeros and cost no memory traffic
-        acc += tl.dot(x, tl.trans(w))
-    else:
-        acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
-    return acc
 
 
 @triton.jit
@@ -147,9 +138,9 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
         w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
         x, squares = _normed(tl.load(x_rows + k[None, :], mask=x_mask, other=0.0), squares, g_ptr, k, K, NORM, GAIN,
                              USE_DOT)
-        acc = _dot(acc, x, w, USE_DOT)
+        acc = dot_acc(acc, x, w, USE_DOT)
         if GATE:
-            acc_up = _dot(acc_up, x, tl.load(u_rows + k[None, :], mask=w_mask, other=0.0), USE_DOT)
+            acc_up = dot_acc(acc_up, x, tl.load(u_rows + k[None, :], mask=w_mask, other=0.0), USE_DOT)
     if NORM:
         inv_rms = 1.0 / tl.sqrt(_row_sums(squares, BLOCK_M, USE_DOT) / K + EPS)
         acc = acc * inv_rms[:, None]
@@ -165,25 +156,6 @@ def _decode_matmul_kernel(x_ptr, w_ptr, y_ptr, g_ptr, r_ptr, M, N, K, stride_xm,
         offs_m += tl.program_id(1) * M
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _split_reduce_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """y = the sum of SPLIT partial results, [SPLIT, M, N] fp32 contiguous, as y's dtype ([M, N] contiguous)."""
-    if PDL:
-        z = wait_for_predecessor()
-        p_ptr, y_ptr = p_ptr + z, y_ptr + z
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(SPLIT):
-        acc += tl.load(p_ptr + j * MN + offs, mask=mask, other=0.0)
-    if PDL:
-        acc = release_successor(acc)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-REDUCE_BLOCK = 1024
 
 
 def uses_dot(rows: int) -> bool:

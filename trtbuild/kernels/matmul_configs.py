@@ -84,3 +84,52 @@ def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0,
 def _pow2(x: int) -> int:
     """The power of two at or above x: the smallest block that covers x."""
     return 1 << max(0, (x - 1).bit_length())
+
+
+# The quantized decode matmul's candidates (kernels/quant_matmul.py), per stored format (fp8 and int8 share
+# theirs) and row count: the same launch shapes as the dense kernel's, timed per weight shape and batch by
+# the build, none yet measured on a GPU. Its one-row path is a multiply-and-sum; 2+ rows a tensor-core dot.
+# The dense kernel's fastest one-row shapes stream 2-4 weight rows with 2048-column steps (RESULTS.md): the
+# same byte counts a step are 1024-4096 int4 columns, so the int4 steps reach 2048 columns (16 groups of
+# 128). Split-K gives a short, wide matrix (the 1B down projection) enough programs for every SM.
+QUANT_ONE_ROW = {
+    "int4": [MatmulConfig(n, k, 4, s) for n in (2, 4, 8, 16) for k in (512, 1024, 2048) for s in (1, 3)],
+    "fp8": [MatmulConfig(n, k, 4, s) for n in (2, 4, 8, 16) for k in (512, 1024, 2048) for s in (1, 3)],
+}
+QUANT_ROWS = {
+    "int4": [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (256, 512) for s in (1, 3)],
+    "fp8": [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3,)],
+}
+QUANT_ONE_ROW_SPLIT = [MatmulConfig(n, k, 4, 1, p) for n, k in ((4, 512), (8, 512), (8, 1024), (16, 1024))
+                       for p in (2, 4)]
+QUANT_ROWS_SPLIT = [MatmulConfig(n, 256, 4, 3, p) for n in (16, 32) for p in (2, 4)]
+# an int4 step is unrolled into one block of code per group: more than this many groups a step is not a
+# candidate (and the launcher shortens a fixed configuration's step to it)
+MAX_GROUPS_A_STEP = 16
+H100_SMS = 132  # the pruning's multiprocessor count where no device is there to ask
+
+
+def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: int = H100_SMS) -> list[MatmulConfig]:
+    """The configurations the build times for a quantized weight of format `fmt` (fp8, int8, int4; int4 in
+    groups of `group` columns), `n` x `k`, at `rows` rows, pruned of those that cannot win at that shape:
+    - a step or a block of columns at least twice the matrix's (half of every step masked: the half-size
+      candidate reads the same bytes in fewer, fuller steps), the list's smallest excepted;
+    - int4 steps that are not whole groups, or more than MAX_GROUPS_A_STEP of them;
+    - split-K where the unsplit launch already gives every one of `sms` multiprocessors 4 programs or more (the
+      split only adds a reduction), or where a slice of k would be shorter than one step.
+    The lists' order is kept: the selection's first of equals is the earlier."""
+    family = "int4" if fmt == "int4" else "fp8"
+    plain = (QUANT_ONE_ROW if rows == 1 else QUANT_ROWS)[family]
+    split = QUANT_ONE_ROW_SPLIT if rows == 1 else QUANT_ROWS_SPLIT
+    # (the list's smallest step and block always stay: a matrix narrower than them still needs a candidate)
+    width = max(_pow2(k), min(c.block_k for c in plain))
+    height = max(_pow2(n), min(c.block_n for c in plain))
+
+    def fits(c: MatmulConfig) -> bool:
+        if c.block_k > width or c.block_n > height:
+            return False
+        if family == "int4" and (c.block_k % group or c.block_k // group > MAX_GROUPS_A_STEP):
+            return False
+        return c.split == 1 or (-(-n // c.block_n) < 4 * sms and k // c.split >= c.block_k)
+
+    return [c for c in plain + split if fits(c)]

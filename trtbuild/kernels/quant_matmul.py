@@ -2,60 +2,79 @@
 weight, dequantized in registers (models/quantize.py has the formats).
 
 As `decode_matmul.py` for dense weights: each program owns BLOCK_N output columns and streams their rows
-of the weight once, so a decode step reads the quantized bytes, not a dequantized copy. fp8 and int8 rows
-are widened to the activations' dtype (exact: both fit bf16) and the per-channel scale multiplies the fp32
-sums once, after the loop. int4 steps through K several whole groups at a time: one load of the step's
-bytes per row gives both nibbles, the low ones for the first half of each group's columns and the high ones
-for the second (the split-halves packing), each (q - zero) * scale in fp32 (the group's scale and zero
-gathered per byte) and rounded to the activations' dtype as the reference dequantization rounds, then two
-dots with the matching columns of x.
+of the weight once, so a decode step reads the quantized bytes, not a dequantized copy; with split-K
+(`split` > 1) `split` programs share a block of columns, each a slice of k, writing fp32 partial sums that
+the shared reduction (`blocks.py`) adds up, so that a short, wide matrix still gives every SM programs.
+
+fp8 and int8 rows are widened by a plain cast (to fp32 on the one-row path, to the activations' dtype for
+the tensor cores; exact: both fit bf16) and the per-channel scale multiplies the fp32 sums once, after the
+loop.
+
+int4 reads the stored layout as it is: it is already the order the kernel loads (quantize.py's "split
+halves": byte j of a group holds columns j and j + G/2), so each group is one contiguous G/2-byte load per
+row whose low nibbles meet one contiguous half-group of x and whose high nibbles the other; no repacking.
+A step of BLOCK_K columns is unrolled into its BLOCK_K / G groups, and each group's scale s and zero z are
+loaded once per row of the tile. The nibbles become numbers with no int-to-float conversion (a quarter-rate
+instruction on the GPU, which would cap the kernel below the memory's rate): a nibble q shifted into the
+mantissa of 1.0 (bits 19-22 of 0x3F800000) is the fp32 1 + q/16, exactly, with a shift and a mask-and-or.
+The group's dequantization is then factored out of the sum, applied once per group and row instead of
+per weight:  sum_k x_k (q_k - z) s = s (16 sum_k x_k (1 + q_k/16) - (16 + z) sum_k x_k).
+The one-row path sums in fp32; several rows take the tensor cores, 1 + q/16 being exact in bf16.
+(The reference dequantization rounds each weight to bf16 first; the factored sum does not, a difference
+within bf16's rounding of the result.)
 
 Registered as the custom op `trtbuild::quant_matmul`, which the decode graphs of a quantized CUDA engine
-call for every quantized Linear (`Linear.decode_config`); the fusions stay outside it. Imported only where
-Triton is present; tested through Triton's interpreter on the CPU and compiled on the GPU.
+call for every quantized Linear (`Linear.decode_config`); the configuration is timed per format, weight
+shape and batch at build time (`select`, candidates in matmul_configs.py); the fusions stay outside it.
+Imported only where Triton is present; tested through Triton's interpreter on the CPU and compiled on the GPU.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from trtbuild.kernels import blocks
+from trtbuild.kernels.blocks import REDUCE_BLOCK, _split_reduce_kernel, dot_acc
 from trtbuild.kernels.grid_dependency import release_successor, wait_for_predecessor, waits_on
-from trtbuild.kernels.matmul_configs import MatmulConfig
+from trtbuild.kernels.grid_dependency import source_digest as wait_digest
+from trtbuild.kernels.matmul_configs import MAX_GROUPS_A_STEP, H100_SMS, MatmulConfig, quant_candidates
+from trtbuild.timing import graph_seconds
 
 MAX_ROWS = 16
-# Fixed configurations until the build times them: 4 warps stream BLOCK_N rows, BLOCK_K columns a step (int4:
-# the most whole groups that fit BLOCK_K and divide K). The shapes of the dense kernel's fastest one-row
-# candidates on the H100/H200 (n2k2048, n4k2048: RESULTS.md) in bytes a step; 8 rows and 256 columns (one
-# int4 group a step) ran the 1B decode at 3.6x (fp8) and 10x (int4) its floor on an H100.
-CONFIGS = {"fp8": MatmulConfig(4, 2048, 4, 2), "int8": MatmulConfig(4, 2048, 4, 2), "int4": MatmulConfig(4, 2048, 4, 2)}
+# What a build uses where it times nothing (tactics level none, options.decode_matmul cublas): one per format.
+# The dense kernel's fastest one-row shape on the H100 (RESULTS.md) in bytes a step; on 2+ rows the launcher
+# widens the block of columns to the tensor cores' 16 and, for fp8 and int8, shortens the step to 512 columns.
+CONFIGS = {"fp8": MatmulConfig(4, 2048, 4, 1), "int8": MatmulConfig(4, 2048, 4, 1), "int4": MatmulConfig(4, 2048, 4, 1)}
+# the relative error against the dequantized matmul beyond which the selection refuses a candidate
+TOLERANCE = 2e-2
 
 
 def source_digest() -> str:
-    """This file's content: a compiled graph that calls the kernel is reusable only with the same kernel."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    """This file's content and that of the Triton code it calls: a compiled graph (or a timing) of the kernel is
+    reusable only with the same kernel."""
+    return hashlib.sha256(Path(__file__).read_bytes() + blocks.source_digest().encode()
+                          + wait_digest().encode()).hexdigest()[:16]
 
 
 @triton.jit
-def _acc_dot(acc, x, w, USE_DOT: tl.constexpr):
-    """acc + x @ w^T, w already in x's dtype."""
-    if USE_DOT:
-        acc += tl.dot(x, tl.trans(w))
-    else:
-        acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
-    return acc
-
-
-@triton.jit
-def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT4: tl.constexpr,
-                         GROUP: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, stride_xm, stride_qn, stride_sn,
+                         stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         INT4: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+                         PDL: tl.constexpr, SPLIT: tl.constexpr):
+    # y[m, n] = sum_k x[m, k] * w[n, k]. Program (i, j) owns columns i * BLOCK_N.. of y and reads k from
+    # j * K_SLICE to (j + 1) * K_SLICE (all of k without split-K; K_SLICE is then K). With SPLIT > 1 it writes
+    # its fp32 partial sums to rows j * M .. j * M + M - 1 of y (a workspace), which the reduction adds up.
+    # K_SLICE is a run-time argument: one compiled kernel serves every weight width.
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -64,31 +83,40 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, 
     if PDL:
         z = wait_for_predecessor()
         x_ptr, q_ptr, s_ptr, z_ptr, y_ptr = x_ptr + z, q_ptr + z, s_ptr + z, z_ptr + z, y_ptr + z
+    k_start = tl.program_id(1) * K_SLICE
+    k_end = tl.minimum(K, k_start + K_SLICE)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     q_rows = q_ptr + offs_n[:, None] * stride_qn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INT4:
-        # BLOCK_K columns a step, GROUP (a divisor of BLOCK_K) to a scale: the step's BLOCK_K / 2 bytes of a row
-        # are BLOCK_K / GROUP groups' bytes back to back, byte j of group g holding columns g * GROUP + j (low
-        # nibble) and g * GROUP + GROUP / 2 + j (high)
         HALF: tl.constexpr = GROUP // 2
-        offs_b = tl.arange(0, BLOCK_K // 2)
-        grp = offs_b // HALF
-        col_lo = offs_b + grp * HALF  # the column of each byte's low nibble within the step
-        for k0 in range(0, K, BLOCK_K):
-            packed = tl.load(q_rows + k0 // 2 + offs_b[None, :], mask=n_mask[:, None], other=0)
-            g_idx = k0 // GROUP + grp[None, :]
-            scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + g_idx, mask=n_mask[:, None], other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + offs_n[:, None] * stride_sn + g_idx, mask=n_mask[:, None], other=0.0).to(tl.float32)
-            x_lo = tl.load(x_rows + k0 + col_lo[None, :], mask=m_mask[:, None], other=0.0)
-            x_hi = tl.load(x_rows + k0 + HALF + col_lo[None, :], mask=m_mask[:, None], other=0.0)
-            w_lo = (((packed & 15).to(tl.float32) - zero) * scale).to(x_lo.dtype)
-            w_hi = (((packed >> 4).to(tl.float32) - zero) * scale).to(x_lo.dtype)
-            acc = _acc_dot(acc, x_lo, w_lo, USE_DOT)
-            acc = _acc_dot(acc, x_hi, w_hi, USE_DOT)
+        offs_h = tl.arange(0, HALF)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            for g in tl.static_range(BLOCK_K // GROUP):
+                col = k0 + g * GROUP  # the group's first column; K is whole groups, so a group is in or out
+                # (as vectors: Triton's interpreter takes no scalar in a mask)
+                live = (col + offs_h) < k_end
+                w_mask = n_mask[:, None] & live[None, :]
+                packed = tl.load(q_rows + col // 2 + offs_h[None, :], mask=w_mask, other=0).to(tl.int32)
+                s_mask = n_mask & ((offs_n * 0 + col) < k_end)
+                scale = tl.load(s_ptr + offs_n * stride_sn + col // GROUP, mask=s_mask, other=0.0).to(tl.float32)
+                zero = tl.load(z_ptr + offs_n * stride_sn + col // GROUP, mask=s_mask, other=0.0).to(tl.float32)
+                x_mask = m_mask[:, None] & live[None, :]
+                x_lo = tl.load(x_rows + col + offs_h[None, :], mask=x_mask, other=0.0)
+                x_hi = tl.load(x_rows + col + HALF + offs_h[None, :], mask=x_mask, other=0.0)
+                # 1 + q/16 as fp32: the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
+                w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+                w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+                if USE_DOT:  # exact in bf16 (4 bits of mantissa), the tensor cores' operand
+                    w_lo = w_lo.to(x_lo.dtype)
+                    w_hi = w_hi.to(x_lo.dtype)
+                part = dot_acc(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_lo, w_lo, USE_DOT)
+                part = dot_acc(part, x_hi, w_hi, USE_DOT)
+                x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+                acc += scale[None, :] * (16.0 * part - (16.0 + zero)[None, :] * x_sum[:, None])
     else:
         offs_k = tl.arange(0, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             k = k0 + offs_k
             if EVEN_K:
                 w_mask = n_mask[:, None]
@@ -98,18 +126,38 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, 
                 x_mask = m_mask[:, None] & (k < K)[None, :]
             x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
             # no `other`: an integer fill does not cast to fp8 (Triton's interpreter refuses it); masked lanes
-            # are zeroed after the widening instead
-            w = tl.where(w_mask, tl.load(q_rows + k[None, :], mask=w_mask).to(x.dtype), 0.0)
-            acc = _acc_dot(acc, x, w, USE_DOT)
+            # are zeroed after the widening instead. One row: straight to fp32, the sum's dtype.
+            if USE_DOT:
+                w = tl.where(w_mask, tl.load(q_rows + k[None, :], mask=w_mask).to(x.dtype), 0.0)
+            else:
+                w = tl.where(w_mask, tl.load(q_rows + k[None, :], mask=w_mask).to(tl.float32), 0.0)
+            acc = dot_acc(acc, x, w, USE_DOT)
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if PDL:
         acc = release_successor(acc)
+    if SPLIT > 1:
+        offs_m += tl.program_id(1) * M
     out_mask = m_mask[:, None] & n_mask[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _launch(kernel: object, x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor | None, y: Tensor,
-            config: MatmulConfig) -> None:
+def launch_shape(config: MatmulConfig, rows: int, k: int, group: int) -> tuple[int, int]:
+    """(block_n, block_k) as launched: the candidates' own; a fixed configuration (`CONFIGS`) adapted where it
+    cannot run as named. The tensor cores take 16 columns or more; fp8/int8 on 2+ rows, a 16 x 2048 tile of x
+    and of w would not fit the registers (512 columns); int4, whole groups, at most MAX_GROUPS_A_STEP."""
+    block_n, block_k = config.block_n, config.block_k
+    if rows > 1:
+        block_n = max(16, block_n)
+        block_k = block_k if group else min(block_k, 512)
+    if group:
+        block_k = min(max(group, block_k // group * group), group * MAX_GROUPS_A_STEP)
+    return block_n, block_k
+
+
+def _launch(kernel: Any, x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor | None, y: Tensor,
+            config: MatmulConfig, reduce: Any = lambda k: k) -> None:
+    """Launch `kernel` (wrapped or not) and, for split-K, `reduce(_split_reduce_kernel)` after it: the custom op
+    wraps both for AOTInductor."""
     m, k = x.shape
     n = qweight.shape[0]
     int4 = zero is not None
@@ -117,34 +165,94 @@ def _launch(kernel: object, x: Tensor, qweight: Tensor, scale: Tensor, zero: Ten
         raise ValueError(f"quant_matmul takes x [<=16, K] and a quantized weight of K columns with contiguous rows, "
                          f"got {tuple(x.shape)}, {tuple(qweight.shape)} {qweight.dtype}")
     group = k // scale.shape[1] if int4 else 0
+    split = config.split
+    if split > 1 and y.stride(0) != n:
+        raise ValueError(f"quant_matmul: split-K writes a contiguous output, got strides {y.stride()}")
     dot = m > 1
-    # several rows: a tensor-core dot, which takes 16 columns or more, in the dense kernel's multi-row shapes
-    # (a 16 x 2048 tile of x and of w would not fit the registers)
-    block_n, block_k = (max(16, config.block_n), min(config.block_k, 256)) if dot else (config.block_n, config.block_k)
-    # int4: a power of two of whole groups a step (Triton's ranges are powers of two; so are the groups), the
-    # most that fit block_k and divide K
-    if int4:
-        limit, block_k = block_k, group
-        while block_k * 2 <= limit and k % (block_k * 2) == 0:
-            block_k *= 2
-    kernel[(triton.cdiv(n, block_n),)](  # type: ignore[index]
-        x, qweight, scale, scale if zero is None else zero, y, m, n, k, x.stride(0), qweight.stride(0),
-        scale.stride(0), y.stride(0), BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=block_n,
-        BLOCK_K=block_k, INT4=int4, GROUP=max(group, 2), USE_DOT=dot, EVEN_K=k % block_k == 0, PDL=waits_on(x.device),
-        num_warps=config.warps, num_stages=config.stages)
+    block_n, block_k = launch_shape(config, m, k, group)
+    pdl = waits_on(x.device)
+    # the partial sums' rows: [split * M, N] fp32, every element written (an empty slice writes zeros)
+    target = y if split == 1 else torch.empty((split * m, n), dtype=torch.float32, device=x.device)
+    k_slice = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    kernel[(triton.cdiv(n, block_n), split)](
+        x, qweight, scale, scale if zero is None else zero, target, m, n, k, k_slice, x.stride(0), qweight.stride(0),
+        scale.stride(0), target.stride(0), BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=block_n,
+        # EVEN_K is read by fp8/int8 only: int4 always passes True, so that it compiles no variant for it
+        BLOCK_K=block_k, INT4=int4, GROUP=max(group, 2), USE_DOT=dot, EVEN_K=int4 or k % block_k == 0, PDL=pdl,
+        SPLIT=split, num_warps=config.warps, num_stages=config.stages)
+    if split > 1:
+        reduce(_split_reduce_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            target, y, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK, PDL=pdl, num_warps=4)
 
 
-def quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor | None, config: MatmulConfig) -> Tensor:
-    """x [M, K] @ dequantize(weight)^T for M <= 16 (eager launch)."""
-    y = torch.empty((x.shape[0], qweight.shape[0]), dtype=x.dtype, device=x.device)
+def quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor | None, config: MatmulConfig,
+                 out: Tensor | None = None) -> Tensor:
+    """x [M, K] @ dequantize(weight)^T for M <= 16, written into `out` when given (eager launch)."""
+    y = torch.empty((x.shape[0], qweight.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
     _launch(_quant_matmul_kernel, x, qweight, scale, zero, y, config)
     return y
 
 
 @triton_op("trtbuild::quant_matmul", mutates_args=())
 def quant_matmul_op(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor | None, block_n: int, block_k: int,
-                    warps: int, stages: int) -> Tensor:
+                    warps: int, stages: int, split: int = 1) -> Tensor:
     """The kernel as a custom op: what a quantized engine's decode graphs call (`Linear._kernel`)."""
     y = torch.empty((x.shape[0], qweight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(wrap_triton(_quant_matmul_kernel), x, qweight, scale, zero, y, MatmulConfig(block_n, block_k, warps, stages))
+    _launch(wrap_triton(_quant_matmul_kernel), x, qweight, scale, zero, y,
+            MatmulConfig(block_n, block_k, warps, stages, split), reduce=wrap_triton)
     return y
+
+
+def format_of(qweight: Tensor, zero: Tensor | None) -> str:
+    """The stored format of a quantized weight (models/quantize.py's names)."""
+    return "int4" if zero is not None else "fp8" if qweight.dtype == torch.float8_e4m3fn else "int8"
+
+
+def candidates_for(qweight: Tensor, scale: Tensor, zero: Tensor | None, rows: int) -> list[MatmulConfig]:
+    """The build's candidates for this weight at `rows` rows, pruned for its shape and the device's multiprocessors."""
+    fmt = format_of(qweight, zero)
+    k = qweight.shape[1] * (2 if fmt == "int4" else 1)
+    sms = (torch.cuda.get_device_properties(qweight.device).multi_processor_count
+           if qweight.device.type == "cuda" else H100_SMS)
+    return quant_candidates(fmt, rows, qweight.shape[0], k, k // scale.shape[1] if fmt == "int4" else 0, sms)
+
+
+def select(layers: Sequence[tuple[Tensor, Tensor, Tensor | None]], rows: int, reps: int = 15,
+           configs: Sequence[MatmulConfig] | None = None) -> dict[str, Any]:
+    """Time every candidate (or `configs`) for `rows` x the weights of `layers` ((qweight, scale, zero) of one
+    format and shape, e.g. every layer's QKV: distinct tensors, so none is served from L2 as in a real step)
+    inside a CUDA graph, per call. Returns {"format", "choice": the fastest config name or None, "candidates":
+    {name: us | error}}. A candidate whose result differs from the dequantized matmul beyond bf16 rounding is
+    refused, never chosen."""
+    from trtbuild.models.quantize import dequantize
+
+    q0, s0, z0 = layers[0]
+    fmt = format_of(q0, z0)
+    k = q0.shape[1] * (2 if fmt == "int4" else 1)
+    x = torch.randn(rows, k, device=q0.device, dtype=torch.bfloat16)
+    ref = F.linear(x.float(), dequantize(fmt, q0, s0, z0, x.dtype).float())
+    ys = [torch.empty(rows, q0.shape[0], device=q0.device, dtype=x.dtype) for _ in layers]
+    result: dict[str, Any] = {"format": fmt, "candidates": {}}
+    best, best_us = None, float("inf")
+    for config in configs if configs is not None else candidates_for(q0, s0, z0, rows):
+        try:
+            got = quant_matmul(x, q0, s0, z0, config, out=ys[0]).float()
+            err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            if not err <= TOLERANCE:
+                result["candidates"][config.name] = f"refused: max relative error {err:.3g} against the dequantized matmul"
+                continue
+
+            def calls(config: MatmulConfig = config) -> None:
+                for (q, s, z), y in zip(layers, ys, strict=True):
+                    quant_matmul(x, q, s, z, config, out=y)
+
+            us = graph_seconds(calls, reps) / len(layers) * 1e6
+        except Exception as e:  # a configuration that does not compile here is a measurement too
+            first = str(e).splitlines()[0][:120] if str(e) else ""
+            result["candidates"][config.name] = f"failed: {type(e).__name__}: {first}"
+            continue
+        result["candidates"][config.name] = us
+        if us < best_us:
+            best, best_us = config.name, us
+    result["choice"] = best
+    return result

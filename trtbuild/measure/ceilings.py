@@ -82,24 +82,45 @@ def device_name(device: str) -> str:
     return f"{model or 'cpu'} x{torch.get_num_threads()}"
 
 
-def cached(device: str, folder: Path) -> dict[str, Any]:
+def cached(device: str, folder: Path, *, fresh: bool = False) -> dict[str, Any]:
     """The ceilings of this device, measured once and kept in `folder` (one JSON file a device and torch
-    version); `source` says whether they were measured now or read back."""
+    version); `source` says whether they were measured now or read back, and when read back, how old they are and
+    how to measure them again (roofs measured on a busy machine are low, and every verdict leans on them).
+    `fresh` measures them again and replaces the file."""
     import torch
 
     name = device_name(device)
     slug = re.sub(r"[^a-z0-9]+", "-", f"{name} torch {torch.__version__}".lower()).strip("-")
     path = folder / f"{slug}.json"
-    if path.is_file():
+    if path.is_file() and not fresh:
         try:
             found: dict[str, Any] = json.loads(path.read_text())
-            return found | {"source": f"cached in {path}"}
         except (OSError, ValueError):
             pass  # a damaged cache file is measured again and replaced
+        else:
+            when = float(found.get("measured_at") or path.stat().st_mtime)
+            return found | {"source": f"cached in {path}, measured {_age(time.time() - when)} ago; "
+                                      "`trtbuild profile --remeasure` measures them again"}
     copy_bytes, n = GPU_PROBE if device.startswith("cuda") else CPU_PROBE
-    result = measure(device, copy_bytes, n) | {"device_name": name, "torch": torch.__version__}
+    result = measure(device, copy_bytes, n) | {"device_name": name, "torch": torch.__version__,
+                                               "measured_at": time.time()}
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     os.replace(tmp, path)  # atomic: a concurrent profile reads the old file or the new, never half of one
     return result | {"source": f"measured now, kept in {path}"}
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size:
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' if n > 1 else ''}"
+    return "less than a minute"
+
+
+def implausible(result: dict[str, Any], slack: float = 1.05) -> list[str]:
+    """The call sites of a profile that ran faster than a roof allows: the roofs, not the kernels, are wrong
+    (measured while the machine was busy), and every verdict against them with them."""
+    return [f"{name}: {r['site']}" for name, phase in result.get("phases", {}).items() for r in phase["rows"]
+            if (r.get("bw_fraction") or 0.0) > slack or (r.get("flops_fraction") or 0.0) > slack]

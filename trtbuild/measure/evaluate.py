@@ -137,7 +137,7 @@ def greedy(session: Any, prompts: list[list[int]], new_tokens: int, batch: int) 
     """Greedy continuations of `prompts` through an open session's compiled engine, `batch` at a time."""
     out: list[list[int]] = []
     for i in range(0, len(prompts), batch):
-        out += session.generate(prompts[i:i + batch], new_tokens)
+        out += session.greedy(prompts[i:i + batch], new_tokens)
     return out
 
 

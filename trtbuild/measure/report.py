@@ -28,17 +28,12 @@ def print_table(rep: dict[str, Any]) -> None:
     table.add_row("load", f"{p['load_s'] * 1e3:.1f} ms", " · ".join(n for n in (parts, rep.get("load_note", "")) if n))
     table.add_row("warm-up", f"{p['warmup_s'] * 1e3:.1f} ms", "excluded from the figures below")
     roof = rep.get("roofline", {})
-    note = ""
-    if "prefill_flops_per_s" in roof:
-        note = f"{roof['prefill_flops_per_s'] / 1e12:.3f} TFLOP/s"
-        if "prefill_fraction_of_peak_flops" in roof:
-            note += f" ({roof['prefill_fraction_of_peak_flops']:.1%} of peak)"
-    if "prefill_bandwidth_Bps" in roof:
-        note += f" · {roof['prefill_bandwidth_Bps'] / 1e9:.1f} GB/s"
-        if "prefill_fraction_of_peak_bandwidth" in roof:
-            note += f" ({roof['prefill_fraction_of_peak_bandwidth']:.1%} of peak)"
-        if "prefill_bound" in roof:
-            note += f" · {roof['prefill_bound']}-bound"
+    # A rate is shown only beside its ceiling: alone ("0.0 GB/s" on a CPU) it says nothing about the engine.
+    rates = (_of_peak(roof, "prefill_flops_per_s", "prefill_fraction_of_peak_flops", 1e12, "TFLOP/s"),
+             _of_peak(roof, "prefill_bandwidth_Bps", "prefill_fraction_of_peak_bandwidth", 1e9, "GB/s"))
+    note = " · ".join(n for n in rates if n)
+    if note and "prefill_bound" in roof:
+        note += f" · {roof['prefill_bound']}-bound"
     table.add_row("prefill (TTFT)", f"{rep['ttft_ms']:.2f} ms", note)
     if pl := rep.get("prefill_launch"):
         if pl.get("replayed"):
@@ -54,10 +49,8 @@ def print_table(rep: dict[str, Any]) -> None:
     rate = rep["tokens_per_s"]
     note = (f"p90 {t['p90']:.3f} · p99 {t['p99']:.3f} ms · {rate['decode']:.1f} tok/s of decode time, "
             f"{rate['end_to_end']:.1f} tok/s end to end")
-    if "decode_bandwidth_Bps" in roof:
-        note += f" · {roof['decode_bandwidth_Bps'] / 1e9:.1f} GB/s"
-        if "decode_fraction_of_peak_bandwidth" in roof:
-            note += f" ({roof['decode_fraction_of_peak_bandwidth']:.1%} of peak)"
+    if bw := _of_peak(roof, "decode_bandwidth_Bps", "decode_fraction_of_peak_bandwidth", 1e9, "GB/s"):
+        note += f" · {bw}"
     table.add_row("decode (TPOT p50)", f"{t['p50']:.3f} ms", note)
     if mt := rep.get("decode_matmuls_timed"):
         # the build's selection timings, not this run's: they say how much of the step the matmuls alone take
@@ -81,11 +74,23 @@ def print_table(rep: dict[str, Any]) -> None:
     table.add_row("end to end", f"{p['end_to_end_s'] * 1e3:.1f} ms", "per iteration, after warm-up")
     console = Console()
     console.print(table)
+    if rep.get("unstable"):
+        console.print(f"[bold]unstable:[/bold] TPOT {rep['unstable']}", highlight=False)
+    if th := rep.get("threads"):
+        console.print(f"threads: {th['threads']} ({th['why']})", highlight=False)
     console.print(f"engine: {e['path']}")
     for i, row in enumerate(rep["output_ids"]):
         console.print(f"output[{i}]: {row}", highlight=False)
     for i, text in enumerate(rep.get("output_text", [])):
         console.print(f"text[{i}]: {text!r}", highlight=False)
+
+
+def _of_peak(roof: dict[str, Any], rate: str, fraction: str, scale: float, unit: str) -> str:
+    """"1.2 TB/s (36.0% of peak)", or "" when the roof has no ceiling for this rate (a CPU, an unknown GPU)."""
+    if rate not in roof or fraction not in roof:
+        return ""
+    digits = 3 if unit == "TFLOP/s" else 1
+    return f"{roof[rate] / scale:.{digits}f} {unit} ({roof[fraction]:.1%} of peak)"
 
 
 def _ms(value: float | None) -> str:

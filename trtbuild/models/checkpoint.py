@@ -25,73 +25,67 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def hf_parameter_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """The tensors a Hugging Face checkpoint of this config must hold, with their shapes."""
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    d = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
     for i in range(cfg.num_layers):
-        a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"model.layers.{i}."
-        if cfg.model_type not in ("llama", "mistral", "qwen2"):  # the other families' tensors (family_shapes)
-            shapes.update(family_shapes(cfg, i))
-            continue
-        shapes[a + "q_proj.weight"] = (cfg.num_heads * hd, d)
-        shapes[a + "k_proj.weight"] = (cfg.num_kv_heads * hd, d)
-        shapes[a + "v_proj.weight"] = (cfg.num_kv_heads * hd, d)
-        shapes[a + "o_proj.weight"] = (d, cfg.num_heads * hd)
-        if cfg.qkv_bias:
-            shapes[a + "q_proj.bias"] = (cfg.num_heads * hd,)
-            shapes[a + "k_proj.bias"] = (cfg.num_kv_heads * hd,)
-            shapes[a + "v_proj.bias"] = (cfg.num_kv_heads * hd,)
-        if cfg.o_bias:
-            shapes[a + "o_proj.bias"] = (d,)
-        shapes[m + "gate_proj.weight"] = (f, d)
-        shapes[m + "up_proj.weight"] = (f, d)
-        shapes[m + "down_proj.weight"] = (d, f)
-        if cfg.mlp_bias:
-            shapes[m + "gate_proj.bias"] = (f,)
-            shapes[m + "up_proj.bias"] = (f,)
-            shapes[m + "down_proj.bias"] = (d,)
-        shapes[p + "input_layernorm.weight"] = (d,)
-        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        shapes.update(family_shapes(cfg, i))
     return shapes
 
 
 def read_config(folder: Path) -> tuple[dict[str, Any], LlamaConfig]:
+    """config.json read and checked: InputError with every problem it has, each as `path: field: message`."""
+    raw, cfg, problems = _config_problems(folder)
+    if problems or raw is None or cfg is None:
+        raise _all(folder, problems)
+    return raw, cfg
+
+
+def _all(folder: Path, problems: list[str]) -> InputError:
+    """One problem as it is; several together, one a line, as a recipe's are reported."""
+    if len(problems) == 1:
+        return InputError(problems[0])
+    return InputError(f"{folder}: {len(problems)} problems in the model folder:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def _config_problems(folder: Path) -> tuple[dict[str, Any] | None, LlamaConfig | None, list[str]]:
+    """config.json's contents, the config made from it (None when it cannot be made), and every problem found:
+    later checks run whenever the earlier ones leave something to check."""
     path = folder / "config.json"
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise InputError(f"{path}: not found; a model folder needs config.json") from None
+        return None, None, [f"{path}: not found; a model folder needs config.json"]
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read: {exc}") from None
+        return None, None, [f"{path}: cannot read: {exc}"]
     except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON (truncated?) at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+        return None, None, [f"{path}: not valid JSON (truncated?) at line {exc.lineno}, column {exc.colno}: {exc.msg}"]
     if not isinstance(raw, dict):
-        raise InputError(f"{path}: expected a JSON object")
+        return None, None, [f"{path}: expected a JSON object"]
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
-        raise InputError(f"{path}: model_type: {model_type!r} is not supported ({', '.join(FAMILIES)} are)")
-    refused = refused_fields(raw)
-    if refused:
-        raise InputError(f"{path}: " + "; ".join(refused))
+        return raw, None, [f"{path}: model_type: {model_type!r} is not supported ({', '.join(FAMILIES)} are)"]
+    problems = [f"{path}: {r}" for r in refused_fields(raw)]
     try:
         cfg = LlamaConfig.from_hf(raw)
     except KeyError as exc:
-        raise InputError(f"{path}: {exc.args[0]}: required field missing") from None
+        return raw, None, [*problems, f"{path}: {exc.args[0]}: required field missing"]
     except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
-        raise InputError(f"{path}: a field has the wrong type or value: {exc}") from None
+        return raw, None, [*problems, f"{path}: a field has the wrong type or value: {exc}"]
     try:
         rope_frequencies(cfg)  # an unsupported or incomplete rope_scaling fails here, not mid-build
     except KeyError as exc:
-        raise InputError(f"{path}: rope_scaling.{exc.args[0]}: required field missing") from None
+        problems.append(f"{path}: rope_scaling.{exc.args[0]}: required field missing")
     except (TypeError, ValueError) as exc:
-        raise InputError(f"{path}: rope_scaling: {exc}") from None
+        problems.append(f"{path}: rope_scaling: {exc}")
     if cfg.num_heads % cfg.num_kv_heads:
-        raise InputError(f"{path}: num_key_value_heads: {cfg.num_kv_heads} does not divide num_attention_heads {cfg.num_heads}")
+        problems.append(f"{path}: num_key_value_heads: {cfg.num_kv_heads} does not divide num_attention_heads "
+                        f"{cfg.num_heads}")
     if cfg.num_experts and not 0 < cfg.experts_per_token <= cfg.num_experts:
-        raise InputError(f"{path}: num_experts_per_tok: {cfg.experts_per_token} must be between 1 and the "
-                         f"{cfg.num_experts} experts")
-    return raw, cfg
+        problems.append(f"{path}: num_experts_per_tok: {cfg.experts_per_token} must be between 1 and the "
+                        f"{cfg.num_experts} experts")
+    return raw, cfg, problems
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -175,25 +169,7 @@ def convert_hf_state_dict(hf: dict[str, Tensor], cfg: LlamaConfig) -> dict[str, 
     out: dict[str, Tensor] = {"tok_embeddings.weight": hf["model.embed_tokens.weight"],
                               "norm.weight": hf["model.norm.weight"]}
     out["output.weight"] = hf["model.embed_tokens.weight"] if cfg.tie_word_embeddings else hf["lm_head.weight"]
-    if cfg.model_type not in ("llama", "mistral", "qwen2"):
-        return convert_family(hf, cfg, out)
-    for i in range(cfg.num_layers):
-        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        o = f"layers.{i}."
-        out[o + "attention.wqkv.weight"] = torch.cat([hf[a + f"{n}_proj.weight"] for n in "qkv"])
-        if cfg.qkv_bias:
-            out[o + "attention.wqkv.bias"] = torch.cat([hf[a + f"{n}_proj.bias"] for n in "qkv"])
-        out[o + "attention.wo.weight"] = hf[a + "o_proj.weight"]
-        if cfg.o_bias:
-            out[o + "attention.wo.bias"] = hf[a + "o_proj.bias"]
-        out[o + "feed_forward.w13.weight"] = torch.cat([hf[m + "gate_proj.weight"], hf[m + "up_proj.weight"]])
-        out[o + "feed_forward.w2.weight"] = hf[m + "down_proj.weight"]
-        if cfg.mlp_bias:
-            out[o + "feed_forward.w13.bias"] = torch.cat([hf[m + "gate_proj.bias"], hf[m + "up_proj.bias"]])
-            out[o + "feed_forward.w2.bias"] = hf[m + "down_proj.bias"]
-        out[o + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
-        out[o + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
-    return out
+    return convert_family(hf, cfg, out)
 
 
 def header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
@@ -212,24 +188,38 @@ def header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
 
 
 def check_folder(folder: Path) -> None:
-    """What a build would refuse in a local model folder, found from config.json and the weights' headers:
-    the config's fields, every tensor it implies (present, with its shape), and tensors of layers the
-    config does not have (a num_hidden_layers that does not match the weights)."""
-    _, cfg = read_config(folder)
+    """What a build would refuse in a local model folder, found from config.json and the weights' headers, every
+    problem at once: the config's fields, every tensor it implies (present, with its shape), and tensors of layers
+    the config does not have (a num_hidden_layers that does not match the weights)."""
+    _, cfg, problems = _config_problems(folder)
+    if cfg is not None:
+        problems += _weight_problems(folder, cfg)
+    if problems:
+        raise _all(folder, problems)
+
+
+def _weight_problems(folder: Path, cfg: LlamaConfig) -> list[str]:
     expected = hf_parameter_shapes(cfg)
     found: dict[str, tuple[int, ...]] = {}
     where: dict[str, Path] = {}
-    for file in weight_files(folder):
-        for name, shape in header_shapes(file).items():
-            found[name], where[name] = shape, file
+    try:
+        for file in weight_files(folder):
+            for name, shape in header_shapes(file).items():
+                found[name], where[name] = shape, file
+    except InputError as exc:  # no weights, or unreadable ones: nothing more to compare
+        return [str(exc)]
+    problems = []
     layers = {int(n.split(".")[2]) for n in found if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
     if layers and max(layers) + 1 != cfg.num_layers:
-        raise InputError(f"{folder / 'config.json'}: num_hidden_layers: {cfg.num_layers}, but the weights hold "
-                         f"{max(layers) + 1} layers (model.layers.0 to model.layers.{max(layers)})")
+        problems.append(f"{folder / 'config.json'}: num_hidden_layers: {cfg.num_layers}, but the weights hold "
+                        f"{max(layers) + 1} layers (model.layers.0 to model.layers.{max(layers)})")
     missing = [n for n in expected if n not in found]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise InputError(f"{folder}: tensor(s) missing from the checkpoint: {shown}")
-    for name, shape in expected.items():
-        if found[name] != shape:
-            raise InputError(f"{where[name]}: tensor {name} has shape {found[name]}, config.json implies {shape}")
+        problems.append(f"{folder}: tensor(s) missing from the checkpoint: {shown}")
+    wrong = [(name, shape) for name, shape in expected.items() if name in found and found[name] != shape]
+    for name, shape in wrong[:5]:  # one field usually explains them all: the first few are enough to see which
+        problems.append(f"{where[name]}: tensor {name} has shape {found[name]}, config.json implies {shape}")
+    if len(wrong) > 5:
+        problems.append(f"{folder}: and {len(wrong) - 5} more tensor(s) whose shapes disagree with config.json")
+    return problems

@@ -1,8 +1,9 @@
-"""The checkpoint tensors of the families beyond Llama/Mistral/Qwen2 (models/families.py), and their
-mapping onto the engine's layout (models/llama.py: wqkv, w13, w2; models/moe.py: stacked experts).
+"""The checkpoint tensors of each layer, for every family (models/families.py), and their mapping onto the
+engine's layout (models/llama.py: wqkv, w13, w2; models/moe.py: stacked experts).
 
-Each family's names are those of its Hugging Face checkpoints on the hub (what transformers'
-`save_pretrained` writes): Phi-3's fused qkv_proj and gate_up_proj; Gemma's four norms a layer, gains
+Llama's tensors (Mistral's and Qwen2's too) are the default case: separate q/k/v and gate/up/down
+projections and two norms a layer. The other families' names are those of their Hugging Face checkpoints
+on the hub (what transformers' `save_pretrained` writes): Phi-3's fused qkv_proj and gate_up_proj; Gemma's four norms a layer, gains
 stored as gain - 1; Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2 and Qwen3-MoE's
 mlp.experts.{e}.gate_proj/up_proj/down_proj, stacked into one tensor per projection here.
 """

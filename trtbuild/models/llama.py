@@ -298,7 +298,7 @@ class Linear(nn.Linear):
             from trtbuild.kernels.quant_matmul import quant_matmul_op  # needs Triton: CUDA builds only
 
             y = quant_matmul_op(x.reshape(-1, self.in_features), self.qweight, self.scale, getattr(self, "zero", None),
-                                c.block_n, c.block_k, c.warps, c.stages)
+                                c.block_n, c.block_k, c.warps, c.stages, c.split)
             return y.view(*x.shape[:-1], y.shape[-1])
         from trtbuild.kernels.decode_matmul import decode_matmul_op  # needs Triton: CUDA builds only
 
@@ -312,8 +312,7 @@ class Linear(nn.Linear):
 
 class Attention(nn.Module):
     # Set by the backend only while it exports a decode graph that uses trtbuild's decode attention
-    # kernel (options.decode_attention): "kernel" (rope, the cache writes and attention in one custom op)
-    # or "kernel-unfused" (the kernel attends; rope and the cache writes stay the model's ATen code).
+    # kernel (options.decode_attention): "kernel" (rope, the cache writes and attention in one custom op).
     # Prefill, CPU builds and eager runs keep "aten": `_cached_attention`.
     decode_kernel: str = "aten"
     # Set by the backend only while it exports the prefill graph: "sdpa" or "cudnn" (causal_attention).
@@ -344,6 +343,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q_size = c.num_heads * c.head_dim
         qkv = self.wqkv(x, norm=norm)
+        if slots.dim() == 2:  # block tables: the paged KV cache (models/paged.py), caches are its pools
+            return self.wo(paged_attention(self, qkv, table, pos, slots, k_cache, v_cache), residual=residual)
         if self.decode_kernel == "kernel":
             from trtbuild.kernels.decode_attention import decode_attention_rope_op  # needs Triton: CUDA builds only
 
@@ -360,12 +361,6 @@ class Attention(nn.Module):
             y = _cached_attention(q, k, v, pos, None, c.attn_scale, c.attn_softcap, self.window)
         elif from_start:
             y = causal_attention(q, k, v, self.prefill_kernel, c.attn_scale)
-        elif self.decode_kernel == "kernel-unfused":
-            from trtbuild.kernels.decode_attention import decode_attention_op  # needs Triton: CUDA builds only
-
-            # reads slots 0..pos of its rows of the whole cache buffer itself, so the window (span) is not needed
-            y = decode_attention_op(q_rows, k_cache, v_cache, pos.expand(b, 1).reshape(b).contiguous(), slots)
-            return self.wo(y.reshape(b, t, q_size), residual=residual)
         else:
             # the window first, then the sequences' rows: the gather copies only the slots attended over
             w = k_cache.shape[2] if span is None else span.shape[0]
@@ -448,6 +443,40 @@ def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span
         visible = visible & (span[None, None, :] > pos[:, :, None] - window).repeat(1, rep, 1)[:, None]
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(q.dtype)
     return (probs @ values).reshape(b, h, t, d)
+
+
+def paged_attention(attn: Any, qkv: Tensor, table: Tensor, pos: Tensor, blocks: Tensor, k_pool: Tensor,
+                    v_pool: Tensor) -> Tensor:
+    """Attention through the paged KV cache (models/paged.py): `attn` over the QKV projection (B, T,
+    (H + 2 KV) D) of tokens at positions `pos` (B, T), rope's rows `table` at those positions; `blocks` (B, N)
+    each sequence's block table, N blocks covering every position in `pos`. Writes the keys and values into
+    the pools; returns (B, T, H D)."""
+    c = attn.cfg
+    b, t, _ = qkv.shape
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.view(b, t, c.num_heads, c.head_dim), k.view(b, t, c.num_kv_heads, c.head_dim)
+    v = v.view(b, t, c.num_kv_heads, c.head_dim)
+    if attn.qk_norms is not None:
+        q, k = attn.qk_norms[0](q), attn.qk_norms[1](k)
+    if c.local_rope_theta is not None:
+        table = table[..., 2 * attn.rope_pair:2 * attn.rope_pair + 2]
+    q, k = apply_rope(q, table), apply_rope(k, table)
+    size = k_pool.shape[2]
+    where = (blocks.gather(1, pos // size)[:, :, None], torch.arange(c.num_kv_heads, device=qkv.device)[None, None, :],
+             (pos % size)[:, :, None])
+    k_pool.index_put_(where, k)
+    v_pool.index_put_(where, v)
+    n = blocks.shape[1]
+    # The sequence's blocks side by side, (B, KV, N * BLOCK, D): slot j holds position j. Masked past each
+    # query's own position, so blocks not yet written (and a padded table's entries) are never seen.
+    keys = k_pool.index_select(0, blocks.reshape(-1)).view(b, n, c.num_kv_heads, size, c.head_dim)
+    values = v_pool.index_select(0, blocks.reshape(-1)).view(b, n, c.num_kv_heads, size, c.head_dim)
+    keys = keys.transpose(1, 2).reshape(b, c.num_kv_heads, n * size, c.head_dim)
+    values = values.transpose(1, 2).reshape(b, c.num_kv_heads, n * size, c.head_dim)
+    span = torch.arange(n * size, device=qkv.device)
+    y = _cached_attention(q.transpose(1, 2), keys, values, pos, span, c.attn_scale, c.attn_softcap, attn.window)
+    return y.transpose(1, 2).reshape(b, t, q_size)
 
 
 class FeedForward(nn.Module):
@@ -548,7 +577,7 @@ class Transformer(nn.Module):
             linear.fusion = FOLDED[linear.fusion]
 
     def forward(self, tokens: Tensor, input_pos: Tensor, all_logits: bool = False, from_start: bool = False,
-                span: Tensor | None = None, slots: Tensor | None = None) -> Tensor:
+                span: Tensor | None = None, slots: Tensor | None = None, pools: list[Tensor] | None = None) -> Tensor:
         pos = input_pos if input_pos.dim() == 2 else input_pos[None, :]  # (B or 1, T)
         if slots is None:
             slots = torch.arange(tokens.shape[0], device=tokens.device)
@@ -557,8 +586,10 @@ class Transformer(nn.Module):
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         for i, layer in enumerate(self.layers):
-            x = layer(x, self.rope, table, pos, slots, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"),
-                      from_start, span)
+            # `pools` (models/paged.py): each layer's K and V block pools, with `slots` the block tables (B, N)
+            k_cache, v_cache = (pools[2 * i], pools[2 * i + 1]) if pools is not None else \
+                (getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"))
+            x = layer(x, self.rope, table, pos, slots, k_cache, v_cache, from_start, span)
         if all_logits:
             return softcap(self.output(x, norm=self.norm), self.cfg.final_softcap)
         if from_start:  # a decode step's graph stays as it was: its compiled form is keyed by its program

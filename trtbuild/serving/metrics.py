@@ -52,6 +52,14 @@ class Metrics:
         self.kv_bytes_per_token = Gauge("trtbuild_engine_kv_bytes_per_token", "KV-cache bytes per cached token "
                                         "(all layers, keys and values)", registry=r)
         self.rows = Gauge("trtbuild_engine_rows", "Cache rows (max_batch_size)", registry=r)
+        self.kv_blocks = Gauge("trtbuild_kv_blocks", "KV-cache blocks of the paged pool: used (held by a "
+                               "request) and free (never used, or cached with no request holding them)", ["state"],
+                               registry=r)
+        self.prefix_blocks = Counter("trtbuild_prefix_cache_blocks", "Full prompt blocks looked up in the prefix "
+                                     "cache: hit (taken, not prefilled again) or miss", ["result"], registry=r)
+        self.preemptions = Counter("trtbuild_preemptions", "Requests preempted for want of KV blocks (recomputed "
+                                   "later)", registry=r)
+        self._prefix_seen = (0, 0)
         self.model = model
 
     def exposition(self) -> bytes:
@@ -89,3 +97,14 @@ class Metrics:
     def finished(self, reason: str, generated: int) -> None:
         self.requests.labels(reason).inc()
         self.generation_tokens.inc(generated)
+
+    def blocks(self, used: int, free: int, hits: int, misses: int) -> None:
+        self.kv_blocks.labels("used").set(used)
+        self.kv_blocks.labels("free").set(free)
+        seen_hits, seen_misses = self._prefix_seen  # the pool counts from its start; counters take increments
+        self.prefix_blocks.labels("hit").inc(hits - seen_hits)
+        self.prefix_blocks.labels("miss").inc(misses - seen_misses)
+        self._prefix_seen = (hits, misses)
+
+    def preempted(self) -> None:
+        self.preemptions.inc()

@@ -9,14 +9,21 @@ import time
 from typing import Any, Literal
 
 
+# The rejection reason a status means where the error does not name one (serve.py counts every rejection).
+REJECTED = {400: "invalid", 404: "not_found", 405: "method_not_allowed", 413: "too_large", 429: "queue_full",
+            500: "server_error", 503: "unavailable"}
+
+
 class ApiError(Exception):
     """An HTTP error with OpenAI's error object."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None, reason: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
+        # the label of trtbuild_requests_rejected_total: said where the status alone does not tell it
+        self.reason = reason or REJECTED.get(status, "invalid")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -40,6 +40,16 @@ class SlotEngine(Protocol):
     def release(self, slot: int) -> None: ...
 
 
+class PagedEngine(SlotEngine, Protocol):
+    """An engine reading its KV cache through block tables (kv_blocks.py): any prompt chunk from any start
+    position, and decode steps of any rows; `key` names a request's sampling history (release(key) ends it)."""
+
+    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any) -> int: ...
+
+    def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
+                     sampling: list[Any]) -> list[int]: ...
+
+
 class TextWatch(Protocol):
     """Per request: turns tokens into text that is safe to emit (no half characters) and spots stop strings."""
 
@@ -66,6 +76,10 @@ class Observer(Protocol):
 
     def finished(self, reason: str, generated: int) -> None: ...
 
+    def blocks(self, used: int, free: int, hits: int, misses: int) -> None: ...
+
+    def preempted(self) -> None: ...
+
 
 class _Quiet:
     def queued(self, waiting: int, running: int) -> None: pass
@@ -77,6 +91,10 @@ class _Quiet:
     def step(self, rows: int, bucket: int, seconds: float, context_tokens: int) -> None: pass
 
     def finished(self, reason: str, generated: int) -> None: pass
+
+    def blocks(self, used: int, free: int, hits: int, misses: int) -> None: pass
+
+    def preempted(self) -> None: pass
 
 
 class QueueFull(TrtbuildError):
@@ -124,6 +142,15 @@ class Request:
     last_time: float = 0.0
     cancelled: bool = False
     done: bool = False
+    # paged (kv_blocks.py): the request's blocks, and how many tokens of its sequence their KV holds
+    table: Any = None
+    filled: int = 0
+    history: list[int] = field(default_factory=list)  # the generated tokens delivered, for a recompute
+
+    def sequence(self) -> list[int]:
+        """The tokens whose KV the request needs before its next decode step: the prompt, and after a
+        preemption everything generated but the last token (which the next step feeds)."""
+        return self.prompt + self.history[:-1] if self.history else self.prompt
 
 
 def check_request(engine: SlotEngine, prompt: list[int], max_tokens: int) -> None:
@@ -145,14 +172,24 @@ def check_request(engine: SlotEngine, prompt: list[int], max_tokens: int) -> Non
 
 class Scheduler:
     """Continuous batching over `engine`'s rows. `start()` runs the loop in its own thread; tests may call
-    `step()` directly instead. `buckets` are the engine's decode batch sizes (for occupancy figures)."""
+    `step()` directly instead. `buckets` are the engine's decode batch sizes (for occupancy figures).
+
+    With a `pool` (kv_blocks.BlockPool) the engine is a PagedEngine: a request is admitted when the pool has
+    blocks for its prompt (its cached prefix counted), prompts are prefilled in chunks of at most
+    `chunk_tokens` a step beside the decode rows (so a running stream waits at most one chunk a token), and a
+    decode row that needs a block when none is free preempts the latest admitted request, which goes back to
+    the head of the queue and is prefilled again (recomputed) when blocks free up."""
 
     def __init__(self, engine: SlotEngine, max_queue: int = 256, buckets: list[int] | None = None,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None, pool: Any = None, chunk_tokens: int | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.buckets = sorted(buckets or [engine.max_batch_size])
         self.observer: Observer = observer or _Quiet()
+        self.pool = pool
+        self.rows = self.buckets[-1] if pool is not None else engine.max_batch_size  # rows a decode step holds
+        # a chunk is one call of the engine's prompt graph, which takes at most max_input_len tokens
+        self.chunk_tokens = min(chunk_tokens or engine.max_input_len, engine.max_input_len)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order
         self._free: list[int] = list(range(engine.max_batch_size))  # a heap: the lowest row first
@@ -175,7 +212,9 @@ class Scheduler:
         with self._wake:
             if self._closed:
                 raise ShuttingDown("the server is shutting down", hint="retry on another replica")
-            if len(self._waiting) + len(requests) > self.max_queue:
+            # The bound counts only the requests that cannot be admitted at the next step boundary: with free
+            # rows (and blocks) a burst is admitted, not refused while rows sit idle.
+            if self._blocked(requests) > self.max_queue:
                 # one place frees when a running row ends; a step per token of the shortest remaining budget
                 raise QueueFull(self.max_queue, max(1.0, self.step_s * self._soonest_end()))
             now = time.perf_counter()
@@ -246,16 +285,119 @@ class Scheduler:
             for r in [r for r in self._waiting if r.cancelled]:
                 self._waiting.remove(r)
                 self._finish(r, "cancelled")
-            newcomers = []
-            while self._waiting and len(newcomers) < len(self._free):
-                newcomers.append(self._waiting.popleft())
+            if self.pool is not None:
+                newcomers = self._admit_paged()
+            else:
+                newcomers = []
+                while self._waiting and len(newcomers) < len(self._free):
+                    newcomers.append(self._waiting.popleft())
+        if self.pool is not None:
+            return self._paged_step(newcomers)
         for r in newcomers:
             self._prefill(r)
+        worked = bool(newcomers or self._running)  # before the decode, which may end every running row
         if self._running:
             self._decode()
         self.observer.queued(len(self._waiting), len(self._running))
-        return bool(newcomers or self._running)
+        return worked
 
+    # -- paged -----------------------------------------------------------------------------------------------
+    def _admit_paged(self) -> list[Request]:
+        """Waiting requests, in order, while a row and the pool's blocks allow (the lock is held). The head
+        waits for blocks rather than being overtaken, so a long prompt is never starved by short ones."""
+        out: list[Request] = []
+        while self._waiting and len(self._running) + len(out) < self.rows:
+            r = self._waiting[0]
+            table = self.pool.admit(r.sequence())
+            if table is None:
+                break
+            self._waiting.popleft()
+            r.table, r.filled = table, table.cached
+            out.append(r)
+        return out
+
+    def _paged_step(self, newcomers: list[Request]) -> bool:
+        self._running.extend(newcomers)
+        budget = self.chunk_tokens
+        for r in [r for r in self._running if r.filled < len(r.sequence())]:
+            if budget <= 0:
+                break
+            budget -= self._prefill_chunk(r, budget)
+        rows = self._make_room([r for r in self._running if r.history and r.filled >= r.position])
+        worked = bool(newcomers or self._running)
+        if rows:
+            self._decode_paged(rows)
+        p = self.pool
+        self.observer.blocks(p.used, p.free, p.hits, p.misses)
+        self.observer.queued(len(self._waiting), len(self._running))
+        return worked
+
+    def _prefill_chunk(self, r: Request, budget: int) -> int:
+        """Prefill the next chunk of at most `budget` tokens of r's sequence; the tokens it took."""
+        seq = r.sequence()
+        n = min(budget, len(seq) - r.filled)
+        try:
+            token = self.engine.prefill_paged(r.id, r.table.blocks, seq[r.filled:r.filled + n],  # type: ignore[attr-defined]
+                                              r.filled, r.sampling)
+        except Exception as exc:  # one bad request must not take the server down
+            self._finish(r, "error", f"prefill failed: {type(exc).__name__}: {exc}")
+            return n
+        r.filled += n
+        self.pool.name_full_blocks(r.table, seq[:r.filled])
+        if r.filled == len(seq) and not r.history:  # the prompt's last chunk: the first token
+            now = time.perf_counter()
+            self.observer.first_token(now - r.arrived, len(r.prompt))
+            r.position, r.last_time = len(r.prompt), now
+            self._accept(r, token)
+        # after a preemption the recomputed sequence's token was delivered before: the next step feeds last_token
+        return n
+
+    def _make_room(self, rows: list[Request]) -> list[Request]:
+        """Blocks for every decode row's next position; where the pool has none, the latest admitted request
+        is preempted (its blocks freed, recomputed later) until the rest fit. The rows that still decode."""
+        for r in list(rows):
+            while r in rows and not self.pool.grow(r.table, r.position + 1):
+                victim = self._running[-1]
+                if victim is r and len(self._running) == 1:  # cannot happen with a pool of one full sequence
+                    self._finish(r, "error", "the KV pool cannot hold one sequence of the engine's length")
+                    rows.remove(r)
+                    break
+                self._preempt(victim)
+                if victim in rows:
+                    rows.remove(victim)
+        return rows
+
+    def _preempt(self, r: Request) -> None:
+        self._running.remove(r)
+        self.pool.release(r.table)
+        self.engine.release(r.id)
+        r.table, r.filled = None, 0
+        with self._wake:
+            self._waiting.appendleft(r)
+        self.observer.preempted()
+
+    def _decode_paged(self, rows: list[Request]) -> None:
+        t = time.perf_counter()
+        try:
+            tokens = self.engine.decode_paged([r.id for r in rows], [r.table.blocks for r in rows],  # type: ignore[attr-defined]
+                                              [r.last_token for r in rows], [r.position for r in rows],
+                                              [r.sampling for r in rows])
+        except Exception as exc:
+            for r in rows:
+                self._finish(r, "error", f"decode failed: {type(exc).__name__}: {exc}")
+            return
+        now = time.perf_counter()
+        self.step_s = 0.9 * self.step_s + 0.1 * (now - t)
+        self.observer.step(len(rows), self.bucket_for(len(rows)), now - t, sum(r.position + 1 for r in rows))
+        for r, token in zip(rows, tokens):
+            self.observer.token_interval(now - r.last_time)
+            r.last_time = now
+            r.position += 1
+            r.filled = r.position
+            self.pool.name_full_blocks(r.table, r.prompt + r.history)
+            self._accept(r, token)
+
+    # -- rows ----------------------------------------------------------------------------------------------
     def _prefill(self, r: Request) -> None:
         r.slot = heapq.heappop(self._free)
         self._running.append(r)
@@ -301,6 +443,7 @@ class Scheduler:
             return
         r.generated += 1
         r.last_token = token
+        r.history.append(token)
         text, stopped = r.watch.feed(token) if r.watch is not None else ("", False)
         if stopped:
             if text:
@@ -321,6 +464,11 @@ class Scheduler:
             self.engine.release(r.slot)
             heapq.heappush(self._free, r.slot)
             r.slot = None
+        elif r.table is not None:
+            self._running.remove(r)
+            self.pool.release(r.table)
+            self.engine.release(r.id)
+            r.table = None
         self.observer.finished(reason, r.generated)
         try:
             tail = r.watch.flush() if r.watch is not None and not flushed and reason != "error" else ""
@@ -328,6 +476,19 @@ class Scheduler:
         except Exception as exc:
             if reason != "error":  # the caller still hears that its request ended
                 r.on_event(Event(None, "", finish="error", error=f"{type(exc).__name__}: {exc}"))
+
+    def _blocked(self, extra: list[Request]) -> int:
+        """How many of the waiting requests, and `extra` more, the next step boundary could not admit."""
+        queue = [*self._waiting, *extra]
+        if self.pool is None:
+            return max(0, len(queue) - len(self._free))
+        rows, free, admitted = self.rows - len(self._running), self.pool.free, 0
+        for r in queue:  # in order, as admission goes (the prefix cache left out: an upper bound)
+            need = self.pool.blocks_for(len(r.sequence()))
+            if admitted >= rows or need > free:
+                break
+            free, admitted = free - need, admitted + 1
+        return len(queue) - admitted
 
     def _soonest_end(self) -> int:
         return min((r.max_tokens - r.generated for r in list(self._running)), default=1)

@@ -16,10 +16,12 @@ then exits.
 import asyncio
 import logging
 import signal
+import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from trtbuild.errors import InputError, TrtbuildError
@@ -44,11 +46,28 @@ def require() -> None:
         raise InputError(f"trtbuild serve needs {', '.join(missing)}, not installed here", hint=INSTALL_HINT)
 
 
+# How many rows a paged step may hold (backends/torch/export.PAGED_ROWS), by the powers of two the metrics use.
+PAGED_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+@dataclass(frozen=True)
+class KvSettings:
+    """The serve command's KV-cache flags (docs/serve.md): which cache, the pool's size, chunking, prefix caching."""
+
+    cache: str = "auto"  # auto: paged where the engine has the paged graph; paged; rows
+    memory: float = 0.9  # the fraction of the memory left after the weights that the pool takes
+    blocks: int | None = None  # the pool's blocks, overriding `memory`
+    chunk: int = 512  # prompt tokens prefilled a step beside the decode rows; 0: a whole prompt at once
+    prefix: bool = True  # prefix caching
+
+
 # -- the server -----------------------------------------------------------------------------------------------
 class Server:
     """The engine thread and the state the HTTP handlers read. `status`: loading, ready, draining, failed."""
 
-    def __init__(self, session: Any, max_queue: int = 256, on_fail: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, session: Any, max_queue: int = 256, on_fail: Callable[[], None] = lambda: None,
+                 url: str = "", announce: Callable[[str], None] = lambda line: None,
+                 kv: KvSettings | None = None) -> None:
         from trtbuild.serving.metrics import Metrics
 
         self.session = session
@@ -61,6 +80,9 @@ class Server:
         self.text: Any = None  # generate.py's text side: encode, chat, eos ids, watches
         self.created = int(time.time())
         self._on_fail = on_fail
+        self.url = url
+        self.kv = kv or KvSettings()
+        self._announce = announce  # the operator's start-up lines (stderr), once the engine is ready
         self._thread = threading.Thread(target=self._engine_thread, name="trtbuild-engine", daemon=True)
         self._done = threading.Event()
 
@@ -76,13 +98,20 @@ class Server:
                                         "(prefill, decode, release), which serving needs",
                                         hint="serve a recipe with `backend: torch`")
                 self.text = _text_side(session)
-                _warm(engine, self._buckets(engine))
+                pool = self._open_pool(engine)
+                buckets = PAGED_BUCKETS if pool is not None else self._buckets(engine)
+                if pool is None:
+                    _warm(engine, buckets)
+                else:
+                    _warm_paged(engine)
                 elem = {"fp32": 4, "fp16": 2, "bf16": 2}.get(session.recipe.precision, 2)
                 self.metrics.describe_engine(engine, elem)
-                self.scheduler = Scheduler(engine, self.max_queue, self._buckets(engine), self.metrics)
+                self.scheduler = Scheduler(engine, self.max_queue, buckets, self.metrics, pool=pool,
+                                           chunk_tokens=self.kv.chunk or None)
                 self.status = "ready"
                 self.metrics.ready.set(1)
-                log.info("engine %s loaded and warmed; serving", self.name)
+                for line in startup_lines(session, engine, buckets, self.url):
+                    self._announce(line)
                 self.scheduler.run()
         except BaseException as exc:  # nothing to serve: say why and make uvicorn exit
             self.failure = str(exc) if isinstance(exc, TrtbuildError) else f"{type(exc).__name__}: {exc}"
@@ -92,6 +121,19 @@ class Server:
         finally:
             self.metrics.ready.set(0)
             self._done.set()
+
+    def _open_pool(self, engine: Any) -> Any:
+        """The block pool where the engine pages its KV cache (kv_blocks.BlockPool), or None for the row cache."""
+        can = bool(getattr(engine, "can_page", False))
+        if self.kv.cache == "rows" or (self.kv.cache == "auto" and not can):
+            return None
+        if not can:
+            raise TrtbuildError("--kv-cache paged: this engine has no paged graph",
+                                hint="build the recipe with `options: {kv_cache: paged}` (backend torch)")
+        from trtbuild.serving.kv_blocks import BlockPool
+
+        n = engine.open_pool(self.kv.memory, self.kv.blocks)
+        return BlockPool(n, engine.paged.block_size, prefix_caching=self.kv.prefix)
 
     @staticmethod
     def _buckets(engine: Any) -> list[int]:
@@ -109,11 +151,11 @@ class Server:
     def check_ready(self, params: Any) -> Scheduler:
         if params.model not in (None, self.name):
             raise ApiError(404, f"model '{params.model}' is not served here; this server serves '{self.name}'",
-                           param="model", code="model_not_found")
+                           param="model", code="model_not_found", reason="model_not_found")
         if self.status != "ready" or self.scheduler is None:
             why = {"loading": "the engine is still loading", "draining": "the server is shutting down",
                    "failed": f"the engine failed to load: {self.failure}"}[self.status]
-            raise ApiError(503, why, "server_unavailable", headers={"Retry-After": "5"})
+            raise ApiError(503, why, "server_unavailable", headers={"Retry-After": "5"}, reason=self.status)
         return self.scheduler
 
     def requests(self, prompts: list[list[int]], params: Any, max_tokens: int | None, default_max: int | None,
@@ -151,18 +193,36 @@ class Server:
         try:
             self.scheduler.submit_all(reqs)
         except InputError as exc:
-            self.metrics.rejected.labels("invalid").inc()
             param = "max_tokens" if exc.message.startswith("max_tokens") else "prompt"
-            raise ApiError(400, exc.message, param=param,
-                           code="context_length_exceeded" if "max_" in exc.message else None) from None
+            long = "max_" in exc.message
+            raise ApiError(400, exc.message, param=param, code="context_length_exceeded" if long else None,
+                           reason="context_length" if long else "invalid") from None
         except QueueFull as exc:
-            self.metrics.rejected.labels("queue_full").inc()
             raise ApiError(429, f"{exc.message}; retry later", "server_overloaded",
                            headers={"Retry-After": str(round(exc.retry_after_s))}) from None
         except ShuttingDown:
-            self.metrics.rejected.labels("draining").inc()
             raise ApiError(503, "the server is shutting down", "server_unavailable",
-                           headers={"Retry-After": "5"}) from None
+                           headers={"Retry-After": "5"}, reason="draining") from None
+
+
+def startup_lines(session: Any, engine: Any, buckets: list[int], url: str) -> list[str]:
+    """What an operator reads at start: the engine and where it came from, its shapes, the KV cache's
+    capacity, and where it listens."""
+    outcome = session.outcome
+    if not outcome.cache_hit:
+        where = "built now"
+    elif outcome.fleet.get("tier") == "remote":
+        where = f"pulled from {outcome.fleet.get('url')}"
+    else:
+        where = "found in the local store"
+    full = engine.max_seq_len
+    tokens = int(getattr(engine, "kv_capacity_tokens", engine.max_batch_size * full))
+    return [f"engine   {outcome.key} ({where}: {outcome.entry.path})",
+            f"shapes   decode buckets {', '.join(map(str, buckets))}; prompts up to {engine.max_input_len} "
+            f"tokens, sequences up to {full}",
+            f"KV cache {tokens} tokens = {tokens // full} requests of the full {full} tokens "
+            f"({getattr(engine, 'kv_layout', f'{engine.max_batch_size} rows of {full} tokens')})",
+            f"ready on {url}"]
 
 
 def _text_side(session: Any) -> Any:
@@ -170,6 +230,16 @@ def _text_side(session: Any) -> Any:
     from trtbuild.serving.generate import text_side
 
     return text_side(session)
+
+
+def _warm_paged(engine: Any) -> None:
+    """The paged graph's first calls: a one-token prompt and a decode step in block 0 (a free block, whose
+    contents no request reads before writing them)."""
+    from trtbuild.backends.sampling import Sampling
+
+    engine.prefill_paged(-1, [0], [0], 0, Sampling())
+    engine.decode_paged([-1], [[0]], [0], [1], [Sampling(temperature=1.0, top_p=0.9, seed=0)])
+    engine.release(-1)
 
 
 def _warm(engine: Any, buckets: list[int]) -> None:
@@ -199,6 +269,7 @@ def create_app(server: Server) -> Any:
     from fastapi import Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from trtbuild.serving.metrics import CONTENT_TYPE
 
@@ -213,13 +284,27 @@ def create_app(server: Server) -> Any:
 
     app = FastAPI(title="trtbuild", lifespan=lifespan)
 
+    def rejected(exc: ApiError) -> JSONResponse:
+        # every refusal passes here, so /metrics counts each by its reason (a 500 is a failure, counted as one)
+        if exc.status != 500:
+            server.metrics.rejected.labels(exc.reason).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
     @app.exception_handler(ApiError)
     async def api_error(request: HttpRequest, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return rejected(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(ApiError(400, str(exc)).body(), status_code=400)
+        return rejected(ApiError(400, str(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own answers (no such path, a method the path does not take) in OpenAI's error object too
+        what = {404: f"no such endpoint: {request.url.path}",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return rejected(ApiError(exc.status_code, what, param=None, code=code, headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def internal_error(request: HttpRequest, exc: Exception) -> JSONResponse:
@@ -363,7 +448,7 @@ def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
 
 # -- the process ------------------------------------------------------------------------------------------------
 def serve(session: Any, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
-          log_level: str = "info") -> int:
+          log_level: str = "info", kv: KvSettings | None = None) -> int:
     """Serve `session` (a runner.Session, not yet entered) until SIGTERM or Ctrl-C; the exit status."""
     require()
     import uvicorn
@@ -377,7 +462,13 @@ def serve(session: Any, host: str = "127.0.0.1", port: int = 8000, max_queue: in
     def failed() -> None:
         web.should_exit = True
 
-    server = Server(session, max_queue=max_queue, on_fail=failed)
+    def announce(line: str) -> None:
+        if log_level != "warning":  # -q: nothing but warnings
+            print(line, file=sys.stderr, flush=True)
+
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # where a local client reaches it
+    server = Server(session, max_queue=max_queue, on_fail=failed, url=f"http://{shown}:{port}/v1",
+                    announce=announce, kv=kv)
     config = uvicorn.Config(create_app(server), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=None, lifespan="on")
     web = _Uvicorn(config)

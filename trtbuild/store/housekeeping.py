@@ -82,30 +82,23 @@ class PrunePlan:
 
 
 def plan_prune(store: Store, max_size: int | None, older_than_s: float | None) -> PrunePlan:
-    """What to remove, quarantine first: corrupt entries kept only for inspection go before any engine
-    (oldest first), then engines least recently used first: everything older than the age limit, then
-    the oldest-used until the store fits in `max_size`. Pinned entries and entries open in a running
-    process stay."""
+    """What to remove. The whole quarantine first, whatever the limits: a quarantined entry is a corrupt or
+    incompatible copy kept only to be looked at, never served, so a user pruning the store wants it gone (and
+    `cache prune --quarantine`, with no limit, removes only it). Then engines least recently used first:
+    everything older than the age limit, then the oldest-used until the store fits in `max_size`. Pinned
+    entries and entries open in a running process stay."""
     entries = sorted(store.entries(), key=lambda e: e.manifest.get("last_used") or 0)
-    quarantined = store.quarantined_entries()
+    gone_q = sorted(store.quarantined_entries(), key=lambda q: q[2])  # oldest first, as they are listed
     pinned = [e for e in entries if store.is_pinned(e.key)]
     busy = [e for e in entries if e not in pinned and store.is_in_use(e.key)]
     candidates = [e for e in entries if e not in pinned and e not in busy]
-    total = sum(e.size() for e in entries) + sum(q[1] for q in quarantined)
+    total = sum(e.size() for e in entries) + sum(q[1] for q in gone_q)
     now = time.time()
     remove: list[Entry] = []
-    gone_q: list[tuple[Path, int, float]] = []
     if older_than_s is not None:
-        gone_q = [q for q in quarantined if now - q[2] > older_than_s]
         remove = [e for e in candidates if now - (e.manifest.get("last_used") or 0) > older_than_s]
     size = total - sum(e.size() for e in remove) - sum(q[1] for q in gone_q)
     if max_size is not None:
-        for q in quarantined:
-            if size <= max_size:
-                break
-            if q not in gone_q:
-                gone_q.append(q)
-                size -= q[1]
         for e in candidates:
             if size <= max_size:
                 break

@@ -15,6 +15,7 @@ is placed on the device and exported by `export.py`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -27,13 +28,14 @@ from typing import Any
 from trtbuild.backends import BuildJob, BuildOutput
 from trtbuild.backends.torch import compile_workers, decode_kernels, graph_cache, moe_plan, prefill_attention, quantized
 from trtbuild.backends.torch.inductor import DTYPE_NAMES, inductor_caches, inductor_configs, kernels_wait, record_autotuning
+from trtbuild.backends.torch import export
 from trtbuild.backends.torch.export import bucket, export_graph, model_bytes, place_model
 from trtbuild.store import fingerprint
 
 WEIGHTS = "weights.safetensors"
 ENGINE_JSON = "engine.json"
 # Every recipe option this backend takes, with its modes (the first is the default).
-OPTIONS = decode_kernels.OPTIONS | prefill_attention.OPTIONS | quantized.OPTIONS | moe_plan.OPTIONS
+OPTIONS = decode_kernels.OPTIONS | prefill_attention.OPTIONS | quantized.OPTIONS | moe_plan.OPTIONS | export.OPTIONS
 
 
 def _option(recipe: Any, name: str) -> str:
@@ -128,15 +130,8 @@ class TorchAOTIBackend:
             state, quant = quantized.quantize_weights(state, cfg, recipe, job.model.tokenizer, device, job.progress)
             phases["quantize_s"] = quant["seconds"]
 
-        # decode_fusion fused: the norms' gains go into the weights (on the device, before they are
-        # stored), so the decode kernels doing a norm read no gain; every graph runs on those weights.
-        fold = folds_norms(recipe, device)
-        model = place_model(cfg, shapes, dtype, device, state, fold)
+        model = place_model(cfg, shapes, dtype, device, state)
         t = time.perf_counter()
-        if fold:  # the model's parameters are the folded weights now; the checkpoint's copy can go first
-            names = set(state)
-            del state
-            state = {k: v.detach().to("cpu") for k, v in model.state_dict().items() if k in names}
         stored = {k: v.contiguous() for k, v in state.items() if not (cfg.tie_word_embeddings and k == "output.weight")}
         save_weights(stored, job.workdir / WEIGHTS)
         phases["write_weights_s"] = time.perf_counter() - t
@@ -147,8 +142,7 @@ class TorchAOTIBackend:
             plan, matmuls = decode_kernels.matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
                                                        _option(recipe, "decode_matmul"), device, job,
                                                        _option(recipe, "decode_fusion"),
-                                                       _option(recipe, "decode_split_k"),
-                                                       _option(recipe, "decode_timing"))
+                                                       _option(recipe, "decode_split_k"))
         phases["select_matmuls_s"] = time.perf_counter() - t
         attention = decode_kernels.attention_plan(windows_within(cfg, shapes.max_seq_len), dtype,
                                                   _option(recipe, "decode_attention"), device)
@@ -162,19 +156,36 @@ class TorchAOTIBackend:
                                         shapes.max_input_len, job)
         phases["select_prefill_attention_s"] = time.perf_counter() - t
 
+        paged = [export.PAGED] if _option(recipe, "kv_cache") == "paged" else []
+        names = ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets), *paged]
+        configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in names}
+        # Everything an export reads but the weights' values: a graph an earlier build exported from the same
+        # material (another checkpoint of this architecture, or this one after `cache rm`) is copied from the
+        # tactic cache without exporting again.
+        material = {"config": dataclasses.asdict(cfg), "shapes": [shapes.max_batch_size, shapes.max_input_len,
+                                                                   shapes.max_seq_len], "device": device,
+                    "tensors": {k: [list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()},
+                    "plan": {str(b): {decode_kernels.key_name(k): c.name for k, c in sorted(p.items())}
+                             for b, p in plan.items()},
+                    "attention": attention["used"], "prefill_attention": prompt["used"],
+                    "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"]}
         graphs: dict[str, dict[str, Any]] = {}
-        for name in ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets)]:
-            job.progress(f"exporting {name}")
-            graphs[name] = export_graph(model, name, shapes, device, plan.get(bucket(name), {}),
-                                        attention["used"], prompt["used"])
+        records: dict[str, tuple[str, dict[str, Any]]] = {}  # name -> (architecture key, export record)
+        for name in names:
+            architecture = graph_cache.architecture_key(name, configs[name], material)
+            known = graph_cache.known_export(job.tactics.path, architecture)
+            if known is None:
+                job.progress(f"exporting {name}")
+                graphs[name] = export_graph(model, name, shapes, device, plan.get(bucket(name), {}),
+                                            attention["used"], prompt["used"])
+                graphs[name]["digest"] = graph_cache.graph_digest(graphs[name]["program"], configs[name])
+            else:
+                graphs[name] = known | {"export_s": 0.0}
+            records[name] = (architecture, graph_cache.export_record(graphs[name]))
             if (timed := decode_kernels.timed_step_us(matmuls, bucket(name))) is not None:
                 graphs[name]["matmuls_timed_us"] = timed  # for the run report: where a step's time goes
                 graphs[name]["fused_outside"] = decode_kernels.fused_outside(matmuls, bucket(name))
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
-
-        configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in graphs}
-        for name, graph in graphs.items():
-            graph["digest"] = graph_cache.graph_digest(graph["program"], configs[name])
         graph_cache.sweep_half_copied(job.tactics.path)
         missing = [n for n, g in graphs.items() if not graph_cache.cached(job.tactics.path, g["digest"]).is_file()]
         workers_n = compile_workers.worker_count(len(missing), model_bytes(model), device)
@@ -184,7 +195,7 @@ class TorchAOTIBackend:
         common = {"folder": str(folder), "precision": recipe.precision, "device": device,
                   "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
-                  "attention": attention["used"], "prefill_attention": prompt["used"], "fold_norms": fold,
+                  "attention": attention["used"], "prefill_attention": prompt["used"],
                   "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"]}
         with inductor_caches(job.tactics.path), record_autotuning(tuned), \
                 compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers, \
@@ -207,10 +218,14 @@ class TorchAOTIBackend:
                     tuned.extend(report.get("tuned", []))
                 graph["compile_s"] = time.perf_counter() - g0
                 graph["pdl"] = bool(configs[name].get("triton.enable_pdl"))
-                graph["trtbuild_wait"] = name != "prefill" and kernels_wait(device)
-                del graph["program"]
+                graph["trtbuild_wait"] = name.startswith("decode_b") and kernels_wait(device)
+                graph.pop("program", None)
+                graph_cache.remember_export(job.tactics.path, *records[name])
         shutil.rmtree(spare, ignore_errors=True)
         phases["compile_s"] = time.perf_counter() - t
+        # of which, for the graphs compiled in this process: Inductor's Python, and the C++ compiler's
+        for part in ("inductor_s", "cxx_s"):
+            phases[f"compile_{part}"] = sum(g.get(f"compile_{part}", 0.0) for g in graphs.values())
         reused = [name for name, g in graphs.items() if g["reused"]]
 
         engine = {
@@ -222,7 +237,6 @@ class TorchAOTIBackend:
             "max_seq_len": shapes.max_seq_len,
             "buckets": list(shapes.batch_buckets),
             "tied_output": cfg.tie_word_embeddings,
-            "norm_gains_folded": fold,
             "quantization": quant,
             "graphs": {name: {k: v for k, v in g.items()} for name, g in graphs.items()},
         }
@@ -269,9 +283,3 @@ def save_weights(tensors: dict[str, Any], path: Path) -> None:
             raise
         code = int(found.group(1))
         raise OSError(code, os.strerror(code), str(path)) from exc
-
-
-def folds_norms(recipe: Any, device: str) -> bool:
-    """Whether a build folds the norms' gains into the weights: with decode_fusion fused, for the decode
-    kernels, which run on CUDA only (a CPU build keeps its weights as the checkpoint has them)."""
-    return device == "cuda" and _option(recipe, "decode_fusion") == "fused"

@@ -177,8 +177,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     spec: folder (the model folder, for config.json), precision, device, max_batch_size, max_input_len,
     max_seq_len, level (tactics level), graph ("prefill" or "decode_b<N>"), matmuls ({"<out>x<in>[+fusion]":
     configuration name} for trtbuild's decode matmul), attention (Attention.decode_kernel), prefill_attention
-    (Attention.prefill_kernel, for a prefill graph), fold_norms (place_model's), tactics (the tactic cache
-    folder), workdir (a folder of its own), digest (the cache key the build computed for this graph).
+    (Attention.prefill_kernel, for a prefill graph), tactics (the tactic cache folder), workdir (a folder of its own), digest (the cache key the build computed for this graph).
     """
     import torch
 
@@ -197,7 +196,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     state = convert_hf_state_dict(hf, cfg)
     if spec["precision"] in FORMATS:  # quantized: the stored buffers' shapes and dtypes, not the dense weight's
         state = empty_quantized(state, FORMATS[spec["precision"]])
-    model = export.place_model(cfg, shapes, dtype, spec["device"], state, spec.get("fold_norms", False))
+    model = export.place_model(cfg, shapes, dtype, spec["device"], state)
     moe_plan.route(model, spec.get("moe_decode", "aten"))  # the build's choices for a mixture of experts
     moe_plan.route_prefill(model, spec.get("moe_prefill", "dense"))
     del state

@@ -13,12 +13,12 @@ import contextlib
 import hashlib
 import importlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from trtbuild.backends import BuildJob
 from trtbuild.errors import TrtbuildError
-from trtbuild.timing import graph_edits
 
 # options.decode_matmul: auto = trtbuild's decode kernel where it measures faster than cuBLAS (per weight
 # shape and batch bucket); cublas = never; kernel = always (its fastest configuration), for A/B runs.
@@ -26,12 +26,12 @@ DECODE_MATMUL_MODES = ("auto", "cublas", "kernel")
 # options.decode_attention: auto = trtbuild's decode attention kernel where it can serve the model (a CUDA
 # build of a 16-bit model, head_dim a power of two), with the rotation of the query and new key and the
 # cache writes in the same launch; aten = the masked attention Inductor compiles from the model code;
-# kernel = the kernel, or a recipe error where it cannot serve; kernel-unfused = the kernel for the
-# attention alone, rope and the cache writes compiled by Inductor (kept for A/B runs). (A one-launch mode, the last program of each
+# kernel = the kernel, or a recipe error where it cannot serve. (A mode for the attention alone, rope and the
+# cache writes compiled by Inductor, measured no gain and was removed: RESULTS.md.) (A one-launch mode, the last program of each
 # sequence and KV head merging the partials, measured slower on the H200 and was removed: RESULTS.md.) (A mode whose
 # launches read the position, the rope row and their first cached tile before the PDL wait measured level with the
 # default on the H100, 1B bf16, and was removed: RESULTS.md, "Tried, not kept".)
-DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
+DECODE_ATTENTION_MODES = ("auto", "aten", "kernel")
 # options.decode_fusion: epilogue (the default) = a decode matmul through the
 # kernel also does what comes after it at its call site: the SiLU gating of gate/up and the residual adds
 # (one launch instead of two), never the norm before it (the H200 measured the fused norm
@@ -39,33 +39,27 @@ DECODE_ATTENTION_MODES = ("auto", "aten", "kernel", "kernel-unfused")
 # batch 1 / 8 (run drift 2-6 us) and 21 us off the 1B step at batch 8 (+3 us at batch 1): RESULTS.md,
 # RESULTS.md. Each fused call site is timed against cuBLAS plus Inductor's ops and
 # against the kernel alone plus those ops, so it is used only where it measured faster.
-# none = the kernel does the matmul alone and Inductor compiles the norms, gating and adds around it;
-# fused = the norms too, with each norm's gain folded into the weights after it at build time
-# (`Transformer.fold_norm_gains`: the kernel then only sums x's squares as it streams; the gain's loads and
-# per-element scaling measured +2.8 us on the 8B QKV call at batch 1, H200). Opt-in: on the H200
-# it took 31-32 kernels off the 8B step and no time (-9 / 0 us at batch 1 / 8, drift 6-7 us; H200).
-# The first mode of each option is its default.
-DECODE_FUSION_MODES = ("epilogue", "none", "fused")
+# none = the kernel does the matmul alone and Inductor compiles the norms, gating and adds around it.
+# (A mode with the norms in the kernel too, their gains folded into the weights, took kernels off the 8B step
+# and no time on the H200, and was removed: RESULTS.md.) The first mode of each option is its default.
+DECODE_FUSION_MODES = ("epilogue", "none")
 # a call site's fusion under `epilogue`: its norm stays outside the kernel
-EPILOGUE = {"none": "none", "norm": "none", "residual": "residual", "norm_gate": "gate", "rms": "none",
-            "rms_gate": "gate", "gate": "gate"}
+EPILOGUE = {"none": "none", "norm": "none", "residual": "residual", "norm_gate": "gate"}
 # options.decode_split_k: none (the default) = each program of the decode matmul streams whole weight rows;
 # timed = split-K configurations (each block of columns shared by 2 or 4 programs, each a slice of k, and a
 # small kernel adding their fp32 partial sums) are timed with the others, for the plain matmul. Opt-in:
 # on the H200, −22 µs a 1B step at batch 1, none kept at 8B (RESULTS.md).
 DECODE_SPLIT_K_MODES = ("none", "timed")
-# options.decode_timing: how the selection's CUDA graphs join the launches they time. serialized (the
-# default) = full edges, each launch starting after the previous one completes; pdl = programmatic edges
-# where the kernel waits (backends/pdl.py), as the decode graphs run them on Hopper. The kernels' rank can
-# differ: in a PDL chain of 4096x4096 GEMVs on the H200, n4k1024 took 12.02 us a link serialized and 10.71
-# with PDL, n8k1024 11.33 and 11.08 (RESULTS.md), and the selection, timing serialized,
-# picks by the first column. Opt-in until measured in the engine.
-DECODE_TIMING_MODES = ("serialized", "pdl")
+# The selection times each candidate in a CUDA graph with full edges, each launch after the previous one
+# completes. (Timing with the programmatic edges the decode graphs run with on Hopper measured no gain in the
+# engine and was removed: RESULTS.md.)
 OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES,
-           "decode_fusion": DECODE_FUSION_MODES, "decode_split_k": DECODE_SPLIT_K_MODES,
-           "decode_timing": DECODE_TIMING_MODES}
+           "decode_fusion": DECODE_FUSION_MODES, "decode_split_k": DECODE_SPLIT_K_MODES}
 
-MatmulKey = tuple[int, int, str]  # (out, in, fusion) of one routed Linear
+MatmulKey = tuple[int, int, str]  # (out, in, fusion) of one routed Linear; (out, in, format) of a quantized one
+# the stored formats of quantized Linears (models/quantize.py), which take a plan key's fusion place: their kernel
+# (kernels/quant_matmul.py) does the matmul alone, so the format is what tells their timings apart
+QUANT_FORMATS = ("fp8", "int8", "int4")
 
 
 def key_name(key: MatmulKey) -> str:
@@ -87,8 +81,8 @@ KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.kernels.decode_matmul",
 
 
 def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str, job: BuildJob,
-                fusion_mode: str = DECODE_FUSION_MODES[0], split_mode: str = DECODE_SPLIT_K_MODES[0],
-                timing_mode: str = DECODE_TIMING_MODES[0]) -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
+                fusion_mode: str = DECODE_FUSION_MODES[0],
+                split_mode: str = DECODE_SPLIT_K_MODES[0]) -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
     """Which decode matmuls go through trtbuild's Triton kernel, measured per batch bucket and weight shape.
 
     For every weight shape of the model (QKV, output, gate/up, down, LM head) `decode_matmul.select`
@@ -98,8 +92,10 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     the shape, fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or
     another recipe of the same shapes) measures nothing. Returns the plan per bucket ({(out, in,
     fusion): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul;
-    `split_mode` options.decode_split_k (timed: split-K configurations among the candidates);
-    `timing_mode` options.decode_timing (pdl: every timed graph with programmatic edges, `pdl_edges`).
+    `split_mode` options.decode_split_k (timed: split-K configurations among the candidates).
+    A quantized engine's quantized Linears are timed the same way per (out, in, format) and batch, among the
+    quantized kernel's candidates only (it has no cuBLAS rival: ATen would dequantize every weight every step);
+    their plan keys carry the format where the others carry a fusion (`quant_choice`).
     """
     if mode == "kernel" and not device.startswith("cuda"):
         raise TrtbuildError("options.decode_matmul: 'kernel' is a CUDA kernel, and this build is for the CPU")
@@ -115,16 +111,20 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
         return {}, {"note": f"cuBLAS for every matmul: the decode kernel needs Triton ({e})"}
     from trtbuild.models.llama import Linear
 
-    edit = pdl_edges(device) if timing_mode == "pdl" else None
     by_shape: dict[MatmulKey, list[Any]] = {}
+    quantized: dict[MatmulKey, list[Any]] = {}  # (out, in, format): each layer's (qweight, scale, zero)
     for mod in model.modules():
-        if isinstance(mod, Linear) and mod.quant is None:  # quantized Linears: `route_quantized`
+        if isinstance(mod, Linear) and mod.quant is not None:
+            quantized.setdefault((mod.out_features, mod.in_features, mod.quant), []).append(
+                (mod.qweight, mod.scale, getattr(mod, "zero", None)))
+        elif isinstance(mod, Linear):
             same = by_shape.setdefault((mod.out_features, mod.in_features, fusion_of(mod, fusion_mode)), [])
             if all(w is not mod.weight for w in same):  # a tied LM head is the embedding, counted once
                 same.append(mod.weight)
     plan: dict[int, dict[MatmulKey, Any]] = {}
     record: dict[str, Any] = {}
     split = split_mode == "timed"
+    _compile_ahead(dm, job, by_shape, buckets, mode, split, device, quantized)
     for rows in buckets:
         if rows > dm.MAX_ROWS:
             if mode == "kernel":
@@ -133,15 +133,11 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
             continue
         for (n, k, fusion), weights in by_shape.items():
-            result = _timings(dm, job, weights, rows, (n, k, fusion), split, edit)
-            # a fused call site may still be best served by the kernel alone, with Inductor's ops around it,
-            # or (a norm's call site under `fused`) by the kernel with its epilogue only, the norm outside
-            plain = (_timings(dm, job, weights, rows, (n, k, "none"), split, edit)
+            result = _timings(dm, job, weights, rows, (n, k, fusion), split)
+            # a fused call site may still be best served by the kernel alone, with Inductor's ops around it
+            plain = (_timings(dm, job, weights, rows, (n, k, "none"), split)
                      if fusion != "none" and mode == "auto" else None)
-            outer = EPILOGUE[fusion]
-            epilogue = (_timings(dm, job, weights, rows, (n, k, outer), split, edit)
-                        if outer not in ("none", fusion) and mode == "auto" else None)
-            choice, does, us = pick(result, plain, mode, epilogue)
+            choice, does, us = pick(result, plain, mode)
             if choice is None:
                 raise TrtbuildError(f"options.decode_matmul: 'kernel', but no configuration of the kernel ran "
                                     f"correctly for batch {rows} and a {n}x{k} weight: {result['candidates']}")
@@ -150,7 +146,28 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
                 "used": choice, "fused": does != "none", "kernel_does": does, "calls": len(weights), "chosen_us": us}
             if choice != "cublas":
                 plan.setdefault(rows, {})[(n, k, does)] = dm.MatmulConfig.parse(choice)
+        for key, layers in quantized.items():
+            config, entry = quant_choice(job, layers, rows, key)
+            record.setdefault(f"decode_b{rows}", {})[key_name(key)] = entry
+            if config is not None:
+                plan.setdefault(rows, {})[key] = config
     return plan, record
+
+
+def quant_choice(job: BuildJob, layers: list[Any], rows: int, key: MatmulKey) -> tuple[Any, dict[str, Any]]:
+    """The quantized decode matmul's configuration for one (out, in, format) at `rows` rows, timed over `layers`
+    (each layer's (qweight, scale, zero)) through the tactic cache, and what to record of it. None where no
+    candidate ran correctly: the decode graphs then take the format's fixed configuration
+    (`export.quantized_decode`), as a build that times nothing does."""
+    from trtbuild.kernels import quant_matmul as qm
+
+    result = _quant_timings(qm, job, layers, rows, key)
+    choice = result["choice"]
+    entry = result | {"used": choice or f"{qm.CONFIGS[key[2]].name} (fixed: no candidate ran)",
+                      "fused": False, "kernel_does": "none", "calls": len(layers)}
+    if choice is None:
+        return None, entry
+    return qm.MatmulConfig.parse(choice), entry | {"chosen_us": result["candidates"][choice]}
 
 
 def fastest(result: dict[str, Any]) -> str | None:
@@ -160,21 +177,15 @@ def fastest(result: dict[str, Any]) -> str | None:
     return min(timed, key=timed.__getitem__) if timed else None
 
 
-def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str,
-         epilogue: dict[str, Any] | None = None) -> tuple[str | None, str, float | None]:
-    """(configuration or "cublas", the fusion the kernel does: the call site's, its epilogue's or "none",
-    µs a call the way chosen, as timed) for one call site, from its `select` result and, for a fused call
-    site, the results of the same shape without the fusion (`plain`) and, for a norm's call site under
-    options.decode_fusion fused, with only the part after the matmul (`epilogue`: gate/up's gating).
+def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str) -> tuple[str | None, str, float | None]:
+    """(configuration or "cublas", the fusion the kernel does: the call site's or "none", µs a call the way
+    chosen, as timed) for one call site, from its `select` result and, for a fused call site, the result of
+    the same shape without the fusion (`plain`).
 
     The ways to run a fused call site: cuBLAS with Inductor's ops around it (`unfused_us`), the fused
-    kernel, the kernel alone with Inductor's ops around it (its time + unfused_us - cublas_us), and the
-    kernel with its epilogue and Inductor's norm before it (its time + unfused_us - the epilogue site's
-    unfused_us: the norm's share of Inductor's code). The third is there because on the H200 the fused
-    norm doubled the kernel's time on its tensor-core path while the plain kernel still beat cuBLAS
-    (RESULTS.md); the fourth because the norm inside the one-row gate/up kernel still
-    cost ~7 us a call at 8B (H200). `kernel` mode takes the fastest fused configuration
-    (None if none ran)."""
+    kernel, and the kernel alone with Inductor's ops around it (its time + unfused_us - cublas_us). The
+    third is there because on the H200 a fused kernel could take longer than the plain kernel, which still
+    beat cuBLAS (RESULTS.md). `kernel` mode takes the fastest fused configuration (None if none ran)."""
     fusion = result.get("fusion", "none")
     if mode == "kernel":
         chosen = fastest(result)
@@ -192,9 +203,6 @@ def pick(result: dict[str, Any], plain: dict[str, Any] | None, mode: str,
     # kernel on paper and the build added a kernel to every layer: +180 µs an 8B step at batch 1.
     if plain is not None and (alone := fastest(plain)) is not None:
         ways.append((plain["candidates"][alone] + max(unfused - result["cublas_us"], 0.0), alone, "none"))
-    if epilogue is not None and isinstance(epilogue.get("unfused_us"), float) and (outer := fastest(epilogue)) is not None:
-        ways.append((epilogue["candidates"][outer] + max(unfused - epilogue["unfused_us"], 0.0), outer,
-                     epilogue["fusion"]))
     us, chosen, does = min(ways, key=lambda way: way[0])  # the first of equals: the selection's own choice
     return chosen, does, us
 
@@ -213,68 +221,112 @@ def fused_outside(record: dict[str, Any], rows: int) -> list[str]:
     more in every layer, which is what a plan's choice between timings a few µs apart can cost: on the H200
     one such site put 32 kernels into the 8B step and took it from 1.19x to 1.25x its floor (2026-12-05)."""
     sites = {name: r for name, r in record.get(f"decode_b{rows}", {}).items() if isinstance(r, dict) and "used" in r}
-    return sorted(name for name, r in sites.items() if parse_key(name)[2] not in ("none", r.get("kernel_does", "none")))
+    return sorted(name for name, r in sites.items()
+                  if parse_key(name)[2] not in ("none", r.get("kernel_does", "none"), *QUANT_FORMATS))
 
 
-def pdl_edges(device: str) -> Callable[[int], object]:
-    """The graph edit that times the selection's graphs with programmatic edges (options.decode_timing pdl):
-    `pdl.overlap` for trtbuild's kernels only (the selection compiles Inductor's code without the wait).
-    Refused where PDL cannot run: before Hopper, or without the driver's graph-edge functions."""
-    import torch
-
-    from trtbuild.backends.torch import pdl
-
-    why = pdl.available(lambda: torch.cuda.get_device_capability(torch.device(device)))
-    if why is not None:
-        raise TrtbuildError(f"options.decode_timing: 'pdl' times with programmatic dependent launch, which this "
-                            f"device cannot use: {why}")
-    return lambda graph: pdl.overlap(graph, inductor_pdl=False)
-
-
-def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey, split: bool = False,
-             edit: Callable[[int], object] | None = None) -> dict[str, Any]:
+def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey,
+             split: bool = False) -> dict[str, Any]:
     """`decode_matmul.select` for one weight shape and fusion, kept in the tactic cache under the shape,
-    fusion, batch, dtype, layer count, candidate list, kernel source and the graphs' edges (`edit`: the
-    programmatic ones of `pdl_edges`, or none: full), so a rebuild (or another recipe of the same shapes)
-    measures nothing. `dm` is the decode_matmul module (it needs Triton)."""
+    fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or another recipe of
+    the same shapes) measures nothing. `dm` is the decode_matmul module (it needs Triton)."""
     from trtbuild.store.tactics import write_atomic
 
-    n, k, fusion = key
-    configs = dm.candidates(rows, fusion, split, k, n)
-    identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
-                "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in configs]}
-    if edit is not None:  # absent: full edges, as every timing before options.decode_timing (their keys stay valid)
-        identity["edges"] = "programmatic"
-        # and the code that makes them: a timing measured through a broken edit is not reused once it is fixed
-        from trtbuild.backends.torch import pdl
-        identity["edit"] = pdl.source_digest()
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-    cached = job.tactics.path / "decode_matmul" / f"{digest}.json"
+    cached, configs = _timing_file(dm, job, weights, rows, key, split)
+    fusion = key[2]
     if cached.is_file():
         result: dict[str, Any] = json.loads(cached.read_text()) | {"reused": True}
         return result
     job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
                  f"cuBLAS and {len(configs)} kernel configurations")
-    with graph_edits(edit):
-        result = dm.select(weights, rows, fusion, split=split)
-    if edit is not None:
-        result["edges"] = "programmatic"
+    result = dm.select(weights, rows, fusion, split=split)
+    write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
+    return result
+
+
+def _timing_file(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey,
+                 split: bool) -> tuple[Path, list[Any]]:
+    """Where `_timings` keeps the timing of one shape, fusion and batch, and the candidates it times."""
+    n, k, fusion = key
+    configs = dm.candidates(rows, fusion, split, k, n)
+    identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
+                "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in configs]}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    return job.tactics.path / "decode_matmul" / f"{digest}.json", configs
+
+
+def _quant_timing_file(qm: Any, job: BuildJob, layers: list[Any], rows: int, key: MatmulKey) -> tuple[Path, list[Any]]:
+    """Where `_quant_timings` keeps the timing of one quantized shape, format and batch, and its candidates."""
+    n, k, fmt = key
+    q0, s0, z0 = layers[0]
+    configs = qm.candidates_for(q0, s0, z0, rows)
+    identity = {"n": n, "k": k, "rows": rows, "format": fmt, "scales": list(s0.shape), "weights": len(layers),
+                "kernel": qm.source_digest(), "candidates": [c.name for c in configs]}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+    return job.tactics.path / "quant_matmul" / f"{digest}.json", configs
+
+
+def _compile_ahead(dm: Any, job: BuildJob, by_shape: dict[MatmulKey, list[Any]], buckets: tuple[int, ...],
+                   mode: str, split: bool, device: str,
+                   quantized: dict[MatmulKey, list[Any]]) -> None:
+    """Compile, in parallel worker processes, the candidates that `matmul_plan` is about to time and has no
+    timing of yet (kernel_warmup.py): its timings then load the kernels instead of compiling each in turn."""
+    from trtbuild.backends.torch import kernel_warmup
+
+    work: list[kernel_warmup.Work] = []
+    if quantized:
+        from trtbuild.kernels import quant_matmul as qm
+
+        for rows in (b for b in buckets if b <= qm.MAX_ROWS):
+            for key, layers in quantized.items():
+                path, configs = _quant_timing_file(qm, job, layers, rows, key)
+                if not path.is_file():
+                    work.append((rows, key[0], key[1], key[2], kernel_warmup.layout(layers[0]),
+                                 tuple(c.name for c in configs)))
+    for rows in (b for b in buckets if b <= dm.MAX_ROWS):
+        for (n, k, fusion), weights in by_shape.items():
+            timed = [fusion]  # the same fusions `matmul_plan` times: the site's own, and plain
+            if fusion != "none" and mode == "auto":
+                timed.append("none")
+            for f in timed:
+                path, configs = _timing_file(dm, job, weights, rows, (n, k, f), split)
+                if not path.is_file():
+                    work.append((rows, n, k, f, str(weights[0].dtype), tuple(c.name for c in configs)))
+    if work:
+        done = kernel_warmup.precompile(work, device, job.progress)
+        if done.get("workers"):
+            job.progress(f"compiled {done['kernels']} candidates ahead in {done['workers']} processes "
+                         f"({done.get('seconds', 0)} s, {done.get('failed', 0)} did not compile)")
+
+
+def _quant_timings(qm: Any, job: BuildJob, layers: list[Any], rows: int, key: MatmulKey) -> dict[str, Any]:
+    """`quant_matmul.select` for one quantized weight shape and format, kept in the tactic cache under the
+    shape, format, group, batch, layer count, candidate list and kernel source, as
+    `_timings` keeps the dense kernel's. `qm` is the quant_matmul module (it needs Triton)."""
+    from trtbuild.store.tactics import write_atomic
+
+    cached, configs = _quant_timing_file(qm, job, layers, rows, key)
+    if cached.is_file():
+        result: dict[str, Any] = json.loads(cached.read_text()) | {"reused": True}
+        return result
+    job.progress(f"timing quantized decode matmuls for batch {rows}, {key_name(key)} ({len(layers)} matrices): "
+                 f"{len(configs)} kernel configurations")
+    result = qm.select(layers, rows, configs=configs)
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
     return result
 
 
 def fusion_of(linear: Any, mode: str) -> str:
-    """What the kernel does besides the matmul for this Linear: its call site's fusion (`fused`) or the part
-    of it after the matmul (`epilogue`), unless the recipe turns fusion off or the Linear has a bias (the
-    kernel adds none)."""
+    """What the kernel does besides the matmul for this Linear: the part of its call site's fusion after the
+    matmul (`epilogue`), unless the recipe turns fusion off or the Linear has a bias (the kernel adds none)."""
     if mode == "none" or linear.bias is not None:
         return "none"
-    return linear.fusion if mode == "fused" else EPILOGUE[linear.fusion]
+    return EPILOGUE[linear.fusion]
 
 
 def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, str]:
     """Whether the decode graphs use trtbuild's decode attention kernel, and how:
-    {"used": "kernel" | "kernel-unfused" | "aten", "note"}."""
+    {"used": "kernel" | "aten", "note"}."""
     if mode == "aten":
         return {"used": "aten", "note": "options.decode_attention is aten"}
     why = None if device.startswith("cuda") else "a CPU build"
@@ -290,9 +342,8 @@ def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, st
 
         why = attention_kernel_limits(cfg)
     if why is None:
-        return {"used": "kernel-unfused" if mode == "kernel-unfused" else "kernel",
-                "note": f"options.decode_attention is {mode}"}
-    if mode.startswith("kernel"):
+        return {"used": "kernel", "note": f"options.decode_attention is {mode}"}
+    if mode == "kernel":
         raise TrtbuildError(f"options.decode_attention: {mode!r} cannot serve this build: {why}")
     return {"used": "aten", "note": f"aten: {why}"}
 
@@ -300,17 +351,17 @@ def attention_plan(cfg: Any, dtype: Any, mode: str, device: str) -> dict[str, st
 @contextlib.contextmanager
 def routed(model: Any, configs: dict[MatmulKey, Any], attention: str = "aten") -> Iterator[None]:
     """Point each Linear whose (weight shape, fusion) is in `configs` at the decode matmul kernel
-    (fused where the key has its call site's fusion or its epilogue, the matmul alone where it has "none",
-    as `Linear.decode_fusion`), and each Attention
+    (with its call site's epilogue where the key has it, the matmul alone where it has "none", as
+    `Linear.decode_fusion`), and each Attention
     at the decode attention kernel as `attention` says (an Attention.decode_kernel value), for one export."""
     from trtbuild.models.llama import Attention, Linear
 
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    # a quantized Linear's key is its format's, which `export.quantized_decode` routes
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.quant is None]
     attentions = [m for m in model.modules() if isinstance(m, Attention)]
     for m in linears:
-        # one plan has one fusion mode: at most one of these keys is in it (beside the plain matmul's)
-        fusion = next((f for f in (m.fusion, EPILOGUE[m.fusion]) if f != "none"
-                       and (m.out_features, m.in_features, f) in configs), "none")
+        outer = EPILOGUE[m.fusion]
+        fusion = outer if outer != "none" and (m.out_features, m.in_features, outer) in configs else "none"
         m.decode_config = configs.get((m.out_features, m.in_features, fusion))
         m.decode_fusion = fusion
     for a in attentions:

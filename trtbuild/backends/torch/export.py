@@ -14,10 +14,15 @@ from typing import Any
 from trtbuild.backends.torch import decode_kernels, prefill_attention
 from trtbuild.errors import TrtbuildError
 
+# options.kv_cache: "paged" adds the paged graph (models/paged.py), which `trtbuild serve` runs over a block pool;
+# run and bench keep the row cache's graphs either way.
+OPTIONS = {"kv_cache": ("rows", "paged")}
+PAGED = "paged"
+PAGED_ROWS = 256  # the most sequences one paged step serves
 
-def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any], fold_norms: bool = False) -> Any:
-    """The model on `device` with `state`'s tensors (this module's fused layout) as its parameters, the
-    norms' gains folded into the weights after them with `fold_norms` (`Transformer.fold_norm_gains`)."""
+
+def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str, Any]) -> Any:
+    """The model on `device` with `state`'s tensors (this module's fused layout) as its parameters."""
     import torch
 
     from trtbuild.models.llama import Transformer, rope_table
@@ -40,8 +45,6 @@ def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str,
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise TrtbuildError(f"model: no weight for {', '.join(missing[:4])} after conversion")
-    if fold_norms:
-        model.fold_norm_gains()
     return model.eval().requires_grad_(False)
 
 
@@ -50,12 +53,15 @@ def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[
     """Export one graph: "prefill" with its attention through `prefill_kernel`, or "decode_b<N>" with
     the decode kernels routed as planned."""
     t = time.perf_counter()
+    if name == PAGED:
+        return {"batch": "dynamic", "program": export_paged(model, shapes.max_input_len, shapes.max_seq_len, device),
+                "attention": "aten", "export_s": time.perf_counter() - t}
     if name == "prefill":
         with prefill_attention.routed(model, prefill_kernel), fp8_prefill(model, device):
             ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
         return {"batch": "dynamic", "program": ep, "prefill_attention": prefill_kernel,
                 "export_s": time.perf_counter() - t}
-    with decode_kernels.routed(model, matmuls, attention), quantized_decode(model, device):
+    with decode_kernels.routed(model, matmuls, attention), quantized_decode(model, device, matmuls, bucket(name)):
         ep = export_decode(model, bucket(name), shapes.max_seq_len, device)
     return {"batch": bucket(name), "program": ep, "window": "dynamic",
             "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
@@ -77,17 +83,23 @@ def fp8_prefill(model: Any, device: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def quantized_decode(model: Any, device: str) -> Iterator[None]:
-    """While a decode graph is exported on CUDA, each quantized Linear calls trtbuild's quantized decode matmul
-    (`kernels/quant_matmul.py`), which reads the stored bytes; without it the graph would dequantize every weight
-    every step. A fixed configuration per format, not yet timed. On the CPU, and without Triton, they dequantize."""
+def quantized_decode(model: Any, device: str, configs: dict[decode_kernels.MatmulKey, Any] | None = None,
+                     rows: int = 1) -> Iterator[None]:
+    """While a decode graph of `rows` rows is exported on CUDA, each quantized Linear calls trtbuild's quantized
+    decode matmul (`kernels/quant_matmul.py`), which reads the stored bytes; without it the graph would dequantize
+    every weight every step. Its configuration is the plan's for its (out, in, format) (`configs`, timed by
+    `decode_kernels.matmul_plan`), else its format's fixed one (a build that times nothing). On the CPU, without
+    Triton, and past the kernel's 16 rows, they dequantize."""
     linears = [m for m in model.modules() if getattr(m, "quant", None)] if device.startswith("cuda") else []
     try:
-        from trtbuild.kernels.quant_matmul import CONFIGS
+        from trtbuild.kernels.quant_matmul import CONFIGS, MAX_ROWS
     except ImportError:
         linears = []
+    else:
+        linears = linears if rows <= MAX_ROWS else []
+    configs = configs or {}
     for m in linears:
-        m.decode_config = CONFIGS[m.quant]
+        m.decode_config = configs.get((m.out_features, m.in_features, m.quant), CONFIGS[m.quant])
     try:
         yield
     finally:
@@ -115,8 +127,9 @@ def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: 
 
     from trtbuild.models.llama import Step
 
-    batch = Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else None
-    seq = Dim("seq", min=1, max=max_input_len) if max_input_len > 1 else None
+    # Dim.STATIC, not None, for a size that cannot vary: torch deprecates None and logs a warning for each
+    batch = Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else Dim.STATIC
+    seq = Dim("seq", min=1, max=max_input_len) if max_input_len > 1 else Dim.STATIC
     ex_b, ex_t = min(2, max_batch_size), min(max(2, example_len), max_input_len)
     with torch.no_grad():
         return torch.export.export(Step(model, from_start=True),
@@ -144,4 +157,28 @@ def export_decode(model: Any, batch: int, max_seq_len: int, device: str) -> Any:
                                     torch.arange(batch, device=device),
                                     torch.arange(max_seq_len, device=device)),
                                    dynamic_shapes=(None, None, None, window),
+                                   prefer_deferred_runtime_asserts_over_guards=True)
+
+
+def export_paged(model: Any, max_input_len: int, max_seq_len: int, device: str) -> Any:
+    """The paged step (models/paged.PagedStep): rows, tokens a row (a prompt chunk or one decode token), blocks
+    a table and the pools' blocks all dynamic. Inputs: tokens (B, T), positions (B, T), block tables (B, N),
+    then each layer's K and V pool, written in place."""
+    import torch
+    from torch.export import Dim
+
+    from trtbuild.models.paged import BLOCK, PagedStep, pool_shape
+
+    rows, seq = Dim("rows", min=1, max=PAGED_ROWS), Dim("tokens", min=1, max=max(2, max_input_len))
+    width = Dim("table", min=2, max=max(3, -(-max_seq_len // BLOCK)))  # 2+: paged_runtime pads a table of 1
+    pool = Dim("pool", min=2, max=2**24)
+    dtype = model.tok_embeddings.weight.dtype
+    pools = [torch.zeros(pool_shape(model.cfg, 4), dtype=dtype, device=device) for _ in range(2 * model.cfg.num_layers)]
+    example = (torch.zeros(2, 2, dtype=torch.long, device=device), torch.arange(2, device=device).expand(2, 2).contiguous(),
+               torch.tensor([[0, 1], [2, 3]], device=device), *pools)
+    with torch.no_grad():
+        return torch.export.export(PagedStep(model), example,
+                                   # the pools are the step's *args: one entry holding each pool's spec
+                                   dynamic_shapes=({0: rows, 1: seq}, {0: rows, 1: seq}, {0: rows, 1: width},
+                                                   tuple({0: pool} for _ in pools)),
                                    prefer_deferred_runtime_asserts_over_guards=True)

@@ -10,6 +10,7 @@ then a copy instead of minutes of Inductor.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends.torch import decode_kernels
+from trtbuild.backends.torch.inductor import compile_parts
 from trtbuild.errors import TrtbuildError
 
 def program_text(program: Any) -> str:
@@ -35,6 +37,57 @@ def graph_digest(program: Any, configs: dict[str, Any]) -> str:
     text = program_text(program)
     text += decode_kernels.sources_called(text)
     return hashlib.sha256((text + "\0" + json.dumps(configs, sort_keys=True, default=str)).encode()).hexdigest()
+
+
+@functools.cache
+def package_sources() -> str:
+    """A digest of every Python source of trtbuild: any code change may change what export makes of a model
+    (the model, its kernels, the routing), so an architecture key made before export must change with it."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def architecture_key(name: str, configs: dict[str, Any], material: dict[str, Any]) -> str:
+    """The key of one graph before it is exported: the graph's name and Inductor options, and `material`,
+    everything the export reads besides the weights' values (the model config, the engine's shapes, every
+    tensor's name, shape and dtype, the build's kernel plans), with trtbuild's own sources."""
+    text = json.dumps({"graph": name, "configs": configs, "model": material, "sources": package_sources()},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _export_record(tactics: Path, architecture: str) -> Path:
+    return tactics / "graphs" / "exports" / f"{architecture[:32]}.json"
+
+
+def known_export(tactics: Path, architecture: str) -> dict[str, Any] | None:
+    """The record of a graph an earlier build exported and compiled from the same architecture, if its compiled
+    graph is still in the cache: the build copies it without exporting (a new checkpoint of the same model)."""
+    try:
+        record = json.loads(_export_record(tactics, architecture).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not cached(tactics, str(record.get("digest", ""))).is_file():
+        return None
+    return record
+
+
+def export_record(graph: dict[str, Any]) -> dict[str, Any]:
+    """What export gave a graph besides its program (batch, window, kernels routed, the compiled-graph key):
+    kept beside the compiled graph, so that a build finding it by its architecture key has the same record."""
+    return {k: v for k, v in graph.items() if k not in ("program", "export_s")}
+
+
+def remember_export(tactics: Path, architecture: str, record: dict[str, Any]) -> None:
+    """Keep an `export_record` under its architecture key (written whole, then renamed)."""
+    path = _export_record(tactics, architecture)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}{_TMP}{socket.gethostname()}-{os.getpid()}")
+    tmp.write_text(json.dumps(record, sort_keys=True))
+    os.replace(tmp, path)
 
 
 _TMP = ".tmp-"  # <digest>.tmp-<host>-<pid>: a compiled graph being copied into the tactic cache
@@ -70,17 +123,22 @@ def compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], 
         so_name = (folder / "COMPLETE").read_text().strip()
         graph["so"] = f"{name}/{so_name}"
         return True
+    if "program" not in graph:  # found by its architecture key, and removed from the cache since (a prune)
+        raise TrtbuildError(f"{name}: the compiled graph {digest[:12]} left the tactic cache during the build",
+                            hint="build again")
     package = workdir / f"{name}.pt2"
     workdir.mkdir(parents=True, exist_ok=True)
     # A copy: aoti_compile_and_package adds its own keys to the dict it is given, which would
     # change the digest of every later graph compiled with the same options.
-    with warnings.catch_warnings():
+    parts: dict[str, float] = {}
+    with warnings.catch_warnings(), compile_parts(parts):
         # torch 2.13 warns about its own pickling of the program's tree specs (copyreg calls a deprecated
         # isinstance check) once per graph; nothing a user can act on, so it is kept out of the build's output
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         torch._inductor.aoti_compile_and_package(graph["program"], package_path=str(package),
                                                  inductor_configs=dict(configs))
     graph["so"] = extract_model(package, dest)
+    graph.update({f"compile_{k}": v for k, v in parts.items()})
     # Publish into the tactic cache the way the store publishes engines: a private folder, then one
     # rename; a concurrent builder that lost the race just keeps its own copy.
     folder.parent.mkdir(parents=True, exist_ok=True)

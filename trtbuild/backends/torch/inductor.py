@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,14 +42,22 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
     from trtbuild.backends.torch import cxx
 
     base["cpp.cxx"] = (None, cxx.compiler().path)  # exactly the compiler the key records
-    if graph != "prefill" and pdl_compilable(device):
+    if device == "cpu":
+        # Inductor proves each vector ISA the CPU reports (AVX2, AVX-512, AVX-512 VNNI, AMX) by compiling
+        # ATen's vector headers once per ISA and loading each result in a new Python process: on a cold
+        # tactic cache 10 of 12 CPU seconds of its ISA probe, a fifth of a tiny build's CPU time (2 cores,
+        # 2026-12-06). The CPU's own flags (cpuinfo, which also checks that the OS saves the registers)
+        # decide instead; the compiler's support for the extensions (bf16, VNNI, AMX tiles) is still
+        # compiled and checked, and a compiler that could not build the base ISA fails the build loudly.
+        base["cpp.vec_isa_ok"] = True
+    if graph.startswith("decode_b") and pdl_compilable(device):
         # Inductor's kernels wait for their predecessor inside the kernel, so the runtime may let them
         # start early in the captured decode step (trtbuild/backends/torch/pdl.py). The prefill graph is not
         # captured: it gains nothing.
         base["triton.enable_pdl"] = True
     if level == "none":
         return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
-    if level == "default" or graph == "prefill":
+    if level == "default" or not graph.startswith("decode_b"):  # prefill, paged: dynamic rows
         return base
     tuned = base | {"max_autotune": True, "coordinate_descent_tuning": False}
     return tuned if device.startswith("cuda") else tuned | {"max_autotune_gemm_backends": "ATEN"}
@@ -76,6 +85,27 @@ def kernels_wait(device: str) -> bool:
     except ImportError:  # no Triton: no trtbuild kernels either
         return False
     return waits_on(device)
+
+
+@contextlib.contextmanager
+def compile_parts(out: dict[str, float]) -> Iterator[None]:
+    """Where one AOTInductor compile's seconds went, read from Inductor's own timers
+    (`torch._dynamo.utils.compilation_time_metrics`): `cxx_s` the C++ compile and link of the graph's
+    wrapper and kernels (AotCodeCompiler.compile), `inductor_s` the rest (tracing, lowering, code
+    generation, packaging; the first graph of a process also probes the CPU's vector ISAs there). Only
+    the total where this torch keeps no such timer."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as metrics
+    except ImportError:
+        metrics = {}
+    before = sum(metrics.get("AotCodeCompiler.compile", []))
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        total = time.perf_counter() - t
+        cxx = sum(metrics.get("AotCodeCompiler.compile", [])) - before
+        out.update({"cxx_s": cxx, "inductor_s": total - cxx})
 
 
 @contextlib.contextmanager

@@ -27,10 +27,8 @@ Through the CUDA driver API with ctypes (libcuda ships with the driver; no extra
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
@@ -103,9 +101,8 @@ class Driver:
         n = ctypes.c_size_t(0)
         self._call(name, ctypes.c_void_p(graph), *[None] * len(types), ctypes.byref(n))
         arrays = [(t * n.value)() for t in types]
-        # A graph of one kernel (the LM head's timing graph: one matrix) has no edges, and the driver answers
-        # arrays with a count of 0 with CUDA_ERROR_INVALID_VALUE (H100, driver 580; RESULTS.md):
-        # every candidate of that call site then failed its timing under options.decode_timing pdl.
+        # A graph of one kernel (a timing graph of one matrix) has no edges, and the driver answers arrays
+        # with a count of 0 with CUDA_ERROR_INVALID_VALUE (H100, driver 580; RESULTS.md).
         if n.value:
             self._call(name, ctypes.c_void_p(graph), *arrays, ctypes.byref(n))
         return n.value, arrays
@@ -168,11 +165,6 @@ def overlap(graph: int, inductor_pdl: bool, driver: Driver | None = None, trtbui
 def _short(name: str) -> str:
     """A kernel's name without C++ template arguments, for the record (cuBLAS names run to 300 chars)."""
     return name.split("<", 1)[0][:80]
-
-
-def source_digest() -> str:
-    """This file's content: timings measured in graphs it rewrote are only reusable with the same rewrite."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def available(on_cuda: Callable[[], tuple[int, int]]) -> str | None:

@@ -34,9 +34,6 @@ def check(recipe: Any) -> list[str]:
     quantized = recipe.precision in QUANTIZED_PRECISIONS
     if "int4_method" in recipe.options and recipe.precision != "int4_wo":
         problems.append(f"options.int4_method: only for precision int4_wo, not {recipe.precision}")
-    if quantized and recipe.options.get("decode_fusion") == "fused":
-        problems.append(f"options.decode_fusion: 'fused' folds the norms' gains into dense weights, which a "
-                        f"{recipe.precision} engine stores quantized; use epilogue or none")
     return problems
 
 

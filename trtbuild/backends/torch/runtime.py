@@ -53,6 +53,7 @@ class TorchEngine:
         # inputs; a row without a penalty keeps them too, at the cost of a list append a step)
         self._prompts: dict[int, list[int]] = {}
         self._generated: dict[int, list[int]] = {}
+        self.paged: Any = None  # paged_runtime.PagedCache, once `open_pool` has made the pools
 
     def __enter__(self) -> "TorchEngine":
         import torch
@@ -277,6 +278,64 @@ class TorchEngine:
                 out = [g if s.greedy else p for g, p, s in zip(both[0], both[1], sampling)]
         for slot, tok in zip(slots, out):
             self._generated.setdefault(slot, []).append(tok)
+        return out
+
+    # -- the paged slot API (models/paged.py; the engine built with options.kv_cache paged) ---------------------
+    @property
+    def can_page(self) -> bool:
+        return "paged" in self._packages
+
+    def open_pool(self, fraction: float = 0.9, blocks: int | None = None) -> int:
+        """Allocate the block pools (`paged_runtime.pool_blocks` says how many blocks); their count. From now on
+        the paged calls' keys are requests' ids, not cache rows (a server uses one API or the other)."""
+        from trtbuild.backends.torch.paged_runtime import PagedCache, pool_blocks
+
+        dtype = self._consts["model.tok_embeddings.weight"].dtype
+        n = pool_blocks(self.cfg, dtype.itemsize, self.device, self.max_seq_len, fraction, blocks)
+        self.paged = PagedCache(self._packages["paged"], self.cfg, n, dtype, self.device, self.max_seq_len)
+        sync(self.device)
+        self.kv_capacity_tokens = n * self.paged.block_size
+        self.kv_layout = f"paged: {n} blocks of {self.paged.block_size} tokens"
+        return n
+
+    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int,
+                      sampling: Sampling = GREEDY) -> int:
+        """Write a prompt chunk's KV (positions start..start+len-1) through the block table; return the token
+        that follows it (the first generated token when the chunk ends the prompt)."""
+        if not tokens or start + len(tokens) >= self.max_seq_len or len(tokens) > self.max_input_len:
+            raise InputError(f"a chunk of {len(tokens)} tokens at {start} does not fit the engine")
+        if any(not 0 <= tok < self.vocab_size for tok in tokens):
+            raise InputError(f"prompt: token ids must be in [0, {self.vocab_size})")
+        sampling.checked()
+        greedy, logits = self.paged.prefill(blocks, tokens, start)
+        if start == 0 or key not in self._prompts:  # a first chunk (after a cached prefix, start > 0)
+            self._prompts[key], self._generated[key] = [], []
+        self._prompts[key] += tokens
+        end = start + len(tokens)
+        token = int(greedy[0, 0]) if sampling.greedy else int(self._sample(logits, [key], [end - 1], [sampling])[0])
+        return token
+
+    def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
+                     sampling: list[Sampling]) -> list[int]:
+        """One decode step of any rows, each through its block table at its own position."""
+        import torch
+
+        n = len(keys)
+        if not n or not len(blocks) == len(tokens) == len(positions) == len(sampling) == n:
+            raise InputError("decode: expected as many tables, tokens, positions and samplings as keys")
+        if any(not 0 < p < self.max_seq_len for p in positions):
+            raise InputError(f"decode: positions must be in [1, max_seq_len {self.max_seq_len}), got {positions}")
+        # the token fed is the last one generated: the penalties' history has it before this step samples (a
+        # prompt chunk cannot know whether its token is the first generated one)
+        for key, tok in zip(keys, tokens):
+            self._generated.setdefault(key, []).append(tok)
+        greedy, logits = self.paged.decode(blocks, tokens, positions)
+        if all(s.greedy for s in sampling):
+            out = greedy[:, 0].tolist()
+        else:
+            picked = self._sample(logits, keys, positions, sampling)
+            both = torch.stack([greedy[:, 0], picked]).tolist()
+            out = [g if s.greedy else p for g, p, s in zip(both[0], both[1], sampling)]
         return out
 
     def release(self, slot: int) -> None:

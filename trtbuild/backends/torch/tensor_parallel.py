@@ -204,7 +204,7 @@ def build(job: BuildJob, dtype: Any, device: str, save_weights: Callable[[dict[s
     engine = {"hf_config": raw, "dtype": recipe.precision, "device": device,
               "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
               "max_seq_len": shapes.max_seq_len, "buckets": list(shapes.batch_buckets),
-              "tied_output": cfg.tie_word_embeddings, "norm_gains_folded": False, "quantization": None,
+              "tied_output": cfg.tie_word_embeddings, "quantization": None,
               "parallel": {"tp": tp, "group_name": group_name, "ranks": [f"rank{r}" for r in range(tp)]},
               "graphs": graphs}
     (job.workdir / "engine.json").write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,65 @@
+"""The model's paged KV cache against its row cache: the same logits for a prompt prefilled whole or in chunks
+from any start position, through scattered block tables, with two sequences sharing one pool."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.conftest import TINY_CONFIG
+from trtbuild.models.llama import LlamaConfig, Transformer
+from trtbuild.models.paged import BLOCK, PagedStep, pool_shape
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    cfg = LlamaConfig.from_hf(dict(TINY_CONFIG))
+    model = Transformer(cfg, max_batch_size=2, max_seq_len=96, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.eval()
+
+
+def _rows_reference(model: Transformer, prompt: list[int], n: int) -> list[torch.Tensor]:
+    """Logits of the prompt's last position and of n - 1 greedy decode steps, through the row cache."""
+    out = []
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]), torch.arange(len(prompt)), from_start=True)
+        out.append(logits[0])
+        for i in range(n - 1):
+            tok = logits.argmax(-1, keepdim=True)
+            logits = model(tok, torch.tensor([[len(prompt) + i]]))
+            out.append(logits[0])
+    return out
+
+
+def test_chunked_prefill_and_decode_through_block_tables_match_the_row_cache() -> None:
+    model = _model()
+    cfg = model.cfg
+    pools = [torch.zeros(pool_shape(cfg, 12)) for _ in range(2 * cfg.num_layers)]
+    step = PagedStep(model)
+    prompts = [[(7 * i + 3) % cfg.vocab_size for i in range(37)], [(5 * i + 1) % cfg.vocab_size for i in range(20)]]
+    tables = [[9, 2, 6, 0, 11], [4, 10, 1, 7]]  # scattered, interleaved in one pool
+    n = 8
+    want = [_rows_reference(model, p, n) for p in prompts]
+    got: list[list[torch.Tensor]] = [[], []]
+    last = []
+    with torch.no_grad():
+        for r, (prompt, chunks) in enumerate(zip(prompts, ([0, 16, 21, 37], [0, 1, 20]))):
+            for a, b in zip(chunks, chunks[1:]):  # chunks that end mid-block and start mid-block
+                used = -(-b // BLOCK)
+                _, logits = step(torch.tensor([prompt[a:b]]), torch.arange(a, b)[None], torch.tensor([tables[r][:used]]),
+                                 *pools)
+            got[r].append(logits[0])
+            last.append(int(logits[0].argmax()))
+        for i in range(n - 1):  # both sequences in one decode batch, each at its own position
+            positions = [len(p) + i for p in prompts]
+            width = max(-(-(q + 1) // BLOCK) for q in positions)
+            blocks = torch.tensor([t[:width] + [t[0]] * (width - len(t[:width])) for t in tables])
+            _, logits = step(torch.tensor(last)[:, None], torch.tensor(positions)[:, None], blocks, *pools)
+            for r in range(2):
+                got[r].append(logits[r])
+            last = logits.argmax(-1).tolist()
+    for r in range(2):
+        for g, w in zip(got[r], want[r]):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,184 @@
+"""The scheduler over a paged KV cache: admission by blocks, chunked prefill, prefix caching, preemption.
+
+The stand-in engine keeps its "KV" in a pool of blocks and reads every sequence back through the block table
+it is handed, so a wrong table (a block shared that should not be, one overwritten while in use, a chunk
+written at the wrong place) changes the tokens; each next token is a function of the whole sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trtbuild.serving.kv_blocks import BlockPool
+from trtbuild.serving.scheduler import QueueFull, Scheduler
+
+from .test_scheduler import req, run_until_idle
+
+VOCAB = 97
+
+
+def rule(seq: list[int]) -> int:
+    h = 0
+    for t in seq:
+        h = (h * 131 + t + 1) % 1_000_003
+    return h % VOCAB
+
+
+def alone(prompt: list[int], n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(rule(seq))
+        seq.append(out[-1])
+    return out
+
+
+class PagedStandIn:
+    def __init__(self, num_blocks: int, block_size: int, rows: int = 8, max_input_len: int = 64,
+                 max_seq_len: int = 96) -> None:
+        self.max_batch_size, self.max_input_len, self.max_seq_len, self.vocab_size = rows, max_input_len, max_seq_len, VOCAB
+        self.block_size = block_size
+        self.pool: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.log: list[tuple[str, Any]] = []
+        self.prefilled = 0  # prompt tokens computed (not taken from the prefix cache)
+
+    def _write(self, blocks: list[int], pos: int, token: int) -> None:
+        self.pool[blocks[pos // self.block_size]][pos % self.block_size] = token
+
+    def _read(self, blocks: list[int], length: int) -> list[int]:
+        out = [self.pool[blocks[p // self.block_size]][p % self.block_size] for p in range(length)]
+        assert None not in out, "a position read before it was written"
+        return out  # type: ignore[return-value]
+
+    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any) -> int:
+        for i, t in enumerate(tokens):
+            self._write(blocks, start + i, t)
+        self.prefilled += len(tokens)
+        self.log.append(("prefill", key, len(tokens)))
+        return rule(self._read(blocks, start + len(tokens)))
+
+    def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
+                     sampling: list[Any]) -> list[int]:
+        assert len(keys) <= self.max_batch_size
+        self.log.append(("decode", list(keys)))
+        out = []
+        for b, t, p in zip(blocks, tokens, positions):
+            self._write(b, p, t)
+        for b, p in zip(blocks, positions):  # every write first: rows never see each other's blocks
+            out.append(rule(self._read(b, p + 1)))
+        return out
+
+    def release(self, key: int) -> None:
+        self.log.append(("release", key))
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.blocks_seen: list[tuple[int, int, int, int]] = []
+        self.preemptions = 0
+
+    def queued(self, waiting: int, running: int) -> None: pass
+
+    def first_token(self, seconds: float, prompt_tokens: int) -> None: pass
+
+    def token_interval(self, seconds: float) -> None: pass
+
+    def step(self, rows: int, bucket: int, seconds: float, context_tokens: int) -> None: pass
+
+    def finished(self, reason: str, generated: int) -> None: pass
+
+    def blocks(self, used: int, free: int, hits: int, misses: int) -> None:
+        self.blocks_seen.append((used, free, hits, misses))
+
+    def preempted(self) -> None:
+        self.preemptions += 1
+
+
+def serve(jobs: list[tuple[list[int], int]], num_blocks: int = 64, block_size: int = 4, chunk: int | None = None,
+          prefix: bool = True, rows: int = 8) -> tuple[list[Any], PagedStandIn, Seen]:
+    engine = PagedStandIn(num_blocks, block_size, rows=rows)
+    seen = Seen()
+    s = Scheduler(engine, max_queue=1000, buckets=[1, 2, 4, 8][:rows.bit_length()], observer=seen,
+                  pool=BlockPool(num_blocks, block_size, prefix), chunk_tokens=chunk)
+    sinks = [s.submit(req(p, n)[0]).on_event for p, n in jobs]
+    run_until_idle(s, 10_000)
+    return sinks, engine, seen
+
+
+JOBS = [([5], 12), ([1, 2, 3] * 7, 3), ([9] * 40, 20), ([4, 4], 1), (list(range(30)), 30), ([7] * 17, 9)]
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 5, 16])
+@pytest.mark.parametrize("prefix", [True, False])
+def test_tokens_are_each_prompts_own_with_chunking_and_prefix_caching(chunk: int | None, prefix: bool) -> None:
+    sinks, _, _ = serve(JOBS, chunk=chunk, prefix=prefix)
+    for (p, n), sink in zip(JOBS, sinks):
+        assert sink.tokens == alone(p, n) and sink.finish == "length"
+
+
+def test_a_shared_prefix_is_prefilled_once() -> None:
+    """A system prompt of 8 full blocks: once the first request has prefilled it, the others take its blocks
+    and prefill only their own two tokens."""
+    system = list(range(40, 72))
+    jobs = [(system + [i, i + 1], 4) for i in range(5)]
+    for prefix in (True, False):
+        engine, seen = PagedStandIn(64, 4), Seen()
+        s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], observer=seen, pool=BlockPool(64, 4, prefix))
+        sinks = [s.submit(req(*jobs[0])[0]).on_event]
+        s.step()
+        sinks += [s.submit(req(*job)[0]).on_event for job in jobs[1:]]
+        run_until_idle(s)
+        for (p, n), sink in zip(jobs, sinks):
+            assert sink.tokens == alone(p, n)
+        used, free, hits, misses = seen.blocks_seen[-1]
+        if prefix:
+            assert (hits, misses) == (4 * 8, 8) and engine.prefilled == 34 + 4 * 2
+        else:
+            assert (hits, misses) == (0, 0) and engine.prefilled == 5 * 34
+
+
+def test_no_running_stream_waits_more_than_one_chunk() -> None:
+    """A 60-token prompt arrives while a stream decodes: with chunks of 8 the stream gets a token every step."""
+    engine = PagedStandIn(64, 4)
+    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=8)
+    running, sink = req([3, 1, 4], 30)
+    s.submit(running)
+    s.step()
+    long, long_sink = req(list(range(60)), 5)
+    s.submit(long)
+    run_until_idle(s)
+    assert sink.tokens == alone([3, 1, 4], 30) and long_sink.tokens == alone(list(range(60)), 5)
+    between = 0  # prefill tokens between two decode steps of the first stream
+    for call in engine.log:
+        if call[0] == "decode" and running.id in call[1]:
+            between = 0
+        elif call[0] == "prefill":
+            between += call[2]
+            assert between <= 8
+    assert sum(c[2] for c in engine.log if c[0] == "prefill" and c[1] == long.id) == 60
+
+
+def test_block_exhaustion_preempts_and_recomputes_never_an_error() -> None:
+    """A pool of 40 blocks of 4 (160 tokens) and six requests growing to 50-90 tokens: rows are preempted
+    mid-decode and recomputed later; every request ends with exactly its own tokens."""
+    jobs = [([i + 1] * 20, 70 - 5 * i) for i in range(6)]
+    sinks, engine, seen = serve(jobs, num_blocks=40, block_size=4, chunk=16)
+    assert seen.preemptions > 0
+    for (p, n), sink in zip(jobs, sinks):
+        assert sink.finish == "length" and sink.tokens == alone(p, n)
+    assert seen.blocks_seen[-1][0] == 0  # every block given back
+
+
+def test_admission_waits_for_blocks_and_the_queue_bound_counts_the_rest() -> None:
+    engine = PagedStandIn(8, 4)
+    s = Scheduler(engine, max_queue=1, buckets=[1, 2, 4, 8], pool=BlockPool(8, 4))
+    a = s.submit(req([1] * 13, 3)[0])  # 4 blocks hold its 16 positions
+    b = s.submit(req([2] * 13, 3)[0])  # 4 more: the pool is full once both are admitted
+    c = s.submit(req([3] * 13, 3)[0])  # no blocks left for it: waits, the one place in the queue
+    with pytest.raises(QueueFull):
+        s.submit(req([4] * 4, 4)[0])
+    s.step()
+    assert s.running == 2 and s.waiting == 1
+    run_until_idle(s)
+    assert all(r.on_event.finish == "length" for r in (a, b, c))  # type: ignore[attr-defined]

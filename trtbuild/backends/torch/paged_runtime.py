@@ -1,0 +1,85 @@
+"""The paged graph at run time: the block pools, sized by memory, and the calls `trtbuild serve` makes through
+them (a prompt chunk from any start position; a decode step of any rows). See models/paged.py for the layout.
+
+The pools are the graph's inputs, allocated here once: on CUDA `fraction` of the device memory left free
+after the weights, the row caches and the graphs are loaded; on the CPU `fraction` of the memory available,
+at most what 256 sequences of the engine's full length fill. The pool holds at least one full-length
+sequence, or the server refuses to start (a smaller pool could never finish a long request).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from trtbuild.errors import InputError
+
+CPU_SEQUENCES = 256  # a CPU pool's cap, in sequences of the engine's full length
+
+
+def pool_blocks(cfg: Any, elem: int, device: str, max_seq_len: int, fraction: float, blocks: int | None) -> int:
+    """How many blocks the pools get: `blocks` where given, else by memory (see the module's docstring)."""
+    from trtbuild.models.paged import BLOCK
+
+    per_block = 2 * cfg.num_layers * cfg.num_kv_heads * BLOCK * cfg.head_dim * elem
+    full = -(-max_seq_len // BLOCK)
+    if blocks is None:
+        if device.startswith("cuda"):
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(device)
+            blocks = int(free * fraction) // per_block
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            blocks = min(int(available * fraction) // per_block, CPU_SEQUENCES * full)
+    if blocks < full:
+        raise InputError(f"the KV pool would hold {blocks} blocks of {BLOCK} tokens, fewer than one sequence of the "
+                         f"engine's max_seq_len {max_seq_len} needs ({full})",
+                         hint="raise --kv-memory, free device memory, or serve with --kv-cache rows")
+    return blocks
+
+
+class PagedCache:
+    """The pools and the paged package; calls return the graph's (greedy (B, 1), logits (B, V))."""
+
+    def __init__(self, package: Any, cfg: Any, num_blocks: int, dtype: Any, device: str, max_seq_len: int) -> None:
+        import torch
+
+        from trtbuild.models.paged import BLOCK, pool_shape
+
+        self.package, self.device, self.num_blocks, self.block_size = package, device, num_blocks, BLOCK
+        self.max_blocks = -(-max_seq_len // BLOCK)
+        self.pools = [torch.zeros(pool_shape(cfg, num_blocks), dtype=dtype, device=device)
+                      for _ in range(2 * cfg.num_layers)]
+
+    def _table(self, blocks: list[int], width: int) -> list[int]:
+        if len(blocks) < width or any(not 0 <= b < self.num_blocks for b in blocks[:width]):
+            raise InputError(f"a block table of {len(blocks)} blocks does not cover {width} blocks of the pool's "
+                             f"{self.num_blocks}")
+        # at least two entries (the second a repeat, masked as past every position): the graph was exported
+        # for tables of 2 or more blocks, as a width of 1 specializes export's shapes (a runtime assert)
+        return blocks[:width] + blocks[:1] * (2 - width)
+
+    def prefill(self, blocks: list[int], tokens: list[int], start: int) -> tuple[Any, Any]:
+        import torch
+
+        end = start + len(tokens)
+        table = self._table(blocks, -(-end // self.block_size))
+        dev = self.device
+        with torch.no_grad():
+            return self.package(torch.tensor([tokens], dtype=torch.long, device=dev),
+                                torch.arange(start, end, device=dev)[None], torch.tensor([table], device=dev),
+                                *self.pools)
+
+    def decode(self, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> tuple[Any, Any]:
+        import torch
+
+        width = max(-(-(p + 1) // self.block_size) for p in positions)
+        # every table padded to the widest with its own first block: attention masks past each row's position
+        tables = [self._table(b, min(width, -(-(p + 1) // self.block_size))) for b, p in zip(blocks, positions)]
+        tables = [t + [t[0]] * (width - len(t)) for t in tables]
+        dev = self.device
+        rows = torch.tensor([tokens, positions], dtype=torch.long).to(dev)
+        with torch.no_grad():
+            return self.package(rows[0][:, None].contiguous(), rows[1][:, None].contiguous(),
+                                torch.tensor(tables, device=dev), *self.pools)
