@@ -34,6 +34,7 @@ from trtbuild.store.fleet import read_through
 from trtbuild.store.remote import configured_url
 from trtbuild.store.local import SCHEMA, Entry, Store, key_of
 from trtbuild.store.tactics import TacticCache
+from trtbuild.timing import apply_threads
 
 Progress = Callable[[str], None]
 
@@ -105,6 +106,7 @@ def fault_point(name: str) -> None:
 def _startup(recipe: Recipe) -> dict[str, str]:
     """Import the backend's framework and find the device: the toolchain for the key."""
     toolchain = backends.get(recipe.backend).toolchain()  # raises BackendUnavailableError naming the install step
+    apply_threads()  # the threads a command chose (--threads), now that the framework is imported
     fingerprint.device()  # cached for key_material
     return toolchain
 

@@ -86,18 +86,30 @@ def free_cores() -> tuple[int, str]:
     return n, f"{allowed} core(s) this process may use, {load:.1f} busy (1-minute load average)"
 
 
-def use_threads(threads: int | None) -> dict[str, Any]:
-    """Set torch's intra-op threads before any work: `threads`, or what `free_cores` allows. Returns what the
-    report prints: {"threads": n, "why": ...}."""
-    import torch
+_WANTED_THREADS: list[int] = []  # what `use_threads` chose, for `apply_threads` once torch is imported
 
+
+def use_threads(threads: int | None) -> dict[str, Any]:
+    """Choose torch's intra-op threads before any work: `threads`, or what `free_cores` allows. Applied at once
+    where torch is imported already, else by `apply_threads` when the build's start-up imports it (so that the
+    report's start-up phase keeps the import's seconds). Returns what the report prints: {"threads", "why"}."""
     if threads is None:
         n, why = free_cores()
         why = f"default: {why}; --threads to choose"
     else:
         n, why = threads, "--threads"
-    torch.set_num_threads(n)
+    _WANTED_THREADS[:] = [n]
+    apply_threads()
     return {"threads": n, "why": why}
+
+
+def apply_threads() -> None:
+    """Set the threads `use_threads` chose, if it chose any and torch is imported (a no-op otherwise)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if _WANTED_THREADS and torch is not None and hasattr(torch, "set_num_threads"):
+        torch.set_num_threads(_WANTED_THREADS[0])
 
 
 def unstable(samples: dict[str, float]) -> str | None:
