@@ -6,8 +6,7 @@
 #   [PROFILE=0 | PROFILE=1 [PROFILE_PDL=1]] [PROBE="--graph decode --batch 8 --options plain,autotune"] [RESERVE=100] [GPU_TESTS=1 [GPU_TESTS_K=expr]] [SAVE_TACTICS=1] [SEED_TACTICS=DIR] [SAVE_PEER_CACHE=1] [SEED_PEER_CACHE=DIR] [LOAD_THREADS=8] [PRELOAD_THREADS=2,4] [RESTART_REPEATS=3] [BUDGET=545] bash benchmarks/device_session.sh recipes/llama-3.2-1b.yaml engine,eager [build,restart,variants]
 #
 # Seeds kept in git (a build that finds its timings and graphs there skips most of its selection and compile):
-#   SEED_TACTICS=benchmarks/results/2026-12-05-h200-8b   (recipes/llama-3.1-8b.yaml, timed on an H200)
-#   SEED_TACTICS=benchmarks/results/2026-12-06-h100-1b   (recipes/llama-3.2-1b.yaml, timed on an H100)
+#   SEED_TACTICS=benchmarks/results/2026-12-06-h100-gate   (recipes/llama-3.2-1b.yaml, timed on an H100 at 7e3acb6)
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
