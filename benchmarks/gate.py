@@ -58,19 +58,20 @@ class Step:
 # In the order they run: in each part the longest, least predictable tail last (torch.compile's autotuning in
 # part 1), so a cut-off costs the fewest rows. Estimates on an H100.
 STEPS = {
-    "build_bf16": Step("build 1B bf16", 1, 208, 70,
-                       "RESULTS.md: cold 208 s on an H100 (matmul selection 82 s, compile 110 s); seeded: compiled "
-                       "graphs copied, matmul timings taken again where the kernel list changed"),
-    "profile": Step("profile step vs run TPOT", 1, 40, 40,
-                    "results/2026-12-06-h100-1b-serve-profile: load, one profile, one run of 128 tokens"),
-    "bench_bf16": Step("1B bf16 rows, engine and torch.compile", 1, 250, 110,
-                       "results/2026-12-05-h200-1b-peers: torch.compile (max-autotune) 230 s, the engine 3 s, "
-                       "ceilings 5 s; a seeded Inductor cache skips the autotuning"),
-    "serve": Step("serve 1B, 16 streams, 20 s", 2, 75, 75,
-                  "server load and warm-up ~30 s (results/2026-12-06-h100-1b-serve-profile), 20 s of load, drain"),
-    "build_fp8": Step("build 1B fp8", 2, 115, 45, "RESULTS.md: 115 s on an H100"),
-    "build_int4": Step("build 1B int4_wo", 2, 149, 55, "RESULTS.md: 149 s on an H100 (GPTQ on the device)"),
-    "bench_quant": Step("1B fp8 / int4_wo / bf16 decode", 2, 50, 50,
+    "build_bf16": Step("build 1B bf16", 1, 197, 70,
+                       "results/2026-12-06-h100-gate: 197 s cold on an H100 (matmul selection 64 s, compile 103 s); "
+                       "seeded: compiled graphs copied, matmul timings taken again where the kernel list changed"),
+    "profile": Step("profile step vs run TPOT", 1, 20, 20,
+                    "results/2026-12-06-h100-gate: 17 s (load, one profile, one run of 128 tokens)"),
+    "bench_bf16": Step("1B bf16 rows, engine and torch.compile", 1, 275, 110,
+                       "results/2026-12-06-h100-gate: 271 s cold, nearly all torch.compile's max-autotune; a seeded "
+                       "Inductor cache skips the autotuning"),
+    "serve": Step("serve 1B, 16 streams, 20 s", 2, 66, 66,
+                  "results/2026-12-06-h100-gate: 66 s (server load and warm-up, 20 s of load, drain)"),
+    "build_fp8": Step("build 1B fp8", 2, 155, 45, "results/2026-12-06-h100-gate: 155 s on an H100"),
+    "build_int4": Step("build 1B int4_wo", 2, 237, 55,
+                       "results/2026-12-06-h100-gate: 237 s on an H100 (GPTQ and the quantized tactic selection)"),
+    "bench_quant": Step("1B fp8 / int4_wo / bf16 decode", 2, 20, 20,
                         "three cache hits, 5 generations of 128 tokens per batch and the prefill lengths each"),
     "smollm2": Step("SmolLM2 greedy vs transformers", 2, 130, 100,
                     "unpack 10 s, a 135M engine at tactics level none ~60 s, transformers' generate 20 s"),
