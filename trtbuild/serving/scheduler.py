@@ -377,32 +377,25 @@ class Scheduler:
         self.observer.preempted()
 
     def _decode_paged(self, rows: list[Request]) -> None:
-        tokens = self._decoded(rows, lambda: self.engine.decode_paged(  # type: ignore[attr-defined]
-            [r.id for r in rows], [r.table.blocks for r in rows], [r.last_token for r in rows],
-            [r.position for r in rows], [r.sampling for r in rows]))
-        for r, token in zip(rows, tokens or []):
-            r.filled = r.position
-            self.pool.name_full_blocks(r.table, r.prompt + r.history)
-            self._accept(r, token)
-
-    def _decoded(self, rows: list[Request], step: Callable[[], list[int]]) -> list[int] | None:
-        """Run one decode `step` of `rows` and advance them a position; None (the rows ended with the error) where
-        it failed. The step's time feeds the scheduler's estimate and the metrics."""
         t = time.perf_counter()
         try:
-            tokens = step()
-        except Exception as exc:  # one failed step ends its rows, not the server
+            tokens = self.engine.decode_paged([r.id for r in rows], [r.table.blocks for r in rows],  # type: ignore[attr-defined]
+                                              [r.last_token for r in rows], [r.position for r in rows],
+                                              [r.sampling for r in rows])
+        except Exception as exc:
             for r in rows:
                 self._finish(r, "error", f"decode failed: {type(exc).__name__}: {exc}")
-            return None
+            return
         now = time.perf_counter()
         self.step_s = 0.9 * self.step_s + 0.1 * (now - t)
         self.observer.step(len(rows), self.bucket_for(len(rows)), now - t, sum(r.position + 1 for r in rows))
-        for r in rows:
+        for r, token in zip(rows, tokens):
             self.observer.token_interval(now - r.last_time)
             r.last_time = now
             r.position += 1
-        return tokens
+            r.filled = r.position
+            self.pool.name_full_blocks(r.table, r.prompt + r.history)
+            self._accept(r, token)
 
     # -- rows ----------------------------------------------------------------------------------------------
     def _prefill(self, r: Request) -> None:
@@ -420,9 +413,21 @@ class Scheduler:
 
     def _decode(self) -> None:
         rows = list(self._running)
-        tokens = self._decoded(rows, lambda: self.engine.decode(  # type: ignore[misc]
-            [r.slot for r in rows], [r.last_token for r in rows], [r.position for r in rows], [r.sampling for r in rows]))
-        for r, token in zip(rows, tokens or []):
+        t = time.perf_counter()
+        try:
+            tokens = self.engine.decode([r.slot for r in rows], [r.last_token for r in rows],  # type: ignore[misc]
+                                        [r.position for r in rows], [r.sampling for r in rows])
+        except Exception as exc:
+            for r in rows:
+                self._finish(r, "error", f"decode failed: {type(exc).__name__}: {exc}")
+            return
+        now = time.perf_counter()
+        self.step_s = 0.9 * self.step_s + 0.1 * (now - t)
+        self.observer.step(len(rows), self.bucket_for(len(rows)), now - t, sum(r.position + 1 for r in rows))
+        for r, token in zip(rows, tokens):
+            self.observer.token_interval(now - r.last_time)
+            r.last_time = now
+            r.position += 1
             self._accept(r, token)
 
     def _accept(self, r: Request, token: int) -> None:
