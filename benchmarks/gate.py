@@ -73,14 +73,14 @@ STEPS = {
                        "results/2026-12-06-h100-gate: 237 s on an H100 (GPTQ and the quantized tactic selection)"),
     "bench_quant": Step("1B fp8 / int4_wo / bf16 decode", 2, 20, 20,
                         "three cache hits, 5 generations of 128 tokens per batch and the prefill lengths each"),
-    "smollm2": Step("SmolLM2 greedy vs transformers", 2, 130, 100,
+    "smollm2": Step("SmolLM2 greedy vs transformers", 3, 130, 100,
                     "unpack 10 s, a 135M engine at tactics level none ~60 s, transformers' generate 20 s"),
 }
 
 
 def plan_text(seeded: bool) -> str:
     lines = [f"{'part':<5} {'step':<42} {'cold s':>7} {'seeded s':>9}  basis"]
-    for part in (1, 2):
+    for part in (1, 2, 3):
         steps = [s for s in STEPS.values() if s.part == part]
         for s in steps:
             lines.append(f"{part:<5} {s.name:<42} {s.cold_s:7.0f} {s.seeded_s:9.0f}  {s.basis}")
@@ -89,7 +89,7 @@ def plan_text(seeded: bool) -> str:
         lines.append(f"{part:<5} {'total (with ' + str(int(STARTUP_S)) + ' s start-up)':<42} {cold:7.0f} {warm:9.0f}")
     total = STARTUP_S + sum(s.seeded_s for s in STEPS.values())
     lines.append(f"all parts in one call, seeded: ~{total:.0f} s ({'fits' if total < 560 else 'does not fit'} "
-                 "one 10-minute call); cold: two calls")
+                 "one 10-minute call); cold: three calls")
     lines.append(f"running now: {'seeded' if seeded else 'cold'} estimates")
     return "\n".join(lines)
 
@@ -477,7 +477,7 @@ def commit() -> str:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("1", "2", "all"), default="all",
+    ap.add_argument("--part", choices=("1", "2", "3", "all"), default="all",
                     help="1: the 1B bf16 rows with torch.compile and the profile; 2: serve, fp8/int4_wo, SmolLM2 (on "
                          "the same warm machine: part 1's store in --engines); all: both in one call (seeded)")
     ap.add_argument("--plan", action="store_true", help="print the steps and their estimated seconds, run nothing")
@@ -528,9 +528,10 @@ def main(argv: list[str] | None = None) -> int:
                 "time": time.strftime("%H:%M:%S"), "part": args.part, "command": " ".join(sys.argv),
                 "smoke": args.tiny, "budget_s": args.budget, "seeds": [str(s) for s in args.seed],
                 "baseline": str(base_path) if g.baseline else None, "rows": []}
-    # part 2 on the machine part 1 left warm: its rows come along, so this gate.json holds the whole gate
-    earlier = g.work / "gate-part1.json"
-    if args.part == "2" and earlier.is_file():
+    # a later part on the machine the part before it left warm: its rows come along, so the last part's
+    # gate.json holds the whole gate
+    earlier = g.work / f"gate-part{int(args.part) - 1}.json" if args.part in ("2", "3") else None
+    if earlier is not None and earlier.is_file():
         prior = json.loads(earlier.read_text())
         if prior.get("commit") == g.report["commit"]:
             g.report["rows"] = prior["rows"]

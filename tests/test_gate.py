@@ -126,9 +126,9 @@ def test_bf16_spacing() -> None:
 
 
 def test_the_plan_fits_each_part_into_one_call() -> None:
-    for part in (1, 2):
+    for part in (1, 2, 3):
         steps = [s for s in gate.STEPS.values() if s.part == part]
-        assert gate.STARTUP_S + sum(s.cold_s for s in steps) < 570, part
+        assert steps and gate.STARTUP_S + sum(s.cold_s for s in steps) < 570, part
     assert set(gate.ALL_ORDER) == set(gate.STEPS) == set(gate.RUNNERS)
     assert "total" in gate.plan_text(seeded=False)
 
