@@ -209,11 +209,14 @@ TEXTS = sorted((Path(__file__).parent / "texts").glob("[a-z]*.*"))  # prose, cod
 
 
 def eager_quality(texts: list[Path], window: int = SHAPES["max_seq_len"],
-                  precisions: tuple[str, ...] = PRECISIONS) -> list[dict[str, Any]]:
+                  precisions: tuple[str, ...] = PRECISIONS,
+                  hold_out: list[list[str]] | None = None) -> list[dict[str, Any]]:
     """Perplexity of each precision's stored weights on each text, without compiling engines: the build's
     quantization step (`backends/torch/quantized.py`) and `trtbuild eval`'s eager perplexity
     (`evaluate.perplexity`, windows of 512 a half-window apart) on its result. What `trtbuild eval` reports
-    for the engines' perplexity; no agreement figures (those need the compiled engines)."""
+    for the engines' perplexity; no agreement figures (those need the compiled engines). `hold_out`: each
+    quantized precision is calibrated once per group of text names, on the calibration text and the texts of
+    `texts` outside the group, and scored on that group alone (never calibrated on what it is scored on)."""
     import time
     from types import SimpleNamespace
 
@@ -229,18 +232,34 @@ def eager_quality(texts: list[Path], window: int = SHAPES["max_seq_len"],
     ids = {t.name: text_ids(t, model_dir / "tokenizer.json", cfg.vocab_size)[0] for t in texts}
     dense = convert_hf_state_dict(load_weights(model_dir, cfg, torch.float32), cfg)
     shapes = SimpleNamespace(max_batch_size=4, max_input_len=window, max_seq_len=window)
+    from trtbuild.models import calibration_text
+
+    apache = calibration_text.TEXT
     rows = []
     for precision in precisions:
         name, _, method = precision.partition(":")
         t = time.perf_counter()
-        state, record = dict(dense), None
-        if name != "fp32":
-            recipe = SimpleNamespace(precision=name, options={"int4_method": method} if method else {})
-            state, record = quantize_weights(state, cfg, recipe, model_dir / "tokenizer.json", "cpu", lambda m: None)
-        dtype = torch.float32 if name == "fp32" else torch.bfloat16
-        score = eager_scorer(place_model(cfg, shapes, dtype, "cpu", state))
-        ppl = {text: perplexity(score, i, window)["perplexity"] for text, i in ids.items()}
-        rows.append({"precision": precision, "perplexity": ppl, "quantization": record,
+        ppl, records = {}, {}
+        for scored in (hold_out if hold_out and name != "fp32" else [None]):
+            state, record = dict(dense), None
+            if scored is not None:  # calibration_tokens reads calibration_text.TEXT at each call
+                calibration_text.TEXT = "\n\n".join([apache] + [x.read_text() for x in texts if x.name not in scored])
+            if name != "fp32":
+                recipe = SimpleNamespace(precision=name, options={"int4_method": method} if method else {})
+                state, record = quantize_weights(state, cfg, recipe, model_dir / "tokenizer.json", "cpu",
+                                                 lambda m: None)
+            calibration_text.TEXT = apache
+            dtype = torch.float32 if name == "fp32" else torch.bfloat16
+            score = eager_scorer(place_model(cfg, shapes, dtype, "cpu", state))
+            for text, i in ids.items():
+                if scored is None or text in scored:
+                    ppl[text] = perplexity(score, i, window)["perplexity"]
+                    records[text] = record
+            if scored is not None:
+                print(json.dumps({"precision": precision, "perplexity": {x: ppl[x] for x in scored},
+                                  "quantization": record}), flush=True)
+        rows.append({"precision": precision, "perplexity": ppl,
+                     "quantization": records if scored is not None else record,
                      "seconds": round(time.perf_counter() - t, 1)})
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["perplexity"]
@@ -258,6 +277,18 @@ def main() -> None:
     parser.add_argument("--text", type=Path, action="append", help="a text to score (repeatable); quality: one, "
                         "GPL-3 by default; eager-quality: the four of benchmarks/texts/ by default")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="eager-quality: which, comma-separated")
+    parser.add_argument("--hold-out", nargs="?", const="", default=None, help="eager-quality: calibrate once per "
+                        "group of scored texts (A+B,C+D; default each text alone) on the calibration text and the "
+                        "other texts")
+    parser.add_argument("--generated", type=int, default=None,
+                        help="eager-quality: sequences the model writes for calibration "
+                        "(quantized.GENERATED_SEQUENCES)")
+    parser.add_argument("--kept-int8", default=None, help="eager-quality, int4: LAYER:LINEAR,... kept at int8 "
+                        "(calibrate.INT4_KEPT_INT8), e.g. first:feed_forward.w2")
+    parser.add_argument("--awq", default=None, help="eager-quality, int4: the AWQ exponents, comma-separated "
+                        "(calibrate.AWQ_GRID)")
+    parser.add_argument("--channel-gptq", default=None, help="eager-quality: fp8,int8 calibrated by GPTQ "
+                        "(quantized.CHANNEL_GPTQ)")
     parser.add_argument("--recipes", type=Path, default=CACHE / "recipes")
     parser.add_argument("--engines", default=None)
     args = parser.parse_args()
@@ -268,7 +299,20 @@ def main() -> None:
     elif args.what == "unpack":
         print(unpack(args.paths[0], args.paths[1]))
     elif args.what == "eager-quality":
-        eager_quality(args.text or TEXTS, precisions=tuple(args.precisions.split(",")))
+        from trtbuild.backends.torch import quantized
+        from trtbuild.models import calibrate
+
+        if args.generated is not None:
+            quantized.GENERATED_SEQUENCES = args.generated
+        if args.kept_int8:
+            calibrate.INT4_KEPT_INT8 = tuple(tuple(k.split(":")) for k in args.kept_int8.split(","))
+        if args.awq:
+            calibrate.AWQ_GRID = tuple(float(a) for a in args.awq.split(","))
+        if args.channel_gptq:
+            quantized.CHANNEL_GPTQ = tuple(args.channel_gptq.split(","))
+        groups = None if args.hold_out is None else [g.split("+") for g in args.hold_out.split(",")] \
+            if args.hold_out else [[t.name] for t in (args.text or TEXTS)]
+        eager_quality(args.text or TEXTS, precisions=tuple(args.precisions.split(",")), hold_out=groups)
     else:
         quality((args.text or [Path("/usr/share/common-licenses/GPL-3")])[0], args.recipes, args.engines)
 
