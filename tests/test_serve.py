@@ -106,18 +106,22 @@ def _stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return proc.returncode, out
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("serve")
+def _build_served(root: Path, **fields: Any) -> dict[str, Any]:
+    """The tiny model's folder and the served recipe (with extra `fields`) built into root/engines by the CLI."""
     folder = _model_folder(root)
     doc = tiny_recipe_doc(name="served", model={"source": "./model"},
                           shapes={"max_batch_size": 4, "max_input_len": 32, "max_seq_len": MAX_SEQ,
-                                  "batch_buckets": [1, 4]})
+                                  "batch_buckets": [1, 4]}, **fields)
     recipe = write_recipe(root, doc)
     engines = root / "engines"
     proc = run_cli("build", str(recipe), "--engines", str(engines), "--quiet")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"root": root, "folder": folder, "recipe": recipe, "engines": engines}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _build_served(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")

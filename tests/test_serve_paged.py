@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import run_cli, tiny_recipe_doc, write_recipe
-from .test_serve import MAX_SEQ, VOCAB, _alone, _metric, _model_folder, _start, _stop
+from .test_serve import MAX_SEQ, VOCAB, _alone, _build_served, _metric, _start, _stop
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow  # builds an engine (minutes on 2 cores)
@@ -32,16 +31,7 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("serve-paged")
-    folder = _model_folder(root)
-    doc = tiny_recipe_doc(name="served", model={"source": "./model"}, options={"kv_cache": "paged"},
-                          shapes={"max_batch_size": 4, "max_input_len": 32, "max_seq_len": MAX_SEQ,
-                                  "batch_buckets": [1, 4]})
-    recipe = write_recipe(root, doc)
-    engines = root / "engines"
-    proc = run_cli("build", str(recipe), "--engines", str(engines), "--quiet")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {"root": root, "folder": folder, "recipe": recipe, "engines": engines}
+    return _build_served(tmp_path_factory.mktemp("serve-paged"), options={"kv_cache": "paged"})
 
 
 @pytest.fixture(scope="module", params=list(MODES))
