@@ -213,9 +213,9 @@ ENGINE_VARIANTS = {"cublas": ("decode_matmul", "cublas", "no trtbuild decode mat
 # without programmatic dependent launch (TRTBUILD_PDL=0): an A/B of the launch alone, no build
 NO_PDL = "no-pdl"
 
-# engine@prefill-graphs: the recipe's own engine (a cache hit) with its prefill replayed from captured graphs
-# (TRTBUILD_PREFILL_GRAPHS=4, prefill_graphs.py): an A/B of the prefill's launch alone, no build
-PREFILL_GRAPHS = "prefill-graphs"
+# engine@no-prefill-graphs: the recipe's own engine (a cache hit) with its prefill called directly, not replayed
+# from captured graphs (TRTBUILD_PREFILL_GRAPHS=0, prefill_graphs.py): an A/B of the prefill's launch alone
+NO_PREFILL_GRAPHS = "no-prefill-graphs"
 
 # engine@again: the recipe's own engine (the same entry) measured once more, last: the run's drift. On the
 # H200 one prefill graph measured 48.9 and 51.2 ms one after the other in one run (RESULTS.md, 2026-12-04
@@ -223,7 +223,7 @@ PREFILL_GRAPHS = "prefill-graphs"
 AGAIN = "again"
 
 # the variants that measure the recipe's own entry, kept after their measurement
-SAME_ENTRY = (NO_PDL, PREFILL_GRAPHS, AGAIN)
+SAME_ENTRY = (NO_PDL, NO_PREFILL_GRAPHS, AGAIN)
 
 # engine@serial: the recipe's own engine with every graph compiled in the build process
 # (TRTBUILD_COMPILE_WORKERS=0), against the default, whose workers compile side by side
@@ -277,11 +277,11 @@ def engine_variant(recipe: Any, spec: str, engines: str, notes: list[str]) -> An
         engine.pdl_allowed = False
         peer.label += ", decode graphs captured without PDL (TRTBUILD_PDL=0)"
         return peer
-    if spec == PREFILL_GRAPHS:
+    if spec == NO_PREFILL_GRAPHS:
         peer = peers.EnginePeer(recipe, engines)
         torch_engine: Any = peer.session.engine  # the torch backend's (the Engine protocol has no prefill graphs)
-        torch_engine.prefill_graph_limit = 4  # read when the first prefill runs
-        peer.label += ", prefill replayed from captured graphs (TRTBUILD_PREFILL_GRAPHS=4)"
+        torch_engine.prefill_graph_limit = 0  # read when the first prefill runs
+        peer.label += ", prefill called directly, no captured graphs (TRTBUILD_PREFILL_GRAPHS=0)"
         return peer
     if spec == AGAIN:
         peer = peers.EnginePeer(recipe, engines)
@@ -491,7 +491,7 @@ def main() -> None:
                          "engine@epilogue / engine@no-epilogue (options.decode_fusion epilogue, the default, / none), "
                          "engine@serial (every graph compiled in the build process, in a fresh store), "
                          "engine@no-pdl (the engine's decode graphs captured without PDL; after engine), "
-                         "engine@prefill-graphs (its prefill replayed from captured graphs), "
+                         "engine@no-prefill-graphs (its prefill called directly, no captured graphs), "
                          "engine@again (the engine measured once more; last, to show the run's drift)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--hf-mode", choices=("auto", "static", "eager"), default="auto")

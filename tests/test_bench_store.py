@@ -85,12 +85,12 @@ def test_a_benchmark_cut_off_by_sigterm_prints_what_it_measured_and_leaves_no_ha
 
 
 @pytest.mark.slow
-def test_the_no_pdl_prefill_graphs_and_again_variants_measure_the_engine_entry_itself_and_keep_it(
+def test_the_no_pdl_no_prefill_graphs_and_again_variants_measure_the_engine_entry_itself_and_keep_it(
         tmp_path: Path) -> None:
     """engine@no-pdl is the recipe's own engine (a cache hit, no build) with its decode graphs captured
     serialized: measured after `engine`, it says so in its launch record. engine@again measures the same
-    engine once more, last (the run's drift), and is no peer to beat. engine@prefill-graphs asks for captured
-    prefill graphs, which a CPU cannot capture, and says so. The shared entry stays in the store
+    engine once more, last (the run's drift), and is no peer to beat. engine@no-prefill-graphs turns the captured
+    prefill graphs off and says so (the default engine on a CPU has none either: no CUDA device). The shared entry stays in the store
     (the other engine@ variants' entries are deleted once measured). The recipe takes prompts
     of at most 16 tokens: the plan's longer prefill lengths are skipped for every variant, and said so,
     where they used to fail each variant's whole row."""
@@ -102,7 +102,7 @@ def test_the_no_pdl_prefill_graphs_and_again_variants_measure_the_engine_entry_i
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "bench.py"), str(recipe), "--device", "cpu", "--quick",
-         "--sections", "variants", "--variants", "engine,engine@no-pdl,engine@prefill-graphs,engine@again",
+         "--sections", "variants", "--variants", "engine,engine@no-pdl,engine@no-prefill-graphs,engine@again",
          "--engines", str(tmp_path / "engines"),
          "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -115,8 +115,8 @@ def test_the_no_pdl_prefill_graphs_and_again_variants_measure_the_engine_entry_i
     assert {r["why"] for r in variants["engine"]["launch"].values()} == {"CPU"}
     assert {r["why"] for r in variants["engine@no-pdl"]["launch"].values()} == {"TRTBUILD_PDL=0"}
     assert variants["engine@again"]["decode"] and "the run's drift" in variants["engine@again"]["label"]
-    assert variants["engine@prefill-graphs"]["prefill_launch"] == {"on": False, "why": "no CUDA device"}
-    assert variants["engine"]["prefill_launch"]["why"].startswith("off")
+    assert variants["engine@no-prefill-graphs"]["prefill_launch"] == {"on": False, "why": "off (TRTBUILD_PREFILL_GRAPHS=0)"}
+    assert variants["engine"]["prefill_launch"] == {"on": False, "why": "no CUDA device"}
     assert {r["why"] for r in variants["engine@again"]["launch"].values()} == {"CPU"}
     assert "ahead of every peer in the same run: no peer measured" in proc.stdout
     assert len(Store(tmp_path / "engines").entries()) == 1

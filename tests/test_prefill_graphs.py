@@ -117,7 +117,7 @@ def test_positions_live_with_their_graph_not_with_the_call_that_captured_it(fake
     assert graphs(tokens, torch.arange(3), torch.zeros(1, dtype=torch.long))[0][:, 0].tolist() == [6]
 
 
-@pytest.mark.parametrize(("limit", "device", "why"), [(0, "cuda:0", "off (TRTBUILD_PREFILL_GRAPHS=N turns it on)"),
+@pytest.mark.parametrize(("limit", "device", "why"), [(0, "cuda:0", "off (TRTBUILD_PREFILL_GRAPHS=0)"),
                                                       (2, "cpu", "no CUDA device")])
 def test_without_graphs_every_prefill_calls_the_package_and_the_report_says_why(limit: int, device: str,
                                                                                why: str) -> None:

@@ -14,14 +14,16 @@ where the model ignores them (llama.prompt_end says why that is exact); the prom
 as they would alone, though a different row count can round a bf16 matmul differently (a near-tie in
 the first token may then go the other way, as between batch sizes).
 
-Off by default (`TRTBUILD_PREFILL_GRAPHS=N` keeps up to N graphs, least recently used dropped first):
-its exact-length form (one graph per prompt length, before padding) has run on an H100 only, with the
-test models (its GPU test passed, and a tiny model's prefill took 56-64% less time, RESULTS.md, H100, 2026-12-05);
-the padded form has not run on a GPU yet, nor either at 1B or 8B; each graph keeps memory (the report gives
-what the captures added to torch's reserved memory), and a failed capture poisons the process
-(shared/reference's H200 notes). Each graph is captured before the prefill it serves, outside the timed
-interval, as the decode graphs are (`prepare`); a length met for the first time pays one extra prefill
-and the capture there.
+On by default on CUDA, up to DEFAULT_LIMIT graphs (`TRTBUILD_PREFILL_GRAPHS=N` keeps up to N, least recently
+used dropped first; 0 turns it off). Without it, a short prompt's prefill is bound by the host: on an H100
+(1B, 2026-12-06) 128 tokens took 2.10 ms called directly, with kernels that take ~1.5 ms, and the prefill
+attention's choice of kernel had to count each candidate's host cost (prefill_attention.py), which kept
+cuDNN's faster kernel out of long prompts too. Each graph keeps memory (the report gives what the captures
+added to torch's reserved memory; they share one pool, so it grows with the longest prompt captured, not
+with the count: four graphs at 1B reserved 176 MiB), and a failed capture poisons the process (shared
+notes on the H200). Each graph is captured before the prefill it serves, outside the timed interval, as
+the decode graphs are (`prepare`); a length met for the first time pays one extra prefill and the capture
+there.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from trtbuild.errors import InputError
 from trtbuild.timing import sync
 
 PAD_STEP = 64  # above 64 tokens, prompts are padded to a multiple of this
+# graphs kept where TRTBUILD_PREFILL_GRAPHS is unset: every padded length up to 1024 tokens at one batch size
+# (16, 32, 64, 128, ..., 1024 is 19 lengths; a server's random prompts of 256-1024 tokens use 13)
+DEFAULT_LIMIT = 16
 
 
 def graph_length(t: int, longest: int) -> int:
@@ -73,7 +78,7 @@ class PrefillGraphs:
     def report(self) -> dict[str, Any]:
         """For the run report: whether the prefill replays a graph, and why not where it does not."""
         if not self.capturable:
-            why = ("off (TRTBUILD_PREFILL_GRAPHS=N turns it on)" if self.limit <= 0 else
+            why = ("off (TRTBUILD_PREFILL_GRAPHS=0)" if self.limit <= 0 else
                    "no CUDA device" if not self.device.startswith("cuda") else
                    "the package was not loaded single-threaded")
             return {"on": False, "why": why}
@@ -141,9 +146,9 @@ class PrefillGraphs:
 
 
 def prefill_graph_limit() -> int:
-    """TRTBUILD_PREFILL_GRAPHS=N: keep up to N captured prefill graphs (one per batch bucket and prompt
-    length); unset or 0, none, until it is measured at 1B and 8B (prefill_graphs.py)."""
-    raw = os.environ.get("TRTBUILD_PREFILL_GRAPHS", "").strip() or "0"
+    """TRTBUILD_PREFILL_GRAPHS=N: keep up to N captured prefill graphs (one per batch bucket and padded prompt
+    length); 0, none (every prefill called directly); unset, DEFAULT_LIMIT. CUDA only: elsewhere none."""
+    raw = os.environ.get("TRTBUILD_PREFILL_GRAPHS", "").strip() or str(DEFAULT_LIMIT)
     if not raw.isdigit() or int(raw) > 64:
         raise InputError(f"TRTBUILD_PREFILL_GRAPHS: expected a number of graphs from 0 to 64, got {raw!r}")
     return int(raw)
