@@ -57,11 +57,15 @@ def main() -> None:
             case: dict[str, Any] = {"profile": result}
             if phases == ("decode",):
                 run = run_report(session, batch_size=batch, input_len=length, output_len=args.output_len, iterations=2)
-                step = result["phases"]["decode"]["step_s"] * 1e3
-                case["agreement"] = {"profile_step_ms": step, "run_tpot_p50_ms": run["tpot_ms"]["p50"],
-                                     "ratio": step / run["tpot_ms"]["p50"]}
-                print(f"[profile] {name}: profiled step {step:.4f} ms, run TPOT p50 {run['tpot_ms']['p50']:.4f} ms, "
-                      f"ratio {case['agreement']['ratio']:.3f}", flush=True)
+                decode = result["phases"]["decode"]
+                step, kernels, tpot = decode["step_s"] * 1e3, decode["kernel_s"] * 1e3, run["tpot_ms"]["p50"]
+                # how much of the step `run` measures the profile's kernels account for: its rows explain the
+                # step where this is near 1 (the profile's step itself is the engine's, timed as run times it)
+                case["agreement"] = {"profile_step_ms": step, "profile_kernels_ms": kernels,
+                                     "profiled_wall_ms": decode["profiled_step_s"] * 1e3, "run_tpot_p50_ms": tpot,
+                                     "ratio": step / tpot, "kernel_ratio": kernels / tpot}
+                print(f"[profile] {name}: profile step {step:.4f} ms (its kernels {kernels:.4f} ms), run TPOT p50 "
+                      f"{tpot:.4f} ms: step {step / tpot:.3f}x, kernels {kernels / tpot:.3f}x the TPOT", flush=True)
             report["cases"][name] = case
             (out / "profile.json").write_text(json.dumps(report, indent=1) + "\n")  # kept if a later case dies
 

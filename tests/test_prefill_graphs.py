@@ -126,3 +126,24 @@ def test_without_graphs_every_prefill_calls_the_package_and_the_report_says_why(
     assert _run(graphs, [[1, 2, 3]]) == [6] and _run(graphs, [[1, 2, 3]]) == [6]
     assert package.direct_calls == 2 and graphs.last is None
     assert graphs.report() == {"on": False, "why": why}
+
+
+def test_a_failed_capture_leaves_every_prefill_called_directly_and_says_why(fake_cuda: None,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill that cannot be captured still answers: the graphs are dropped, each prompt is called directly,
+    and the report names the failure."""
+    package = _Package()
+    graphs = PrefillGraphs(package, "cuda:0", limit=4, max_input_len=16, max_seq_len=32)
+    assert _run(graphs, [[1, 2, 3]]) == [6] and graphs.last is not None  # one shape captured and replayed
+
+    @contextlib.contextmanager
+    def refusing(graph: Any, pool: Any = None) -> Iterator[None]:
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", refusing)
+    calls = package.direct_calls
+    assert _run(graphs, [list(range(1, 21))]) == [20 + 20]  # a new length: its capture fails
+    assert _run(graphs, [[1, 2, 3]]) == [6] and graphs.last is None  # the kept graph dropped too
+    assert package.direct_calls == calls + 3  # the failed capture's warm-up, then both prefills directly
+    assert graphs.report() == {"on": False, "why": "a capture failed: operation not permitted when stream is capturing"}

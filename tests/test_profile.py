@@ -165,6 +165,24 @@ def test_the_table_sums_to_the_step() -> None:
     assert rows["greedy token + step bookkeeping"]["verdict"] == "unmodelled"
 
 
+def test_on_a_gpu_the_rows_share_out_the_engines_own_step_and_the_profiled_wall_is_kept_beside() -> None:
+    """A GPU profile's step is the engine's own, unprofiled (the profiler slows a graph replay between its
+    kernels, not the kernels): between kernels is that step less the kernels; the profiled wall stays in the
+    record. On the CPU the profiled (eager) step is the one shared out."""
+    from trtbuild.measure.profile import _step
+
+    cfg = LlamaConfig.from_hf(TINY_CONFIG)
+    names = _layer(["attn"]) * 2 + ["gemv_head", "argmax"]
+    steps = [[Op(n, 2.0) for n in names]]
+    assert _step(50e-6, [60e-6, 62e-6], cuda=True) == (50e-6, pytest.approx(61e-6))
+    assert _step(50e-6, [60e-6, 62e-6], cuda=False) == (pytest.approx(61e-6), pytest.approx(61e-6))
+    step_s, profiled = _step(50e-6, [60e-6, 62e-6], cuda=True)
+    t = table(steps, step_s, call_sites(cfg, 1, 1, 7, 4), 2, CEILINGS, profiled)
+    assert t["step_s"] == 50e-6 and t["profiled_step_s"] == pytest.approx(61e-6)
+    assert t["between_s"] == pytest.approx(50e-6 - len(names) * 2e-6)
+    assert sum(r["share"] for r in t["rows"]) + t["between_share"] == pytest.approx(1.0, abs=1e-12)
+
+
 def test_gpu_kernels_split_into_runs_by_their_order() -> None:
     """Kernels replayed inside a CUDA graph have no host parent: the runs are told apart by count, in start
     order; a count that does not divide is one run of everything, said in the note."""
@@ -284,8 +302,8 @@ def test_profile_table_in_a_new_process_reads_the_cached_ceilings(profiled: dict
 
 @pytest.mark.gpu
 def test_gpu_decode_profile_names_every_kernel_and_matches_the_step(tmp_path: Path) -> None:
-    """On CUDA: the decode graph's kernels, seen inside its replays, match the model's call sites, and the
-    profiled step is the step `run` times within 5%."""
+    """On CUDA: the decode graph's kernels, seen inside its replays, match the model's call sites; the rows are
+    shares of the step `run` times (the profiler's own slowing of the replay left out), which holds them."""
     recipe = write_recipe(tmp_path, tiny_recipe_doc(precision="bf16", tactics={"level": "default"},
                                                     shapes={"max_batch_size": 2, "max_input_len": 16,
                                                             "max_seq_len": 48, "batch_buckets": [1, 2]}))
@@ -298,9 +316,10 @@ def test_gpu_decode_profile_names_every_kernel_and_matches_the_step(tmp_path: Pa
         rows = {r["site"]: r for r in phase["rows"]}
         assert rows[QKV]["launches"] >= 2 and rows[LM_HEAD]["launches"] >= 1
     decode = result["phases"]["decode"]
-    # the profiler's tracing of a graph's kernels may slow a tiny step a little: 10% here; benchmarks/profile_check.py
-    # checks 5% at real sizes
-    assert decode["step_s"] == pytest.approx(decode["engine_step_s"], rel=0.10)
+    assert decode["step_s"] == decode["engine_step_s"] and decode["profiled_step_s"] >= decode["kernel_s"]
+    # a tiny step's kernels may run side by side a little (programmatic launch); benchmarks/profile_check.py
+    # checks at real sizes that they account for the step within 5%
+    assert 0 < decode["kernel_s"] <= 1.10 * decode["step_s"]
     json.dumps(result)
 
 

@@ -74,11 +74,13 @@ class PrefillGraphs:
         self._pool: Any = None
         self.reserved_bytes = 0  # what the captures (and their warm-up calls) added to torch's reserved memory
         self.last: tuple[int, int] | None = None  # (prompt length, graph length) of the last replay
+        self.failure: str | None = None  # why a capture failed; every prefill is then called directly
 
     def report(self) -> dict[str, Any]:
         """For the run report: whether the prefill replays a graph, and why not where it does not."""
         if not self.capturable:
-            why = ("off (TRTBUILD_PREFILL_GRAPHS=0)" if self.limit <= 0 else
+            why = (f"a capture failed: {self.failure}" if self.failure else
+                   "off (TRTBUILD_PREFILL_GRAPHS=0)" if self.limit <= 0 else
                    "no CUDA device" if not self.device.startswith("cuda") else
                    "the package was not loaded single-threaded")
             return {"on": False, "why": why}
@@ -105,14 +107,22 @@ class PrefillGraphs:
         static, pos = tokens.new_zeros(key), positions.new_empty(key[1])  # pos: all of it written by _fill
         captured = _Captured(None, static, pos, -1, slots.clone(), None)
         self._fill(captured, tokens, positions, slots)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():  # allocations and kernel loads stay out of the graph
-            self.package(static, pos, captured.slots)
-        torch.cuda.current_stream().wait_stream(stream)
-        captured.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured.graph, pool=self._pool), torch.no_grad():
-            captured.out = self.package(static, pos, captured.slots)
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.no_grad():  # allocations and kernel loads stay out of the graph
+                self.package(static, pos, captured.slots)
+            torch.cuda.current_stream().wait_stream(stream)
+            captured.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured.graph, pool=self._pool), torch.no_grad():
+                captured.out = self.package(static, pos, captured.slots)
+        except RuntimeError as e:
+            # A prefill that cannot be captured (a kernel that syncs, an allocation a graph refuses) still runs:
+            # called directly from here on, with the reason in the report, rather than the request failing.
+            self.capturable, self.failure = False, (str(e).splitlines() or [type(e).__name__])[0][:200]
+            self.graphs.clear()
+            sync(self.device)
+            return
         self._pool = captured.graph.pool()
         sync(self.device)
         self.reserved_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
