@@ -50,13 +50,13 @@ def smollm2() -> dict[str, Any]:
     return {"folder": folder, "cfg": cfg, "ids": ids, "dense": dense, "shapes": shapes, "fp32": fp32}
 
 
-# fp8 misses on the documentation text (+2.5%) and int4_wo on every text (+16% to +21%) as calibrated by default
-# (docs/quantization.md): expected failures, strict, so the test fails the day a calibration meets the budgets
-# and the mark must go.
+# int4_wo misses on every text (+14% to +31%) as calibrated by default (docs/quantization.md): an expected
+# failure, strict, so the test fails the day a calibration meets the budget and the mark must go. fp8 rounded
+# to nearest missed on documentation (+2.57%); its default, GPTQ per output channel, holds (worst +0.95%).
 _MISSES = pytest.mark.xfail(strict=True, reason="misses its budget on some kinds of text (docs/quantization.md)")
 
 
-@pytest.mark.parametrize("precision", [pytest.param("fp8", marks=_MISSES), "int8_wo",
+@pytest.mark.parametrize("precision", ["fp8", "int8_wo",
                                        pytest.param("int4_wo", marks=_MISSES)])
 def test_perplexity_of_the_stored_weights_is_within_budget_of_fp32_on_every_kind_of_text(
         smollm2: dict[str, Any], precision: str) -> None:
@@ -67,7 +67,7 @@ def test_perplexity_of_the_stored_weights_is_within_budget_of_fp32_on_every_kind
     s = smollm2
     state, record = quantize_weights(dict(s["dense"]), s["cfg"], SimpleNamespace(precision=precision, options={}),
                                      s["folder"] / "tokenizer.json", "cpu", lambda m: None)
-    assert record["method"] == ("gptq" if precision == "int4_wo" else "rtn")
+    assert record["method"] == ("rtn" if precision == "int8_wo" else "gptq")
     score = eager_scorer(place_model(s["cfg"], s["shapes"], torch.bfloat16, "cpu", state))
     over = {}
     for text, ids in s["ids"].items():

@@ -141,6 +141,8 @@ def test_quantized_precisions_validate_for_the_torch_backend(tmp_path: Path) -> 
     ({"precision": "fp8", "options": {"int4_method": "rtn"}}, "options.int4_method: only for precision int4_wo"),
     ({"precision": "int4_wo", "options": {"int4_method": "awq"}}, "options.int4_method: expected one of gptq, rtn"),
     ({"precision": "int3_wo"}, "precision: expected one of"),
+    ({"precision": "int4_wo", "options": {"fp8_method": "rtn"}}, "options.fp8_method: only for precision fp8"),
+    ({"precision": "fp8", "options": {"fp8_method": "awq"}}, "options.fp8_method: expected one of gptq, rtn"),
 ])
 def test_quantization_options_that_cannot_build_are_named(tmp_path: Path, overrides: dict[str, Any],
                                                           message: str) -> None:
@@ -148,7 +150,7 @@ def test_quantization_options_that_cannot_build_are_named(tmp_path: Path, overri
         _recipe(tmp_path, **overrides)
 
 
-def test_keys_differ_by_precision_and_by_int4_method(tmp_path: Path, engine_store: Path) -> None:
+def test_keys_differ_by_precision_and_by_int4_and_fp8_method(tmp_path: Path, engine_store: Path) -> None:
     from trtbuild import backends
     from trtbuild.builder import key_material
     from trtbuild.models.source import resolve
@@ -163,6 +165,7 @@ def test_keys_differ_by_precision_and_by_int4_method(tmp_path: Path, engine_stor
     assert len(set(keys.values())) == 5
     rtn, material = key(precision="int4_wo", options={"int4_method": "rtn"})
     assert rtn != keys["int4_wo"] and material["recipe"]["options"] == {"int4_method": "rtn"}
+    assert key(precision="fp8", options={"fp8_method": "rtn"})[0] != keys["fp8"]
     # the quantization code (formats, GPTQ, the calibration text) is part of the engine-code digest
     from trtbuild.builder import engine_code_files
 
@@ -205,6 +208,22 @@ def test_the_build_step_stores_small_tensors_that_the_placed_model_computes_with
         got = model(tokens, torch.arange(8), all_logits=True, from_start=True)
         want = reference(tokens, torch.arange(8), all_logits=True, from_start=True)
     assert torch.equal(got, want)
+
+
+def test_fp8_is_calibrated_by_gptq_per_channel_unless_the_recipe_asks_for_rtn(tmp_path: Path) -> None:
+    """fp8's default is GPTQ per output channel (it held fp8's budget where rounding missed it); fp8_method rtn
+    rounds to nearest, and the two store different weights in the same format."""
+    from trtbuild.backends.torch.quantized import quantize_weights
+
+    cfg, dense = _tiny_state(make_hf_folder(tmp_path / "m"))
+    got = {m: quantize_weights(dict(dense), cfg, SimpleNamespace(precision="fp8", options=o), None, "cpu",
+                               lambda msg: None)
+           for m, o in (("gptq", {}), ("rtn", {"fp8_method": "rtn"}))}
+    assert {m: r["method"] for m, (_, r) in got.items()} == {"gptq": "gptq", "rtn": "rtn"}
+    assert "calibration" in got["gptq"][1] and "calibration" not in got["rtn"][1]
+    name = "layers.0.attention.wqkv.qweight"
+    a, b = got["gptq"][0][name], got["rtn"][0][name]
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and not torch.equal(a.float(), b.float())
 
 
 @pytest.mark.slow
