@@ -52,15 +52,31 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
         base["cpp.vec_isa_ok"] = True
     if graph.startswith("decode_b") and pdl_compilable(device):
         # Inductor's kernels wait for their predecessor inside the kernel, so the runtime may let them
-        # start early in the captured decode step (trtbuild/backends/torch/pdl.py). The prefill graph is not
-        # captured: it gains nothing.
+        # start early in the captured decode step (trtbuild/backends/torch/pdl.py). The prefill graphs' captures
+        # are not edited for it: it would gain them nothing.
         base["triton.enable_pdl"] = True
+    if device.startswith("cuda") and graph != "paged":
+        base |= quick_wrapper()
     if level == "none":
         return base | {"max_autotune": False, "coordinate_descent_tuning": False, "triton.autotune_pointwise": False}
     if level == "default" or not graph.startswith("decode_b"):  # prefill, paged: dynamic rows
         return base
     tuned = base | {"max_autotune": True, "coordinate_descent_tuning": False}
     return tuned if device.startswith("cuda") else tuned | {"max_autotune_gemm_backends": "ATEN"}
+
+
+def quick_wrapper() -> dict[str, Any]:
+    """Inductor options that make the C++ compiler's share of a CUDA graph's build smaller: its host wrapper
+    (one function that launches every kernel of the unrolled model) compiled at -O0 instead of -O1, with no
+    line tables. That wrapper's speed only matters where the host issues the graph call by call: the decode
+    steps and the prefill are replayed from captured CUDA graphs (the wrapper runs once, at capture), so
+    only a prefill called directly (TRTBUILD_PREFILL_GRAPHS=0) pays it. The paged graph, not captured, keeps
+    Inductor's defaults. A 1B bf16 build on an H100 spent 72 s of 187 in the C++ compiler (2026-12-06).
+    Options a torch lacks are left out."""
+    from torch._inductor import config
+
+    wanted = {"compile_wrapper_opt_level": "O0", "enable_line_tables": False}
+    return {f"aot_inductor.{k}": v for k, v in wanted.items() if hasattr(config.aot_inductor, k)}
 
 
 def pdl_compilable(device: str) -> bool:
