@@ -324,8 +324,9 @@ def test_paged_decode_through_the_kernel_replays_bucket_graphs_with_the_direct_c
     from trtbuild.backends.torch.paged_graphs import PagedDecodeGraphs
     from trtbuild.models.paged import BLOCK
 
+    config = dict(TINY_CONFIG, hidden_size=64, max_position_embeddings=96)
     doc = tiny_recipe_doc(precision="bf16", options={"kv_cache": "paged"},
-                          model={"source": "synthetic", "seed": 0, "config": dict(TINY_CONFIG, hidden_size=64)},
+                          model={"source": "synthetic", "seed": 0, "config": config},
                           shapes={"max_batch_size": 2, "max_input_len": 32, "max_seq_len": 96, "batch_buckets": [1, 2]})
     recipe = load_recipe(write_recipe(tmp_path, doc))
     outcome = build(recipe, tmp_path / "store")

@@ -44,6 +44,7 @@ def _scattered_tables(lengths: list[int], num_blocks: int, seed: int) -> list[li
     (6, 2, [[33], [700]]),  # three queries a KV head (not a power of two)
     (4, 4, [[0, 1, 2, 3, 4, 5, 6], [100, 101, 102, 103, 104, 105, 106]]),  # prompt chunks: one tile and a partial one
     (16, 2, [[40, 41, 42], [512, 513, 514]]),  # eight queries a KV head: two tokens a tile
+    (16, 1, [[20], [250]]),  # sixteen queries a KV head: one token fills a tile
 ])
 def test_the_kernel_gives_the_aten_paged_attention(monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int,
                                                    positions: list[list[int]]) -> None:
