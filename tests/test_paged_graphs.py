@@ -73,6 +73,16 @@ def test_a_padded_bucket_step_gives_the_direct_steps_logits_and_writes_only_its_
         assert not torch.equal(got[20], want[20])  # the padding row wrote its position 0 there
 
 
-def test_a_cpu_paged_cache_calls_the_package_directly() -> None:
+def test_bucket_graphs_only_where_the_graph_attends_through_the_paged_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU (and a CUDA model the kernel does not serve) calls the package directly: the ATen gather reads a
+    table's every entry, so full-width tables would cost it a full-length read a row. Where the kernel serves,
+    the buckets reach the paged graph's 256 rows or the pool's blocks, whichever is fewer."""
+    from trtbuild.models import llama
+
     model = _model()
     assert PagedCache(PagedStep(model), model.cfg, 8, torch.float32, "cpu", 96).graphs is None
+    monkeypatch.setattr(llama, "paged_kernel", lambda cfg, pool: True)
+    graphs = PagedCache(PagedStep(model), model.cfg, 40, torch.float32, "cpu", 96).graphs
+    assert graphs is not None and graphs.sizes[-1] == 64 and graphs.width == 6 and graphs.scratch == 40
+    assert PagedCache(PagedStep(model), model.cfg, 9000, torch.float32, "cpu", 96).graphs.sizes[-1] == 256
+    assert PagedCache(PagedStep(model), model.cfg, 8, torch.float32, "cpu", 16).graphs.width == 2
