@@ -6,7 +6,10 @@ interpreter's bf16 dot is not reliable."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +150,39 @@ def test_the_kernel_is_used_only_on_cuda_for_the_models_it_serves() -> None:
     assert "head_dim" in (supports(_cfg(4, 2, head_dim=8), torch.bfloat16) or "")
     assert "windows" in (supports(replace(cfg, layer_windows=(8, 0)), torch.bfloat16) or "")
     assert "soft-capped" in (supports(replace(cfg, attn_softcap=50.0), torch.bfloat16) or "")
+
+
+def test_the_paged_graph_exports_the_kernel_as_one_opaque_op_a_layer_with_rows_and_tokens_dynamic(
+        tmp_path: Path) -> None:
+    """`export.export_paged` with the kernel in (as on CUDA): trtbuild::paged_attention once a layer, what
+    AOTInductor compiles in, the rows, tokens, table width and pool still dynamic (one graph serves every
+    bucket), and the compiled-graph cache's key takes the kernel's source digest. In a process of its own:
+    export traces the op's kernel launch only where Triton's interpreter is off."""
+    script = tmp_path / "export_paged.py"
+    script.write_text(
+        "import os\n"
+        "os.environ.pop('TRITON_INTERPRET', None)\n"
+        "import torch\n"
+        "from tests.conftest import TINY_CONFIG\n"
+        "from trtbuild.models import llama\n"
+        "from trtbuild.backends.torch.decode_kernels import sources_called\n"
+        "from trtbuild.backends.torch.export import export_paged\n"
+        "from trtbuild.kernels.paged_attention import source_digest\n"
+        "llama.paged_kernel = lambda cfg, pool: True\n"
+        "cfg = llama.LlamaConfig.from_hf(dict(TINY_CONFIG, hidden_size=64, max_position_embeddings=128))\n"
+        "model = llama.Transformer(cfg, max_batch_size=1, max_seq_len=128, dtype=torch.float32).eval()\n"
+        "ep = export_paged(model, 32, 128, 'cpu')\n"
+        "text = ep.graph_module.print_readable(print_output=False)\n"
+        "assert text.count('torch.ops.trtbuild.paged_attention.default(') == cfg.num_layers, text\n"
+        "ranges = sorted((r.lower, r.upper) for r in ep.range_constraints.values())\n"
+        "assert ranges == [(1, 32), (1, 256), (2, 8), (2, 2**24)], ranges\n"
+        "assert sources_called(text) == '\\0trtbuild.paged_attention ' + source_digest()\n"
+        "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    import triton
+
+    # the checkout and wherever Triton was found (a --target folder in the CPU instructions)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(Path(triton.__file__).resolve().parents[1])])
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
