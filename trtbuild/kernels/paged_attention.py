@@ -170,7 +170,8 @@ def _run(partial: Any, merge: Any, q: Tensor, k_pool: Tensor, v_pool: Tensor, po
     o = torch.empty((b * tiles * kv, SPLITS, BLOCK_R, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((b * tiles * kv, SPLITS, BLOCK_R, 2), dtype=torch.float32, device=q.device)
     y = torch.empty((b, t, heads, d), dtype=q.dtype, device=q.device)
-    consts = {"REP": rep, "TOK": tok, "TOK_P2": triton.next_power_of_2(tok), "BLOCK_R": BLOCK_R, "D": d,
+    # TOK_P2 at least 2: a one-element arange (sixteen queries a KV head) is the one width no other kernel here uses
+    consts = {"REP": rep, "TOK": tok, "TOK_P2": max(2, triton.next_power_of_2(tok)), "BLOCK_R": BLOCK_R, "D": d,
               "BLOCK_S": BLOCK_S, "SPLITS": SPLITS}
     # the scale a compile-time constant: AOTInductor passes a float argument as fp64, which would promote the
     # scores and the running maximum to fp64
