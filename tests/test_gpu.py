@@ -11,7 +11,7 @@ from trtbuild.builder import build
 from trtbuild.recipe import load_recipe
 from trtbuild.runner import open_session, run_report
 
-from .conftest import tiny_recipe_doc, write_recipe
+from .conftest import TINY_CONFIG, tiny_recipe_doc, write_recipe
 from .engine_helpers import eager_disagreements, eager_greedy
 
 pytestmark = pytest.mark.gpu
@@ -312,3 +312,57 @@ def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(
     # the default epilogue fusion sums in fp32 and rounds once: tokens judged within bf16 rounding
     assert eager_disagreements(outcome.model.materialize(), prompts, [row[:8] for row in runs[True][0]], 48,
                                dtype=torch.bfloat16, device="cuda") == []
+
+
+def test_paged_decode_through_the_kernel_replays_bucket_graphs_with_the_direct_calls_tokens(tmp_path: Path) -> None:
+    """A bf16 paged engine (head_dim 16, so the paged graph calls the Triton paged attention): three prompts of
+    different lengths prefilled through scattered block tables, then decode steps of all three, which replay
+    the 4-row bucket's captured graph (one padding row on the scratch block). The tokens equal those of the
+    same padded step called without a graph, the scratch block is the only block no row owns that changed,
+    and each row's tokens are the eager model's (within bf16 ties)."""
+    from trtbuild.backends.sampling import GREEDY
+    from trtbuild.backends.torch.paged_graphs import PagedDecodeGraphs
+    from trtbuild.models.paged import BLOCK
+
+    config = dict(TINY_CONFIG, hidden_size=64, max_position_embeddings=96)
+    doc = tiny_recipe_doc(precision="bf16", options={"kv_cache": "paged"},
+                          model={"source": "synthetic", "seed": 0, "config": config},
+                          shapes={"max_batch_size": 2, "max_input_len": 32, "max_seq_len": 96, "batch_buckets": [1, 2]})
+    recipe = load_recipe(write_recipe(tmp_path, doc))
+    outcome = build(recipe, tmp_path / "store")
+    prompts = [[(7 * i + 3) % 128 for i in range(29)], [2, 7, 1], [(5 * i + 1) % 128 for i in range(17)]]
+    tables = [[9, 2, 6, 0, 11, 30], [4, 10, 1, 7, 31, 32], [12, 13, 14, 15, 16, 17]]
+    steps = 24
+    with open_session(recipe, tmp_path / "store", build=False) as session:
+        engine = session.engine
+        engine.open_pool(blocks=40)
+        paged = engine.paged
+        assert paged.graphs is not None and paged.graphs.sizes[-1] == 64
+        direct = PagedDecodeGraphs(paged.package, [p.clone() for p in paged.pools], paged.device,
+                                   paged.graphs.width, paged.scratch, 40)
+        direct.capturable = False
+        streams: list[list[int]] = []
+        for key, (prompt, table) in enumerate(zip(prompts, tables)):
+            streams.append([engine.prefill_paged(key, table, prompt, 0)])
+        for mine, theirs in zip(direct.pools, paged.pools):  # the direct path starts from the same prefilled pools
+            mine.copy_(theirs)
+        before = [p.clone() for p in paged.pools]
+        want = [list(s) for s in streams]
+        for i in range(steps):
+            positions = [len(p) + i for p in prompts]
+            got = engine.decode_paged([0, 1, 2], tables, [s[-1] for s in streams], positions, [GREEDY] * 3)
+            rows = [t[:-(-(p + 1) // BLOCK)] for t, p in zip(tables, positions)]
+            greedy, _ = direct.run(rows, [s[-1] for s in want], positions)
+            for s, w, tok, ref in zip(streams, want, got, greedy[:, 0].tolist()):
+                s.append(tok)
+                w.append(ref)
+        assert sorted(paged.graphs.graphs) == [4]
+        owned = {b for t in tables for b in t}
+        for now, then in zip(paged.pools, before):
+            for block in range(40):
+                if block not in owned:
+                    assert torch.equal(now[block], then[block]), block
+    assert streams == want
+    folder = outcome.model.materialize()
+    for prompt, stream in zip(prompts, streams):
+        assert eager_disagreements(folder, [prompt], [stream], 96, dtype=torch.bfloat16, device="cuda") == []

@@ -445,6 +445,19 @@ def _cached_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, span
     return (probs @ values).reshape(b, h, t, d)
 
 
+def paged_kernel(cfg: LlamaConfig, pool: Tensor) -> bool:
+    """Whether the paged attention reads the pools through trtbuild's Triton kernel (kernels/paged_attention.py):
+    on CUDA, with Triton, for the models and dtypes it serves. Decided while the paged graph is traced, from
+    the pools' device; the CPU (and a CUDA model the kernel does not serve) keeps the ATen gather below."""
+    if pool.device.type != "cuda":
+        return False
+    try:
+        from trtbuild.kernels.paged_attention import supports
+    except ImportError:  # no Triton: a CPU-only install's torch, or a wheel without it
+        return False
+    return supports(cfg, pool.dtype) is None
+
+
 def paged_attention(attn: Any, qkv: Tensor, table: Tensor, pos: Tensor, blocks: Tensor, k_pool: Tensor,
                     v_pool: Tensor) -> Tensor:
     """Attention through the paged KV cache (models/paged.py): `attn` over the QKV projection (B, T,
@@ -467,6 +480,12 @@ def paged_attention(attn: Any, qkv: Tensor, table: Tensor, pos: Tensor, blocks: 
              (pos % size)[:, :, None])
     k_pool.index_put_(where, k)
     v_pool.index_put_(where, v)
+    if paged_kernel(c, k_pool):
+        from trtbuild.kernels.paged_attention import paged_attention_op
+
+        scale = c.head_dim**-0.5 if c.attn_scale is None else c.attn_scale
+        y = paged_attention_op(q, k_pool, v_pool, pos, blocks, scale)
+        return y.reshape(b, t, q_size)
     n = blocks.shape[1]
     # The sequence's blocks side by side, (B, KV, N * BLOCK, D): slot j holds position j. Masked past each
     # query's own position, so blocks not yet written (and a padded table's entries) are never seen.

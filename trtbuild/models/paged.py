@@ -5,7 +5,9 @@ p % BLOCK (trtbuild/serving/kv_blocks.py hands the tables out). One forward serv
 position (after a cached prefix, or after the chunks before it) and a decode step of any rows: the new keys
 and values are written through the table, then each query attends over its sequence's blocks, masked past its
 own position. The pools are the graph's inputs, not its constants, so one compiled graph serves a pool of any
-size (chosen at serve time from the memory left after the weights).
+size (chosen at serve time from the memory left after the weights). On CUDA, for the models it serves, the
+attention reads the pools through trtbuild's Triton kernel (kernels/paged_attention.py, `llama.paged_kernel`);
+elsewhere it gathers each row's blocks and attends with ATen ops.
 """
 
 from __future__ import annotations

@@ -77,7 +77,8 @@ def parse_key(name: str) -> MatmulKey:
 KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.kernels.decode_matmul",
                   "trtbuild.decode_attention": "trtbuild.kernels.decode_attention",
                   "trtbuild.quant_matmul": "trtbuild.kernels.quant_matmul",
-                  "trtbuild.moe_gathered": "trtbuild.kernels.moe_gather"}
+                  "trtbuild.moe_gathered": "trtbuild.kernels.moe_gather",
+                  "trtbuild.paged_attention": "trtbuild.kernels.paged_attention"}
 
 
 def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str, job: BuildJob,

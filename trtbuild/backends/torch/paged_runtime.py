@@ -40,17 +40,34 @@ def pool_blocks(cfg: Any, elem: int, device: str, max_seq_len: int, fraction: fl
 
 
 class PagedCache:
-    """The pools and the paged package; calls return the graph's (greedy (B, 1), logits (B, V))."""
+    """The pools and the paged package; calls return the graph's (greedy (B, 1), logits (B, V)).
 
-    def __init__(self, package: Any, cfg: Any, num_blocks: int, dtype: Any, device: str, max_seq_len: int) -> None:
+    The pools hold one block more than `num_blocks`, the scratch block, never handed to a sequence: the padding
+    rows of a decode step's CUDA graph (paged_graphs.py) write and read it. On CUDA, decode steps replay those
+    graphs where the graph attends through the paged kernel (`graphs` False: every step calls the package
+    directly, as on the CPU)."""
+
+    def __init__(self, package: Any, cfg: Any, num_blocks: int, dtype: Any, device: str, max_seq_len: int,
+                 graphs: bool = True) -> None:
         import torch
 
+        from trtbuild.backends.torch.export import PAGED_ROWS
+        from trtbuild.backends.torch.paged_graphs import PagedDecodeGraphs
+        from trtbuild.models.llama import paged_kernel
         from trtbuild.models.paged import BLOCK, pool_shape
 
         self.package, self.device, self.num_blocks, self.block_size = package, device, num_blocks, BLOCK
         self.max_blocks = -(-max_seq_len // BLOCK)
-        self.pools = [torch.zeros(pool_shape(cfg, num_blocks), dtype=dtype, device=device)
+        self.scratch = num_blocks
+        self.pools = [torch.zeros(pool_shape(cfg, num_blocks + 1), dtype=dtype, device=device)
                       for _ in range(2 * cfg.num_layers)]
+        # Only where the graph attends through the paged kernel, which reads each row's filled slots whatever
+        # its table's width: the ATen gather reads every entry, so tables padded to a full-length sequence would
+        # make every step read max_seq_len slots a row. Tables of 2+ entries, as the graph was exported for.
+        self.graphs: PagedDecodeGraphs | None = None
+        if graphs and paged_kernel(cfg, self.pools[0]):
+            self.graphs = PagedDecodeGraphs(package, self.pools, device, max(2, self.max_blocks), self.scratch,
+                                            min(PAGED_ROWS, num_blocks))
 
     def _table(self, blocks: list[int], width: int) -> list[int]:
         if len(blocks) < width or any(not 0 <= b < self.num_blocks for b in blocks[:width]):
@@ -74,6 +91,9 @@ class PagedCache:
     def decode(self, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> tuple[Any, Any]:
         import torch
 
+        if self.graphs is not None:
+            need = [-(-(p + 1) // self.block_size) for p in positions]
+            return self.graphs.run([self._table(b, n)[:n] for b, n in zip(blocks, need)], tokens, positions)
         width = max(-(-(p + 1) // self.block_size) for p in positions)
         # every table padded to the widest with its own first block: attention masks past each row's position
         tables = [self._table(b, min(width, -(-(p + 1) // self.block_size))) for b, p in zip(blocks, positions)]

@@ -1,0 +1,88 @@
+"""The paged decode step's CUDA-graph buckets (backends/torch/paged_graphs.py) on the CPU: which bucket a step
+takes, how its static buffers are filled and padded, and that a padded step computes what the direct call does
+while writing nothing outside its rows' blocks and the scratch block. The capture itself is in test_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import TINY_CONFIG
+from trtbuild.backends.torch.paged_graphs import PagedDecodeGraphs, bucket_for, buckets
+from trtbuild.backends.torch.paged_runtime import PagedCache
+from trtbuild.errors import InputError
+from trtbuild.models.llama import LlamaConfig, Transformer
+from trtbuild.models.paged import BLOCK, PagedStep
+
+
+def test_buckets_are_powers_of_two_up_to_the_first_that_holds_the_most_rows() -> None:
+    assert buckets(1) == [1]
+    assert buckets(5) == [1, 2, 4, 8]
+    assert buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert [bucket_for(n, buckets(256)) for n in (1, 2, 3, 5, 129, 256)] == [1, 2, 4, 8, 256, 256]
+    with pytest.raises(InputError, match="past the paged graphs' 8"):
+        bucket_for(9, buckets(5))
+
+
+def test_the_static_buffers_hold_the_rows_then_padding_rows_on_the_scratch_block() -> None:
+    graphs = PagedDecodeGraphs(None, [], "cpu", width=5, scratch=99, max_rows=8)
+    host = graphs.host_rows(4, [[3, 7], [1], [4, 5, 6]], [11, 12, 13], [20, 5, 40])
+    tok, pos, tables = graphs.inputs[4]
+    graphs.io[4].copy_(host)
+    assert tok[:, 0].tolist() == [11, 12, 13, 0] and pos[:, 0].tolist() == [20, 5, 40, 0]
+    assert tables.tolist() == [[3, 7, 99, 99, 99], [1, 99, 99, 99, 99], [4, 5, 6, 99, 99], [99] * 5]
+    for t in (tok, pos, tables):  # each input contiguous and 16-byte aligned in the one buffer
+        assert t.is_contiguous() and (t.data_ptr() - graphs.io[4].data_ptr()) % 16 == 0
+    with pytest.raises(InputError, match="wider than"):
+        graphs.host_rows(4, [[1] * 6], [1], [90])
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    cfg = LlamaConfig.from_hf(dict(TINY_CONFIG))
+    model = Transformer(cfg, max_batch_size=1, max_seq_len=96, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.eval()
+
+
+def test_a_padded_bucket_step_gives_the_direct_steps_logits_and_writes_only_its_rows_and_the_scratch() -> None:
+    """Three rows at very different lengths run in the 4-row bucket (full-width tables, one padding row) and
+    directly (tables as wide as the longest row): the same greedy tokens and logits, and the same pools but
+    for the scratch block, which only the padding row wrote."""
+    model = _model()
+    cfg, step = model.cfg, PagedStep(model)
+    direct = PagedCache(step, cfg, 20, torch.float32, "cpu", 96, graphs=False)
+    assert direct.graphs is None and direct.scratch == 20 and direct.pools[0].shape[0] == 21
+    g = torch.Generator().manual_seed(1)
+    for pool in direct.pools:
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    padded = PagedDecodeGraphs(step, [p.clone() for p in direct.pools], "cpu", direct.max_blocks, direct.scratch,
+                               max_rows=20)
+    tables = [[3, 9, 0, 14, 2], [7], [11, 5]]
+    positions, tokens = [70, 3, 16], [5, 9, 17]
+    want_greedy, want_logits = direct.decode(tables, tokens, positions)
+    rows = [t[:-(-(p + 1) // BLOCK)] for t, p in zip(tables, positions)]
+    greedy, logits = padded.run(rows, tokens, positions)
+    assert sorted(padded.inputs) == [4] and not padded.graphs  # the CPU captures nothing
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+    assert greedy.tolist() == want_greedy.tolist()
+    for got, want in zip(padded.pools, direct.pools):
+        torch.testing.assert_close(got[:20], want[:20], atol=0, rtol=0)
+        assert not torch.equal(got[20], want[20])  # the padding row wrote its position 0 there
+
+
+def test_bucket_graphs_only_where_the_graph_attends_through_the_paged_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU (and a CUDA model the kernel does not serve) calls the package directly: the ATen gather reads a
+    table's every entry, so full-width tables would cost it a full-length read a row. Where the kernel serves,
+    the buckets reach the paged graph's 256 rows or the pool's blocks, whichever is fewer."""
+    from trtbuild.models import llama
+
+    model = _model()
+    assert PagedCache(PagedStep(model), model.cfg, 8, torch.float32, "cpu", 96).graphs is None
+    monkeypatch.setattr(llama, "paged_kernel", lambda cfg, pool: True)
+    graphs = PagedCache(PagedStep(model), model.cfg, 40, torch.float32, "cpu", 96).graphs
+    assert graphs is not None and graphs.sizes[-1] == 64 and graphs.width == 6 and graphs.scratch == 40
+    assert PagedCache(PagedStep(model), model.cfg, 9000, torch.float32, "cpu", 96).graphs.sizes[-1] == 256
+    assert PagedCache(PagedStep(model), model.cfg, 8, torch.float32, "cpu", 16).graphs.width == 2
