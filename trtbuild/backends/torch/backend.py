@@ -1,16 +1,15 @@
 """The PyTorch AOTInductor backend: torch.export + AOTInductor, run on CPU or CUDA.
 
-An entry holds one prefill graph (dynamic batch and prompt length, attention through SDPA's fused
-causal kernels), one decode graph per batch bucket (static batch; dynamic in how many cache slots
-attention reads; on the CPU the buckets share one graph of dynamic batch, `export.shared_decode_rows`),
-and the weights as one safetensors file in the engine's own fused layout and dtype. Each graph is
-compiled by `aoti_compile_and_package` without its weights inside (`package_constants_in_so=False`) and unpacked from the .pt2 into a folder holding the compiled
-.so (and, on CUDA, its cubins). At load the weights and a KV cache that trtbuild allocates are
-handed to every graph as user-managed constants, so prefill and decode share one cache and the
-weights exist once on disk and once in device memory. Compiled graphs are kept and found again by
-`graph_cache.py`; the graphs after the first compile side by side in `compile_workers.py`; the model
-is placed on the device and exported by `export.py`.
-"""
+An entry holds one prefill graph (dynamic batch and prompt length, attention through SDPA's fused causal
+kernels), one decode graph per batch bucket (static batch; dynamic in how many cache slots attention
+reads; on the CPU the buckets share one graph of dynamic batch, `export.shared_decode_rows`), and the
+weights as one safetensors file in the engine's own fused layout and dtype. Each graph is compiled by
+`aoti_compile_and_package` without its weights inside (`package_constants_in_so=False`) and unpacked from
+the .pt2 into a folder holding the compiled .so (and, on CUDA, its cubins). At load the weights and a KV
+cache that trtbuild allocates are handed to every graph as user-managed constants, so prefill and decode
+share one cache and the weights exist once on disk and once in device memory. Compiled graphs are kept
+and found again by `graph_cache.py`; the graphs after the first compile side by side in
+`compile_workers.py`; the model is placed on the device and exported by `export.py`. """
 
 from __future__ import annotations
 
