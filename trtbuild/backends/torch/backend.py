@@ -9,7 +9,8 @@ the .pt2 into a folder holding the compiled .so (and, on CUDA, its cubins). At l
 cache that trtbuild allocates are handed to every graph as user-managed constants, so prefill and decode
 share one cache and the weights exist once on disk and once in device memory. Compiled graphs are kept
 and found again by `graph_cache.py`; the graphs after the first compile side by side in
-`compile_workers.py`; the model is placed on the device and exported by `export.py`. """
+`compile_workers.py`; the model is placed on the device and exported by `export.py`.
+"""
 
 from __future__ import annotations
 
