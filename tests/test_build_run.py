@@ -53,12 +53,24 @@ def test_first_build_is_a_miss_and_publishes_a_complete_entry(built: dict[str, A
     assert not any((built["store"] / "v1" / ".tmp").iterdir()), "the build folder must be gone after publish"
 
 
+def test_on_the_cpu_the_decode_buckets_share_one_graph_compiled_once(built: dict[str, Any]) -> None:
+    """A CPU engine's decode buckets run one graph with a dynamic batch: one compiled-graph key, compiled for
+    the first bucket and copied for the other (its tokens at every batch: test_engine_tokens_match_the_eager_model)."""
+    entry = Path(built["build"]["engine"]["path"])
+    graphs = json.loads((entry / "engine.json").read_text())["graphs"]
+    assert graphs["decode_b1"]["digest"] == graphs["decode_b2"]["digest"] != graphs["prefill"]["digest"]
+    assert graphs["decode_b1"]["batch"] == graphs["decode_b2"]["batch"] == "dynamic"
+    assert graphs["decode_b1"]["reused"] is False and graphs["decode_b2"]["reused"] is True
+    assert graphs["decode_b2"]["compile_s"] < graphs["decode_b1"]["compile_s"]
+
+
 def test_the_build_reports_how_each_graphs_compile_divides_between_inductor_and_the_cxx_compiler(
         built: dict[str, Any]) -> None:
     phases = built["build"]["phases"]
     assert 0 < phases["compile_cxx_s"] < phases["compile_s"] and phases["compile_inductor_s"] > 0
     graphs = json.loads((Path(built["build"]["engine"]["path"]) / "engine.json").read_text())["graphs"]
-    here = [g for g in graphs.values() if "worker" not in g]  # a worker's graph is timed in its own report
+    # a worker's graph is timed in its own report; a bucket sharing another's decode graph is a copy
+    here = [g for g in graphs.values() if "worker" not in g and not g["reused"]]
     for graph in here:  # every graph compiled in the build's process: its parts fit in its compile
         assert graph["compile_cxx_s"] > 0 and graph["compile_inductor_s"] > 0
         assert graph["compile_cxx_s"] + graph["compile_inductor_s"] <= graph["compile_s"]
@@ -454,21 +466,21 @@ def test_compiled_graph_key_ignores_source_locations_but_not_shapes() -> None:
 
 def test_graphs_compiled_in_worker_processes_are_the_serial_builds_graphs(
         built: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With workers, the build compiles the prefill graph while two worker processes compile the decode
-    graphs from a model of their own with uninitialized weights. Their exports must be the build's
-    (same compiled-graph keys as the serial build of this recipe in `built`), they are recorded as
-    compiled, not reused, nothing of theirs is published with the engine, and the tokens are right."""
+    """With workers, the build compiles the prefill graph while a worker process compiles the decode graph
+    (the CPU buckets' one graph: a second worker would have nothing to do) from a model of its own with
+    uninitialized weights. Its export must be the build's (same compiled-graph keys as the serial build of
+    this recipe in `built`), it is recorded as compiled, not reused, the other bucket copies it, nothing of
+    the worker's is published with the engine, and the tokens are right."""
     monkeypatch.setenv("TRTBUILD_COMPILE_WORKERS", "2")
     recipe = load_recipe(built["recipe"])
     outcome = build(recipe, tmp_path / "store")
     entry = outcome.entry
-    assert entry.manifest["tactics"]["compile_workers"] == 2
-    assert entry.manifest["tactics"]["compiled_graphs_reused"] == []
+    assert entry.manifest["tactics"]["compile_workers"] == 1
+    assert entry.manifest["tactics"]["compiled_graphs_reused"] == ["decode_b2"]
     graphs = json.loads((entry.path / "engine.json").read_text())["graphs"]
-    assert "worker" not in graphs["prefill"]
-    for name in ("decode_b1", "decode_b2"):
-        assert graphs[name]["worker"]["ok"] is True, graphs[name]["worker"]
-        assert 0 < graphs[name]["worker"]["compile_s"] < graphs[name]["worker"]["total_s"]
+    assert "worker" not in graphs["prefill"] and "worker" not in graphs["decode_b2"]
+    assert graphs["decode_b1"]["worker"]["ok"] is True, graphs["decode_b1"]["worker"]
+    assert 0 < graphs["decode_b1"]["worker"]["compile_s"] < graphs["decode_b1"]["worker"]["total_s"]
     serial = json.loads((Store(built["store"]).find("tiny").path / "engine.json").read_text())["graphs"]
     assert {n: g["digest"] for n, g in graphs.items()} == {n: g["digest"] for n, g in serial.items()}
     assert not any(".workers" in f for f in entry.manifest["files"])

@@ -29,7 +29,9 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     hf = hf_model(request.param)
     hf.save_pretrained(root / "model", safe_serialization=True)
     doc = {"name": request.param, "model": {"source": "./model"}, "backend": "torch", "precision": "fp32",
-           "shapes": {"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 32, "batch_buckets": [2]},
+           # two buckets: on the CPU they share one decode graph with a dynamic batch, which each family's
+           # export must allow (test_buckets_sharing_the_decode_graph_give_each_row_its_tokens_at_batch_1)
+           "shapes": {"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 32, "batch_buckets": [1, 2]},
            "tactics": {"level": "none"}, "run": {"batch_size": 2, "input_len": PROMPT_LEN, "output_len": DECODE_STEPS}}
     (root / "recipe.yaml").write_text(yaml.safe_dump(doc))
     recipe = load_recipe(root / "recipe.yaml")
@@ -43,6 +45,17 @@ def test_compiled_engine_generates_transformers_tokens(engine: dict[str, Any]) -
     # the build's own entry (re-resolving the recipe would key it again, for no purpose here)
     with Session(engine["recipe"], engine["outcome"], engine["store"], allow_build=False) as session:
         got = session.greedy(tokens.tolist(), DECODE_STEPS)
+    assert got == want
+
+
+def test_buckets_sharing_the_decode_graph_give_each_row_its_tokens_at_batch_1(engine: dict[str, Any]) -> None:
+    """Each prompt alone runs the batch-1 bucket, the same compiled decode graph as the batch of 2."""
+    tokens = prompts()
+    _, want = hf_reference(engine["hf"], tokens)
+    graphs = json.loads((engine["outcome"].entry.path / "engine.json").read_text())["graphs"]
+    assert graphs["decode_b1"]["digest"] == graphs["decode_b2"]["digest"]
+    with Session(engine["recipe"], engine["outcome"], engine["store"], allow_build=False) as session:
+        got = [session.greedy([row], DECODE_STEPS)[0] for row in tokens.tolist()]
     assert got == want
 
 

@@ -30,3 +30,13 @@ def test_an_export_record_is_used_only_while_its_compiled_graph_is_complete(tmp_
     marker.write_text("x.so\n")
     assert graph_cache.known_export(tmp_path, "cd" * 32) == {"batch": 1, "window": "dynamic", "digest": digest}
     assert graph_cache.known_export(tmp_path, "ef" * 32) is None
+
+
+def test_a_cpu_engines_decode_buckets_share_one_graph_and_a_gpu_engines_keep_one_each() -> None:
+    from trtbuild.backends.torch.export import shared_decode_rows
+
+    assert shared_decode_rows("cpu", (1, 4)) == 4
+    assert shared_decode_rows("cpu", (4,)) == 0  # one bucket: its static graph, nothing to share
+    assert shared_decode_rows("cuda", (1, 4)) == 0 and shared_decode_rows("cuda:0", (1, 8)) == 0
+    assert graph_cache.architecture_key("decode_b1", {}, MATERIAL | {"shared_rows": 4}) != \
+        graph_cache.architecture_key("decode_b1", {}, MATERIAL | {"shared_rows": 0})

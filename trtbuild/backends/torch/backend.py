@@ -1,15 +1,15 @@
 """The PyTorch AOTInductor backend: torch.export + AOTInductor, run on CPU or CUDA.
 
-An entry holds one prefill graph (dynamic batch and prompt length, attention through SDPA's fused
-causal kernels), one decode graph per batch bucket (static batch; dynamic in how many cache slots
-attention reads), and the weights as one safetensors file in the engine's own fused layout and
-dtype. Each graph is compiled by `aoti_compile_and_package` without its weights inside
-(`package_constants_in_so=False`) and unpacked from the .pt2 into a folder holding the compiled
-.so (and, on CUDA, its cubins). At load the weights and a KV cache that trtbuild allocates are
-handed to every graph as user-managed constants, so prefill and decode share one cache and the
-weights exist once on disk and once in device memory. Compiled graphs are kept and found again by
-`graph_cache.py`; the graphs after the first compile side by side in `compile_workers.py`; the model
-is placed on the device and exported by `export.py`.
+An entry holds one prefill graph (dynamic batch and prompt length, attention through SDPA's fused causal
+kernels), one decode graph per batch bucket (static batch; dynamic in how many cache slots attention
+reads; on the CPU the buckets share one graph of dynamic batch, `export.shared_decode_rows`), and the
+weights as one safetensors file in the engine's own fused layout and dtype. Each graph is compiled by
+`aoti_compile_and_package` without its weights inside (`package_constants_in_so=False`) and unpacked from
+the .pt2 into a folder holding the compiled .so (and, on CUDA, its cubins). At load the weights and a KV
+cache that trtbuild allocates are handed to every graph as user-managed constants, so prefill and decode
+share one cache and the weights exist once on disk and once in device memory. Compiled graphs are kept
+and found again by `graph_cache.py`; the graphs after the first compile side by side in
+`compile_workers.py`; the model is placed on the device and exported by `export.py`.
 """
 
 from __future__ import annotations
@@ -157,6 +157,7 @@ class TorchAOTIBackend:
         phases["select_prefill_attention_s"] = time.perf_counter() - t
 
         paged = [export.PAGED] if _option(recipe, "kv_cache") == "paged" else []
+        shared_rows = export.shared_decode_rows(device, shapes.batch_buckets)
         names = ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets), *paged]
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in names}
         # Everything an export reads but the weights' values: a graph an earlier build exported from the same
@@ -168,16 +169,19 @@ class TorchAOTIBackend:
                     "plan": {str(b): {decode_kernels.key_name(k): c.name for k, c in sorted(p.items())}
                              for b, p in plan.items()},
                     "attention": attention["used"], "prefill_attention": prompt["used"],
-                    "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"]}
+                    "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "shared_rows": shared_rows}
         graphs: dict[str, dict[str, Any]] = {}
         records: dict[str, tuple[str, dict[str, Any]]] = {}  # name -> (architecture key, export record)
         for name in names:
             architecture = graph_cache.architecture_key(name, configs[name], material)
             known = graph_cache.known_export(job.tactics.path, architecture)
-            if known is None:
+            shared = next((g for n, g in graphs.items() if shared_rows and bucket(n) and "program" in g), None)
+            if known is None and shared is not None:  # the buckets' one decode program, exported already
+                graphs[name] = shared | {"export_s": 0.0}
+            elif known is None:
                 job.progress(f"exporting {name}")
                 graphs[name] = export_graph(model, name, shapes, device, plan.get(bucket(name), {}),
-                                            attention["used"], prompt["used"])
+                                            attention["used"], prompt["used"], shared_rows)
                 graphs[name]["digest"] = graph_cache.graph_digest(graphs[name]["program"], configs[name])
             else:
                 graphs[name] = known | {"export_s": 0.0}
@@ -187,7 +191,11 @@ class TorchAOTIBackend:
                 graphs[name]["fused_outside"] = decode_kernels.fused_outside(matmuls, bucket(name))
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
         graph_cache.sweep_half_copied(job.tactics.path)
-        missing = [n for n, g in graphs.items() if not graph_cache.cached(job.tactics.path, g["digest"]).is_file()]
+        missing: list[str] = []  # one name a digest: buckets sharing one decode graph compile it once, then copy it
+        for name, graph in graphs.items():
+            if not graph_cache.cached(job.tactics.path, graph["digest"]).is_file() and \
+                    all(graphs[n]["digest"] != graph["digest"] for n in missing):
+                missing.append(name)
         workers_n = compile_workers.worker_count(len(missing), model_bytes(model), device)
         tuned: list[dict[str, Any]] = []
         t = time.perf_counter()
@@ -196,7 +204,7 @@ class TorchAOTIBackend:
                   "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
                   "attention": attention["used"], "prefill_attention": prompt["used"],
-                  "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"]}
+                  "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "shared_rows": shared_rows}
         with inductor_caches(job.tactics.path), record_autotuning(tuned), \
                 compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers, \
                 (compile_workers.timing_alone(job.tactics.path / compile_workers.TIMING_LOCK) if workers_n

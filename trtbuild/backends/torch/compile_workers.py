@@ -177,7 +177,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     spec: folder (the model folder, for config.json), precision, device, max_batch_size, max_input_len,
     max_seq_len, level (tactics level), graph ("prefill" or "decode_b<N>"), matmuls ({"<out>x<in>[+fusion]":
     configuration name} for trtbuild's decode matmul), attention (Attention.decode_kernel), prefill_attention
-    (Attention.prefill_kernel, for a prefill graph), tactics (the tactic cache folder), workdir (a folder of its own), digest (the cache key the build computed for this graph).
+    (Attention.prefill_kernel, for a prefill graph), shared_rows (export.shared_decode_rows), tactics (the
+    tactic cache folder), workdir (a folder of its own), digest (the cache key the build computed for this graph).
     """
     import torch
 
@@ -208,7 +209,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         for key, name in spec["matmuls"].items():
             matmuls[decode_kernels.parse_key(key)] = MatmulConfig.parse(name)
     graph = export.export_graph(model, spec["graph"], shapes, spec["device"], matmuls, spec["attention"],
-                                    spec.get("prefill_attention", "sdpa"))
+                                    spec.get("prefill_attention", "sdpa"), spec.get("shared_rows", 0))
     configs = inductor.inductor_configs(spec["level"], spec["device"], spec["graph"])
     digest = graph_cache.graph_digest(graph["program"], configs)
     if digest != spec["digest"]:

@@ -48,10 +48,20 @@ def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str,
     return model.eval().requires_grad_(False)
 
 
+def shared_decode_rows(device: str, buckets: tuple[int, ...] | list[int]) -> int:
+    """The batch up to which one decode graph with a dynamic batch serves every bucket, or 0 for a graph per
+    bucket. On the CPU a graph is a whole Inductor and C++ compile (tiny-llama: 11-12 CPU s a decode graph on
+    2 cores, 2026-12-06) and nothing is captured per bucket, so the buckets share one graph and the build
+    compiles it once. On CUDA each bucket keeps its static graph: its kernels are tuned and its CUDA graphs
+    captured at that batch."""
+    return max(buckets) if device == "cpu" and len(buckets) > 1 else 0
+
+
 def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[decode_kernels.MatmulKey, Any],
-                 attention: str, prefill_kernel: str = "sdpa") -> dict[str, Any]:
+                 attention: str, prefill_kernel: str = "sdpa", shared_rows: int = 0) -> dict[str, Any]:
     """Export one graph: "prefill" with its attention through `prefill_kernel`, or "decode_b<N>" with
-    the decode kernels routed as planned."""
+    the decode kernels routed as planned; with `shared_rows` (`shared_decode_rows`), a decode graph of any
+    batch up to it, the same program for every bucket."""
     t = time.perf_counter()
     if name == PAGED:
         return {"batch": "dynamic", "program": export_paged(model, shapes.max_input_len, shapes.max_seq_len, device),
@@ -62,8 +72,8 @@ def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[
         return {"batch": "dynamic", "program": ep, "prefill_attention": prefill_kernel,
                 "export_s": time.perf_counter() - t}
     with decode_kernels.routed(model, matmuls, attention), quantized_decode(model, device, matmuls, bucket(name)):
-        ep = export_decode(model, bucket(name), shapes.max_seq_len, device)
-    return {"batch": bucket(name), "program": ep, "window": "dynamic",
+        ep = export_decode(model, bucket(name), shapes.max_seq_len, device, shared_rows)
+    return {"batch": "dynamic" if shared_rows else bucket(name), "program": ep, "window": "dynamic",
             "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
             "attention": attention, "export_s": time.perf_counter() - t}
 
@@ -140,23 +150,28 @@ def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: 
                                    prefer_deferred_runtime_asserts_over_guards=True)
 
 
-def export_decode(model: Any, batch: int, max_seq_len: int, device: str) -> Any:
+def export_decode(model: Any, batch: int, max_seq_len: int, device: str, rows_max: int = 0) -> Any:
     """The decode step at one batch size: inputs the tokens (B, 1), each row's position (B, 1), each row's
     cache row (B,) and the span of cache slots attended over. Static batch, and one dynamic dimension, the
-    span (the runtime picks the smallest window that covers every row's position)."""
+    span (the runtime picks the smallest window that covers every row's position); with `rows_max` > 1 the
+    batch is dynamic too, 1 to `rows_max`, exported at 2 rows whatever `batch` is (every bucket the same
+    program)."""
     import torch
     from torch.export import Dim
 
     from trtbuild.models.llama import Step
 
     window = {0: Dim("window", min=2, max=max_seq_len)} if max_seq_len > 2 else None
+    rows = {0: Dim("rows", min=1, max=rows_max)} if rows_max > 1 else None
+    if rows is not None:
+        batch = 2  # an example of 1 row would specialize the dimension to 1
     with torch.no_grad():
         return torch.export.export(Step(model, from_start=False),
                                    (torch.zeros(batch, 1, dtype=torch.long, device=device),
                                     torch.ones(batch, 1, dtype=torch.long, device=device),
                                     torch.arange(batch, device=device),
                                     torch.arange(max_seq_len, device=device)),
-                                   dynamic_shapes=(None, None, None, window),
+                                   dynamic_shapes=(rows, rows, rows, window),
                                    prefer_deferred_runtime_asserts_over_guards=True)
 
 
