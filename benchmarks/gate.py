@@ -477,12 +477,27 @@ def commit() -> str:
         return "unknown"
 
 
+def steps_to_run(part: str, only: str | None) -> list[str]:
+    """The steps of `part` in their order, or with `only` (a comma list of STEPS' keys) those alone, in the
+    order every step runs: a rerun of the rows one change can move (a quantized kernel: the quantized builds and
+    rows, with the bf16 engine they are measured against), on one call."""
+    if only:
+        wanted = [k.strip() for k in only.split(",") if k.strip()]
+        unknown = [k for k in wanted if k not in STEPS]
+        if unknown:
+            raise SystemExit(f"gate.py: --only: unknown step(s) {', '.join(unknown)} (known: {', '.join(STEPS)})")
+        return [k for k in ALL_ORDER if k in wanted]
+    return list(ALL_ORDER) if part == "all" else [k for k, s in STEPS.items() if str(s.part) == part]
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=("1", "2", "3", "all"), default="all",
                     help="1: the 1B bf16 rows with torch.compile and the profile; 2: serve, fp8/int4_wo, SmolLM2 (on "
                          "the same warm machine: part 1's store in --engines); all: both in one call (seeded)")
     ap.add_argument("--plan", action="store_true", help="print the steps and their estimated seconds, run nothing")
+    ap.add_argument("--only", default=None, help=f"a comma list of steps to run alone, whatever --part says "
+                                                 f"({', '.join(STEPS)})")
     ap.add_argument("--budget", type=float, default=560.0, help="seconds this run may take in all (default 560)")
     ap.add_argument("--reserve", type=float, default=15.0, help="seconds kept back from each step for the report")
     ap.add_argument("--engines", default="/tmp/gate-engines", help="the store (part 2 reuses part 1's)")
@@ -543,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
           f"budget {args.budget:.0f} s, out {g.out}")
     for seed in args.seed:
         unpack_seeds(g, seed)
-    order = ALL_ORDER if args.part == "all" else [k for k, s in STEPS.items() if str(s.part) == args.part]
+    order = steps_to_run(args.part, args.only)
     try:
         for key in order:
             if g.left() < args.reserve + 15:

@@ -158,3 +158,11 @@ def test_cpu_smoke_run(tmp_path: Path) -> None:
     assert names["tiny serve 4 streams output tok/s"]["value"] > 0
     assert names["SmolLM2-135M bf16 greedy = transformers"]["verdict"] == "not run"
     assert (tmp_path / "out" / "details.tar.gz").is_file() and base.is_file()
+
+
+def test_only_runs_the_named_steps_in_the_order_every_step_runs() -> None:
+    """--only reruns the rows one change can move, in the gate's own order; an unknown step is one line."""
+    assert gate.steps_to_run("2", "bench_quant,build_int4,build_bf16") == ["build_bf16", "build_int4", "bench_quant"]
+    assert gate.steps_to_run("1", None) == ["build_bf16", "profile", "bench_bf16"]
+    with pytest.raises(SystemExit, match="unknown step\\(s\\) build_fp4"):
+        gate.steps_to_run("all", "build_fp4")

@@ -17,9 +17,14 @@ no repacking. Each byte's group scale s and zero z are gathered beside it. The n
 no int-to-float conversion (a quarter-rate instruction on the GPU, which would cap the kernel below the
 memory's rate): a nibble q shifted into the mantissa of 1.0 (bits 19-22 of 0x3F800000) is the fp32
 1 + q/16, exactly, with a shift and a mask-and-or, and (q - z) s = (1 + q/16) 16s - (16 + z) s is then
-one multiply-add. The step's products are summed once a step, as the dense kernel does. (A form that
-summed each group apart and applied its scale and zero once per group measured slower: a 1B int4 decode
-step 1.890 -> 2.420 ms on an H100, 2026-12-06; it sums across threads once a group, this once a step.)
+one multiply-add. The step's products are summed once a step, as the dense kernel does. That is the one-row
+path: a form that summed each group apart and applied its scale and zero once per group measured slower there
+(a 1B int4 decode step 1.890 -> 2.420 ms on an H100, 2026-12-06; it sums across threads once a group). Several
+rows take the tensor cores a group at a time in that factored form, 1 + q/16 being exact in bf16 and the
+group's scale and zero applied once per group and row: there the one-load step, dequantizing every weight to
+bf16 before the dot, measured slower (1B int4 decode at batch 8, 1.496 -> 2.766 ms, H100, 2026-12-06).
+(The reference dequantization rounds each weight to bf16 first; the factored sum does not, a difference
+within bf16's rounding of the result.)
 
 Registered as the custom op `trtbuild::quant_matmul`, which the decode graphs of a quantized CUDA engine
 call for every quantized Linear (`Linear.decode_config`); the configuration is timed per format, weight
@@ -86,7 +91,7 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     q_rows = q_ptr + offs_n[:, None] * stride_qn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if INT4:
+    if INT4 and not USE_DOT:
         # A step of BLOCK_K columns is one load of its BLOCK_K / 2 bytes a row: BLOCK_K / GROUP groups' bytes back
         # to back, byte j of group g holding columns g * GROUP + j (low nibble) and g * GROUP + GROUP / 2 + j
         # (high). Each byte's group scale and zero are gathered beside it (the same few addresses per row: L1).
@@ -111,11 +116,33 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
             # 1 + q/16 as fp32: the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
             w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
             w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
-            if USE_DOT:  # rounded to the activations' dtype, as the reference dequantization rounds
-                w_lo = w_lo.to(x_lo.dtype)
-                w_hi = w_hi.to(x_lo.dtype)
-            acc = dot_acc(acc, x_lo, w_lo, USE_DOT)
-            acc = dot_acc(acc, x_hi, w_hi, USE_DOT)
+            acc = dot_acc(acc, x_lo, w_lo, False)
+            acc = dot_acc(acc, x_hi, w_hi, False)
+    elif INT4:
+        # Several rows, on the tensor cores: a group at a time, its dequantization factored out of the dot
+        # (1 + q/16 is exact in bf16, the dot's operand) and applied once per group and row:
+        # sum_k x_k (q_k - z) s = s (16 sum_k x_k (1 + q_k/16) - (16 + z) sum_k x_k)
+        HALF_G: tl.constexpr = GROUP // 2
+        offs_h = tl.arange(0, HALF_G)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            for g in tl.static_range(BLOCK_K // GROUP):
+                col = k0 + g * GROUP  # the group's first column; K is whole groups, so a group is in or out
+                # (as vectors: Triton's interpreter takes no scalar in a mask)
+                live_g = (col + offs_h) < k_end
+                g_mask = n_mask[:, None] & live_g[None, :]
+                packed = tl.load(q_rows + col // 2 + offs_h[None, :], mask=g_mask, other=0).to(tl.int32)
+                s_mask = n_mask & ((offs_n * 0 + col) < k_end)
+                scale = tl.load(s_ptr + offs_n * stride_sn + col // GROUP, mask=s_mask, other=0.0).to(tl.float32)
+                zero = tl.load(z_ptr + offs_n * stride_sn + col // GROUP, mask=s_mask, other=0.0).to(tl.float32)
+                xg_mask = m_mask[:, None] & live_g[None, :]
+                x_lo = tl.load(x_rows + col + offs_h[None, :], mask=xg_mask, other=0.0)
+                x_hi = tl.load(x_rows + col + HALF_G + offs_h[None, :], mask=xg_mask, other=0.0)
+                w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True).to(x_lo.dtype)
+                w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True).to(x_lo.dtype)
+                part = dot_acc(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_lo, w_lo, True)
+                part = dot_acc(part, x_hi, w_hi, True)
+                x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+                acc += scale[None, :] * (16.0 * part - (16.0 + zero)[None, :] * x_sum[:, None])
     else:
         offs_k = tl.arange(0, BLOCK_K)
         for k0 in range(k_start, k_end, BLOCK_K):
