@@ -2,7 +2,7 @@
 with the card's baseline; a row more than 3% worse fails the gate (exit status 1).
 
     python3 benchmarks/gate.py --plan                                   # the steps, the parts, their seconds
-    python3 benchmarks/gate.py --part 1 --seed benchmarks/results/2026-12-06-h100-gate --out $OUT
+    python3 benchmarks/gate.py --part 1 --seed benchmarks/results/2026-12-06-h100-gate-2 --out $OUT
     python3 benchmarks/gate.py --part 2 --smollm2 /tmp/smollm2 --out $OUT   # same machine, warm: part 1's store
     python3 benchmarks/gate.py --cpu-smoke --out /tmp/gate-smoke        # the plumbing on a CPU, tiny shapes
 
