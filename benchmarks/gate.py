@@ -4,6 +4,7 @@ with the card's baseline; a row more than 3% worse fails the gate (exit status 1
     python3 benchmarks/gate.py --plan                                   # the steps, the parts, their seconds
     python3 benchmarks/gate.py --part 1 --seed benchmarks/results/2026-12-06-h100-gate-2 --out $OUT
     python3 benchmarks/gate.py --part 2 --smollm2 /tmp/smollm2 --out $OUT   # same machine, warm: part 1's store
+    python3 benchmarks/gate.py --part 3 --smollm2 /tmp/smollm2 --out $OUT   # SmolLM2 alone, if part 2 was cut off
     python3 benchmarks/gate.py --cpu-smoke --out /tmp/gate-smoke        # the plumbing on a CPU, tiny shapes
 
 The matrix (docs/gate.md): the 1B bf16 engine's decode b1 / b8 and prefill 128 / 1024 / 2048 beside torch.compile
@@ -58,29 +59,32 @@ class Step:
 # In the order they run: in each part the longest, least predictable tail last (torch.compile's autotuning in
 # part 1), so a cut-off costs the fewest rows. Estimates on an H100.
 STEPS = {
-    "build_bf16": Step("build 1B bf16", 1, 197, 70,
+    "build_bf16": Step("build 1B bf16", 1, 197, 105,
                        "results/2026-12-06-h100-gate: 197 s cold on an H100 (matmul selection 64 s, compile 103 s); "
-                       "seeded: compiled graphs copied, matmul timings taken again where the kernel list changed"),
-    "profile": Step("profile step vs run TPOT", 1, 20, 20,
-                    "results/2026-12-06-h100-gate: 17 s (load, one profile, one run of 128 tokens)"),
-    "bench_bf16": Step("1B bf16 rows, engine and torch.compile", 1, 275, 110,
-                       "results/2026-12-06-h100-gate: 271 s cold, nearly all torch.compile's max-autotune; a seeded "
-                       "Inductor cache skips the autotuning"),
-    "serve": Step("serve 1B, 16 streams, 20 s", 2, 66, 66,
-                  "results/2026-12-06-h100-gate: 66 s (server load and warm-up, 20 s of load, drain)"),
-    "build_fp8": Step("build 1B fp8", 2, 155, 45, "results/2026-12-06-h100-gate: 155 s on an H100"),
-    "build_int4": Step("build 1B int4_wo", 2, 237, 55,
-                       "results/2026-12-06-h100-gate: 237 s on an H100 (GPTQ and the quantized tactic selection)"),
+                       "results/2026-12-06-h100-gate-2: 105 s with the matmul timings seeded, the graphs compiled"),
+    "profile": Step("profile step vs run TPOT", 1, 20, 15,
+                    "results/2026-12-06-h100-gate-2: 11 s (load, one profile, one run of 128 tokens)"),
+    "bench_bf16": Step("1B bf16 rows, engine and torch.compile", 1, 275, 215,
+                       "results/2026-12-06-h100-gate: 271 s cold, -gate-2: 211 s, nearly all torch.compile's "
+                       "max-autotune; a seeded Inductor cache skips the autotuning"),
+    "serve": Step("serve 1B, 16 streams, 20 s", 2, 66, 55,
+                  "results/2026-12-06-h100-gate-2: 54 s (server load and warm-up, 20 s of load, drain)"),
+    "build_fp8": Step("build 1B fp8", 2, 155, 120,
+                      "results/2026-12-06-h100-gate-3: 151 s on a fresh H100; -gate-2: 116 s after the bf16 build"),
+    "build_int4": Step("build 1B int4_wo", 2, 185, 135,
+                       "results/2026-12-06-h100-gate-3: 182 s on a fresh H100; -gate-2: 132 s after the bf16 build"),
     "bench_quant": Step("1B fp8 / int4_wo / bf16 decode", 2, 20, 20,
-                        "three cache hits, 5 generations of 128 tokens per batch and the prefill lengths each"),
-    "smollm2": Step("SmolLM2 greedy vs transformers", 3, 130, 100,
-                    "unpack 10 s, a 135M engine at tactics level none ~60 s, transformers' generate 20 s"),
+                        "results/2026-12-06-h100-gate-2: 15 s (three cache hits)"),
+    # last in part 2, where its time is left; `--part 3` runs it alone where part 2 was cut off before it
+    "smollm2": Step("SmolLM2 greedy vs transformers", 2, 115, 115,
+                    "results/2026-12-06-h100-gate-2: 111 s (unpack, a 135M engine at tactics level none, "
+                    "transformers' generate)"),
 }
 
 
 def plan_text(seeded: bool) -> str:
     lines = [f"{'part':<5} {'step':<42} {'cold s':>7} {'seeded s':>9}  basis"]
-    for part in (1, 2, 3):
+    for part in (1, 2):
         steps = [s for s in STEPS.values() if s.part == part]
         for s in steps:
             lines.append(f"{part:<5} {s.name:<42} {s.cold_s:7.0f} {s.seeded_s:9.0f}  {s.basis}")
@@ -89,7 +93,7 @@ def plan_text(seeded: bool) -> str:
         lines.append(f"{part:<5} {'total (with ' + str(int(STARTUP_S)) + ' s start-up)':<42} {cold:7.0f} {warm:9.0f}")
     total = STARTUP_S + sum(s.seeded_s for s in STEPS.values())
     lines.append(f"all parts in one call, seeded: ~{total:.0f} s ({'fits' if total < 560 else 'does not fit'} "
-                 "one 10-minute call); cold: three calls")
+                 "one 10-minute call); cold: two calls (`--part 3`: SmolLM2 alone, where part 2 was cut off)")
     lines.append(f"running now: {'seeded' if seeded else 'cold'} estimates")
     return "\n".join(lines)
 
@@ -487,6 +491,8 @@ def steps_to_run(part: str, only: str | None) -> list[str]:
         if unknown:
             raise SystemExit(f"gate.py: --only: unknown step(s) {', '.join(unknown)} (known: {', '.join(STEPS)})")
         return [k for k in ALL_ORDER if k in wanted]
+    if part == "3":  # the SmolLM2 row alone, on the machine part 2 left warm
+        return ["smollm2"]
     return list(ALL_ORDER) if part == "all" else [k for k, s in STEPS.items() if str(s.part) == part]
 
 
