@@ -278,9 +278,15 @@ def own_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Seaw
 
 
 def _kill_at_first_bytes(server: Seaweed) -> Callable[[str], None]:
-    """A progress callback that kills the server with SIGKILL as soon as the transfer has moved some bytes."""
+    """A progress callback that kills the server with SIGKILL as soon as the transfer has moved some bytes, once:
+    a transfer thread still reporting after the push has failed (a loaded host) must not kill the server the
+    test starts again."""
+    killed: list[bool] = []
+
     def progress(message: str) -> None:
-        server.kill()
+        if not killed:
+            killed.append(True)
+            server.kill()
 
     return progress
 

@@ -346,6 +346,7 @@ def test_compile_workers_end_with_a_killed_build_and_publish_nothing_half_writte
     assert proc.returncode == 0, proc.stderr[-800:]
     entry = Path(read_json_line(proc.stdout)["engine"]["path"])
     engine = json.loads((entry / "engine.json").read_text())
+    # the CPU's buckets share one decode graph: a worker compiles it once, and decode_b2 is its copy
     assert {n: g.get("worker", {}).get("ok") for n, g in engine["graphs"].items()} == {
-        "prefill": None, "decode_b1": True, "decode_b2": True}
+        "prefill": None, "decode_b1": True, "decode_b2": None}
     assert not half.exists()

@@ -176,7 +176,8 @@ class TorchAOTIBackend:
             architecture = graph_cache.architecture_key(name, configs[name], material)
             known = graph_cache.known_export(job.tactics.path, architecture)
             shared = next((g for n, g in graphs.items() if shared_rows and bucket(n) and "program" in g), None)
-            if known is None and shared is not None:  # the buckets' one decode program, exported already
+            if known is None and shared is not None and bucket(name):  # the buckets' one decode program, exported
+                # already (a decode bucket only: the paged graph is a program of its own)
                 graphs[name] = shared | {"export_s": 0.0}
             elif known is None:
                 job.progress(f"exporting {name}")
