@@ -113,3 +113,33 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 
 def read_json_line(stdout: str) -> Any:
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def run_compiled_triton(script: Path) -> None:
+    """Run a test script in a process of its own with Triton's interpreter off (export traces a Triton op's
+    kernel launch only there), the checkout and wherever Triton was found (a --target folder in the CPU
+    instructions) on its path; it must end by printing "ok"."""
+    import subprocess
+
+    import triton
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(Path(triton.__file__).resolve().parents[1])])
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+def random_tiny_model(max_batch_size: int, max_seq_len: int = 96) -> Any:
+    """TINY_CONFIG's eager Transformer in fp32, its weights seeded normal with std 0.2, in eval mode."""
+    import torch
+
+    from trtbuild.models.llama import LlamaConfig, Transformer
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig.from_hf(dict(TINY_CONFIG))
+    model = Transformer(cfg, max_batch_size=max_batch_size, max_seq_len=max_seq_len, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.eval()

@@ -61,8 +61,7 @@ def test_the_kernel_exports_as_one_opaque_op_whose_source_keys_the_compiled_grap
     """A decode graph exported with MoE.decode_kernel "kernel" calls trtbuild::moe_gathered as one op (what
     AOTInductor compiles in), and the compiled-graph cache's key takes the kernel's source digest. In a
     process of its own: export traces the op's kernel launch only where Triton's interpreter is off."""
-    import subprocess
-    import sys
+    from .conftest import run_compiled_triton
 
     script = tmp_path / "export_moe.py"
     script.write_text(
@@ -85,11 +84,4 @@ def test_the_kernel_exports_as_one_opaque_op_whose_source_keys_the_compiled_grap
         "assert 'torch.ops.trtbuild.moe_gathered.default' in text, text\n"
         "assert sources_called(text) == '\\0trtbuild.moe_gathered ' + source_digest()\n"
         "print('ok')\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    import triton
-
-    # the checkout and wherever Triton was found (a --target folder in the CPU instructions)
-    env["PYTHONPATH"] = os.pathsep.join([str(root), str(Path(triton.__file__).resolve().parents[1])])
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    run_compiled_triton(script)

@@ -6,8 +6,6 @@ interpreter's bf16 dot is not reliable."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +16,7 @@ if not torch.cuda.is_available():  # read when the kernels are defined, so befor
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from tests.conftest import TINY_CONFIG  # noqa: E402 - after the interpreter is chosen
+from tests.conftest import TINY_CONFIG, run_compiled_triton  # noqa: E402 - after the interpreter is chosen
 from trtbuild.models import llama  # noqa: E402
 from trtbuild.models.paged import BLOCK, PagedStep, pool_shape  # noqa: E402
 
@@ -178,11 +176,4 @@ def test_the_paged_graph_exports_the_kernel_as_one_opaque_op_a_layer_with_rows_a
         "assert ranges == [(1, 32), (1, 256), (2, 8), (2, 2**24)], ranges\n"
         "assert sources_called(text) == '\\0trtbuild.paged_attention ' + source_digest()\n"
         "print('ok')\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    import triton
-
-    # the checkout and wherever Triton was found (a --target folder in the CPU instructions)
-    env["PYTHONPATH"] = os.pathsep.join([str(root), str(Path(triton.__file__).resolve().parents[1])])
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=root)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    run_compiled_triton(script)

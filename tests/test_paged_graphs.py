@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import TINY_CONFIG
+from tests.conftest import random_tiny_model
 from trtbuild.backends.torch.paged_graphs import PagedDecodeGraphs, bucket_for, buckets
 from trtbuild.backends.torch.paged_runtime import PagedCache
 from trtbuild.errors import InputError
-from trtbuild.models.llama import LlamaConfig, Transformer
 from trtbuild.models.paged import BLOCK, PagedStep
 
 
@@ -37,21 +36,11 @@ def test_the_static_buffers_hold_the_rows_then_padding_rows_on_the_scratch_block
         graphs.host_rows(4, [[1] * 6], [1], [90])
 
 
-def _model() -> Transformer:
-    torch.manual_seed(0)
-    cfg = LlamaConfig.from_hf(dict(TINY_CONFIG))
-    model = Transformer(cfg, max_batch_size=1, max_seq_len=96, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    return model.eval()
-
-
 def test_a_padded_bucket_step_gives_the_direct_steps_logits_and_writes_only_its_rows_and_the_scratch() -> None:
     """Three rows at very different lengths run in the 4-row bucket (full-width tables, one padding row) and
     directly (tables as wide as the longest row): the same greedy tokens and logits, and the same pools but
     for the scratch block, which only the padding row wrote."""
-    model = _model()
+    model = random_tiny_model(max_batch_size=1)
     cfg, step = model.cfg, PagedStep(model)
     direct = PagedCache(step, cfg, 20, torch.float32, "cpu", 96, graphs=False)
     assert direct.graphs is None and direct.scratch == 20 and direct.pools[0].shape[0] == 21
@@ -79,7 +68,7 @@ def test_bucket_graphs_only_where_the_graph_attends_through_the_paged_kernel(mon
     the buckets reach the paged graph's 256 rows or the pool's blocks, whichever is fewer."""
     from trtbuild.models import llama
 
-    model = _model()
+    model = random_tiny_model(max_batch_size=1)
     assert PagedCache(PagedStep(model), model.cfg, 8, torch.float32, "cpu", 96).graphs is None
     monkeypatch.setattr(llama, "paged_kernel", lambda cfg, pool: True)
     graphs = PagedCache(PagedStep(model), model.cfg, 40, torch.float32, "cpu", 96).graphs

@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from tests.conftest import TINY_CONFIG
-from trtbuild.models.llama import LlamaConfig, Transformer
+from tests.conftest import random_tiny_model
+from trtbuild.models.llama import Transformer
 from trtbuild.models.paged import BLOCK, PagedStep, pool_shape
-
-
-def _model() -> Transformer:
-    torch.manual_seed(0)
-    cfg = LlamaConfig.from_hf(dict(TINY_CONFIG))
-    model = Transformer(cfg, max_batch_size=2, max_seq_len=96, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    return model.eval()
 
 
 def _rows_reference(model: Transformer, prompt: list[int], n: int) -> list[torch.Tensor]:
@@ -34,7 +24,7 @@ def _rows_reference(model: Transformer, prompt: list[int], n: int) -> list[torch
 
 
 def test_chunked_prefill_and_decode_through_block_tables_match_the_row_cache() -> None:
-    model = _model()
+    model = random_tiny_model(max_batch_size=2)
     cfg = model.cfg
     pools = [torch.zeros(pool_shape(cfg, 12)) for _ in range(2 * cfg.num_layers)]
     step = PagedStep(model)

@@ -36,7 +36,6 @@ CHANNEL_GPTQ: tuple[str, ...] = ("fp8",)
 def check(recipe: Any) -> list[str]:
     """What a recipe asks of quantization that cannot be built."""
     problems = []
-    quantized = recipe.precision in QUANTIZED_PRECISIONS
     if "int4_method" in recipe.options and recipe.precision != "int4_wo":
         problems.append(f"options.int4_method: only for precision int4_wo, not {recipe.precision}")
     if "fp8_method" in recipe.options and recipe.precision != "fp8":
