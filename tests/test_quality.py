@@ -50,8 +50,6 @@ def smollm2() -> dict[str, Any]:
     return {"folder": folder, "cfg": cfg, "ids": ids, "dense": dense, "shapes": shapes, "fp32": fp32}
 
 
-
-
 @pytest.mark.parametrize("precision", ["fp8", "int8_wo", "int4_wo"])
 def test_perplexity_of_the_stored_weights_is_within_budget_of_fp32_on_every_kind_of_text(
         smollm2: dict[str, Any], precision: str) -> None:
