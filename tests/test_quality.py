@@ -50,14 +50,7 @@ def smollm2() -> dict[str, Any]:
     return {"folder": folder, "cfg": cfg, "ids": ids, "dense": dense, "shapes": shapes, "fp32": fp32}
 
 
-# int4_wo misses on every text (+14% to +31%) as calibrated by default (docs/quantization.md): an expected
-# failure, strict, so the test fails the day a calibration meets the budget and the mark must go. fp8 rounded
-# to nearest missed on documentation (+2.57%); its default, GPTQ per output channel, holds (worst +0.95%).
-_MISSES = pytest.mark.xfail(strict=True, reason="misses its budget on some kinds of text (docs/quantization.md)")
-
-
-@pytest.mark.parametrize("precision", ["fp8", "int8_wo",
-                                       pytest.param("int4_wo", marks=_MISSES)])
+@pytest.mark.parametrize("precision", ["fp8", "int8_wo", "int4_wo"])
 def test_perplexity_of_the_stored_weights_is_within_budget_of_fp32_on_every_kind_of_text(
         smollm2: dict[str, Any], precision: str) -> None:
     from trtbuild.backends.torch.export import place_model
