@@ -96,3 +96,23 @@ def test_gpu_timings_hold_the_shared_lock_and_the_benchmarker_is_restored_after(
     assert bench.benchmark_gpu(lambda: None) == 1.0
     assert held == [True, False]
     assert bench.benchmark_gpu is fake_timing
+
+
+def test_a_fork_of_a_process_whose_openmp_threads_ran_still_runs_tensor_operations(tmp_path: Path) -> None:
+    """libgomp's thread pool does not survive a fork: a child that entered a parallel region would wait for
+    the parent's threads forever. A fork of a build that has used them (loading a real model's weights does)
+    must still copy tensors."""
+    import time
+
+    import torch
+
+    big = torch.ones(1 << 23)
+    big.clone()  # large enough to run on every thread: the parent's pool is started
+    with compile_workers.Forks(tmp_path / "forks") as forks:
+        forks.start("copy", lambda: {"sum": float(big.clone().sum())})
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "forks" / "copy.result.json").is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "forks" / "copy.result.json").is_file(), "the fork hung in a tensor copy"
+        report = forks.wait("copy")
+    assert report is not None and report["ok"] and report["sum"] == float(1 << 23)

@@ -170,6 +170,12 @@ class Forks:
             os.dup2(out_file.fileno(), 2)  # (the compilers' output too, written to the descriptors)
             sys.stdout = sys.stderr = out_file
             _end_with_parent(parent)
+            import torch
+
+            # The parent's OpenMP thread pool did not come with the fork, and libgomp waits for it forever at the
+            # next parallel region (a SmolLM2 build's child hung in a tensor copy, 2026-12-06); one thread runs
+            # no parallel region. The child only compiles: its tensor work is small copies.
+            torch.set_num_threads(1)
             out = work()
             result.write_text(json.dumps(out | {"total_s": time.perf_counter() - started}))
             status = 0
