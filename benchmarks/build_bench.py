@@ -131,7 +131,8 @@ def main() -> None:
         if args.only in (None, "smollm2"):
             rows += smollm2_rows(work)
     # compile s is wall time in the build process; Inductor / C++ are the seconds of the graphs it compiled itself
-    # (a worker's graph is timed in its own report: the `worker s` column, its whole life)
+    # or in its forks (a CPU build: their sum can pass compile s); a worker process's graph is timed in its own
+    # report (the `worker s` column, its whole life; for a fork, from the fork on)
     print(f"{'build':40s} {'wall s':>7s} {'CPU s':>6s} {'load':>5s} {'start s':>7s} {'weights s':>9s} "
           f"{'export s':>8s} {'compile s':>9s} {'Inductor':>8s} {'C++':>6s} {'worker s':>8s} {'graphs':>6s}  reused")
     for r in rows:

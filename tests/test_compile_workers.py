@@ -25,15 +25,46 @@ def test_a_set_count_is_a_cap_and_the_build_keeps_one_graph_for_itself(monkeypat
     assert compile_workers.worker_count(3, 1, "cpu") == 0
 
 
-def test_auto_needs_four_cores_and_memory_for_each_workers_copy_of_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_on_cuda_needs_four_cores_and_memory_for_each_workers_copy_of_the_model(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(compile_workers.ENV, raising=False)
     monkeypatch.setattr(compile_workers.os, "cpu_count", lambda: 2)
-    assert compile_workers.worker_count(3, 1, "cpu") == 0
+    assert compile_workers.worker_count(3, 1, "cuda") == 0
     monkeypatch.setattr(compile_workers.os, "cpu_count", lambda: 16)
     monkeypatch.setattr(compile_workers, "_free_device_bytes", lambda device: 100 << 30)
-    assert compile_workers.worker_count(3, 1 << 30, "cpu") == 2
-    assert compile_workers.worker_count(3, 60 << 30, "cpu") == 1  # 80 GiB usable holds one 60 GiB copy
-    assert compile_workers.worker_count(3, 90 << 30, "cpu") == 0
+    assert compile_workers.worker_count(3, 1 << 30, "cuda") == 2
+    assert compile_workers.worker_count(3, 60 << 30, "cuda") == 1  # 80 GiB usable holds one 60 GiB copy
+    assert compile_workers.worker_count(3, 90 << 30, "cuda") == 0
+
+
+def test_auto_on_the_cpu_forks_a_child_for_each_core_past_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(compile_workers.ENV, raising=False)
+    monkeypatch.setattr(compile_workers.os, "cpu_count", lambda: 2)
+    assert compile_workers.worker_count(3, 1 << 40, "cpu") == 1  # a fork shares the model: no memory cap
+    assert compile_workers.worker_count(1, 1, "cpu") == 0
+    monkeypatch.setattr(compile_workers.os, "cpu_count", lambda: 1)
+    assert compile_workers.worker_count(3, 1, "cpu") == 0
+
+
+def test_a_fork_reports_its_result_and_a_failed_one_its_error(tmp_path: Path) -> None:
+    with compile_workers.Forks(tmp_path / "forks") as forks:
+        forks.start("good", lambda: {"compile_s": 1.5, "pid": compile_workers.os.getpid()})
+        forks.start("bad", lambda: {"x": 1 // 0})
+        good, bad = forks.wait("good"), forks.wait("bad")
+        assert forks.wait("other") is None
+    assert good is not None and good["ok"] and good["compile_s"] == 1.5 and good["total_s"] >= 0
+    assert good["pid"] != compile_workers.os.getpid()  # it ran in another process
+    assert bad is not None and not bad["ok"] and "ZeroDivisionError" in bad["error"]
+
+
+def test_forks_still_running_are_ended_on_exit(tmp_path: Path) -> None:
+    import time
+
+    with compile_workers.Forks(tmp_path / "forks") as forks:
+        forks.start("slow", lambda: time.sleep(60) or {})
+        pid = forks.running["slow"]
+    with pytest.raises(ChildProcessError):
+        compile_workers.os.waitpid(pid, 0)  # killed and reaped
 
 
 def test_gpu_timings_hold_the_shared_lock_and_the_benchmarker_is_restored_after(
@@ -65,3 +96,23 @@ def test_gpu_timings_hold_the_shared_lock_and_the_benchmarker_is_restored_after(
     assert bench.benchmark_gpu(lambda: None) == 1.0
     assert held == [True, False]
     assert bench.benchmark_gpu is fake_timing
+
+
+def test_a_fork_of_a_process_whose_openmp_threads_ran_still_runs_tensor_operations(tmp_path: Path) -> None:
+    """libgomp's thread pool does not survive a fork: a child that entered a parallel region would wait for
+    the parent's threads forever. A fork of a build that has used them (loading a real model's weights does)
+    must still copy tensors."""
+    import time
+
+    import torch
+
+    big = torch.ones(1 << 23)
+    big.clone()  # large enough to run on every thread: the parent's pool is started
+    with compile_workers.Forks(tmp_path / "forks") as forks:
+        forks.start("copy", lambda: {"sum": float(big.clone().sum())})
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "forks" / "copy.result.json").is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "forks" / "copy.result.json").is_file(), "the fork hung in a tensor copy"
+        report = forks.wait("copy")
+    assert report is not None and report["ok"] and report["sum"] == float(1 << 23)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -27,7 +28,8 @@ from typing import Any
 
 from trtbuild.backends import BuildJob, BuildOutput
 from trtbuild.backends.torch import compile_workers, decode_kernels, graph_cache, moe_plan, prefill_attention, quantized
-from trtbuild.backends.torch.inductor import DTYPE_NAMES, inductor_caches, inductor_configs, kernels_wait, record_autotuning
+from trtbuild.backends.torch.inductor import (DTYPE_NAMES, inductor_caches, inductor_configs, kernels_wait, prepare_cpu,
+                                              record_autotuning)
 from trtbuild.backends.torch import export
 from trtbuild.backends.torch.export import bucket, export_graph, model_bytes, place_model
 from trtbuild.store import fingerprint
@@ -206,12 +208,20 @@ class TorchAOTIBackend:
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
                   "attention": attention["used"], "prefill_attention": prompt["used"],
                   "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "shared_rows": shared_rows}
+        forking = compile_workers.forks_for(device)
+        if forking and missing:
+            prepare_cpu(configs[missing[0]])
         with inductor_caches(job.tactics.path), record_autotuning(tuned), \
-                compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1))) as workers, \
+                (compile_workers.Forks(spare) if forking else
+                 compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1)))) as workers, \
                 (compile_workers.timing_alone(job.tactics.path / compile_workers.TIMING_LOCK) if workers_n
-                 else contextlib.nullcontext()):
+                 and not forking else contextlib.nullcontext()):
             # The build compiles the first missing graph itself while workers compile the next ones.
             for name in missing[1:1 + workers_n]:
+                if forking:
+                    workers.start(name, functools.partial(_compile_forked, graphs[name], name, configs[name],
+                                                          job.tactics.path, spare / name, tuned))
+                    continue
                 workers.start(common | {"graph": name, "digest": graphs[name]["digest"], "workdir": str(spare / name),
                                         "matmuls": graphs[name].get("matmuls", {})})
             for name, graph in graphs.items():
@@ -225,6 +235,8 @@ class TorchAOTIBackend:
                     graph["reused"] = False
                     graph["worker"] = {k: v for k, v in report.items() if k != "tuned"}
                     tuned.extend(report.get("tuned", []))
+                    if forking and report["ok"]:  # the same process's work, only forked: counted as the build's
+                        graph.update({k: report[k] for k in ("compile_inductor_s", "compile_cxx_s") if k in report})
                 graph["compile_s"] = time.perf_counter() - g0
                 graph["pdl"] = bool(configs[name].get("triton.enable_pdl"))
                 graph["trtbuild_wait"] = name.startswith("decode_b") and kernels_wait(device)
@@ -232,7 +244,8 @@ class TorchAOTIBackend:
                 graph_cache.remember_export(job.tactics.path, *records[name])
         shutil.rmtree(spare, ignore_errors=True)
         phases["compile_s"] = time.perf_counter() - t
-        # of which, for the graphs compiled in this process: Inductor's Python, and the C++ compiler's
+        # of which, for the graphs compiled in this process or its forks: Inductor's Python, and the C++ compiler's
+        # (with forks, their sum can exceed compile_s: the graphs compiled side by side)
         for part in ("inductor_s", "cxx_s"):
             phases[f"compile_{part}"] = sum(g.get(f"compile_{part}", 0.0) for g in graphs.values())
         reused = [name for name, g in graphs.items() if g["reused"]]
@@ -276,6 +289,17 @@ class TorchAOTIBackend:
         from trtbuild.backends.torch import weights_preload
 
         return weights_preload.start_for(entry)
+
+
+def _compile_forked(graph: dict[str, Any], name: str, configs: dict[str, Any], tactics: Path, workdir: Path,
+                    tuned: list[dict[str, Any]]) -> dict[str, Any]:
+    """A forked child's work (compile_workers.Forks): compile one graph into the tactic cache, where the build
+    finds it; its seconds and its GEMM selections (`tuned`, the child's copy of the build's list) for the report."""
+    del tuned[:]  # the selections the build made before the fork are its own to report
+    t = time.perf_counter()
+    graph_cache.compile_or_reuse(graph, name, configs, graph["digest"], tactics, workdir)
+    return {"compile_s": time.perf_counter() - t, "tuned": list(tuned),
+            **{k: graph[k] for k in ("compile_inductor_s", "compile_cxx_s") if k in graph}}
 
 
 def save_weights(tensors: dict[str, Any], path: Path) -> None:

@@ -16,6 +16,11 @@ timing of Inductor's, in the build and in each worker, holds one lock (`timing_a
 overlaps, the timings take turns. Each worker holds a copy of the model on the build's device, so the
 count is capped by free memory. `TRTBUILD_COMPILE_WORKERS=0` compiles every graph in the build process;
 a number caps the workers; `auto` (the default) uses them where the host has at least 4 CPU cores.
+
+A CPU build forks instead (`Forks`): no GPU is involved, so a child of the build process after export has
+the modules imported, the model and every exported program already, and does only Inductor and the C++
+compiler. A worker process pays about 13 CPU s of that set-up again (tiny-llama on 2 cores, 2026-12-06),
+as long as the graph it compiles; a fork pays none of it, so it pays even on 2 cores.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ def worker_count(missing: int, model_bytes: int, device: str) -> int:
                                 f"got {wanted!r}") from None
         return min(cap, max(missing - 1, 0))
     cpus = os.cpu_count() or 1
+    if device == "cpu":  # forks: no set-up to pay again, no second copy of the model
+        return max(0, min(missing - 1, cpus - 1))
     if cpus < 4 or missing < 2:  # on 2 cores a second Inductor only takes turns with the first
         return 0
     # Each worker holds the model again; leave a fifth of what is free for compiling and tuning.
@@ -119,6 +126,79 @@ class Workers:
         log = path.with_name(f"{name}.log")
         tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else []
         return {"ok": False, "error": f"exit status {rc}: " + " | ".join(tail)}
+
+
+def forks_for(device: str) -> bool:
+    """Whether a build for `device` compiles in forks of itself (`Forks`) rather than in new processes
+    (`Workers`): on the CPU only, as a process that has used CUDA cannot use it again in a fork."""
+    return device == "cpu"
+
+
+class Forks:
+    """Graphs compiled in forked children of the build process, one a graph; every child still running is
+    ended on exit (`forks_for` says where)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.running: dict[str, int] = {}  # graph -> the child's process id
+
+    def __enter__(self) -> "Forks":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for pid in self.running.values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+        self.running.clear()
+
+    def start(self, name: str, work: Callable[[], dict[str, Any]]) -> None:
+        """Call `work` in a forked child; its result (JSON) comes back through `wait(name)`."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        result, log = self.folder / f"{name}.result.json", self.folder / f"{name}.log"
+        parent = os.getpid()
+        pid = os.fork()
+        if pid:
+            self.running[name] = pid
+            return
+        # The child: never returns into the build's own code, and never runs its exit handlers.
+        status = 1
+        try:
+            started = time.perf_counter()
+            out_file = open(log, "w", buffering=1)
+            os.dup2(out_file.fileno(), 1)  # the build's stdout carries its --json report: keep the child's out of it
+            os.dup2(out_file.fileno(), 2)  # (the compilers' output too, written to the descriptors)
+            sys.stdout = sys.stderr = out_file
+            _end_with_parent(parent)
+            import torch
+
+            # The parent's OpenMP thread pool did not come with the fork, and libgomp waits for it forever at the
+            # next parallel region (a SmolLM2 build's child hung in a tensor copy, 2026-12-06); one thread runs
+            # no parallel region. The child only compiles: its tensor work is small copies.
+            torch.set_num_threads(1)
+            out = work()
+            result.write_text(json.dumps(out | {"total_s": time.perf_counter() - started}))
+            status = 0
+        except BaseException:  # reported through the log; the build then compiles the graph itself
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(status)
+
+    def wait(self, name: str) -> dict[str, Any] | None:
+        """The child's report for `name` once it has ended (as `Workers.wait`); None if no child had it."""
+        if name not in self.running:
+            return None
+        _, status = os.waitpid(self.running.pop(name), 0)
+        result, log = self.folder / f"{name}.result.json", self.folder / f"{name}.log"
+        if os.waitstatus_to_exitcode(status) == 0 and result.is_file():
+            return json.loads(result.read_text()) | {"ok": True}
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else []
+        return {"ok": False, "error": f"exit status {os.waitstatus_to_exitcode(status)}: " + " | ".join(tail)}
 
 
 @contextlib.contextmanager
