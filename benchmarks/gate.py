@@ -3,15 +3,16 @@ with the card's baseline; a row more than 3% worse fails the gate (exit status 1
 
     python3 benchmarks/gate.py --plan                                   # the steps, the parts, their seconds
     python3 benchmarks/gate.py --part 1 --seed benchmarks/results/2026-12-06-h100-gate-2 --out $OUT
-    python3 benchmarks/gate.py --part 2 --smollm2 /tmp/smollm2 --out $OUT   # same machine, warm: part 1's store
-    python3 benchmarks/gate.py --part 3 --smollm2 /tmp/smollm2 --out $OUT   # SmolLM2 alone, if part 2 was cut off
+    python3 benchmarks/gate.py --part 2 --out $OUT                      # same machine, warm: part 1's store
+    python3 benchmarks/gate.py --part 3 --smollm2 /tmp/smollm2 --out $OUT   # paged serving, SmolLM2
     python3 benchmarks/gate.py --cpu-smoke --out /tmp/gate-smoke        # the plumbing on a CPU, tiny shapes
 
 The matrix (docs/gate.md): the 1B bf16 engine's decode b1 / b8 and prefill 128 / 1024 / 2048 beside torch.compile
 (max-autotune, CUDA graphs); the 1B fp8 and int4_wo engines' decode b1 / b8, also as tokens/s against bf16;
 SmolLM2-135M-Instruct's bf16 greedy text against transformers' (benchmarks/greedy_match.py); `trtbuild
 profile`'s decode step against `run`'s TPOT (benchmarks/profile_check.py); `trtbuild serve` under 16 streams
-for 20 s (benchmarks/serve_bench.py's clients); each engine's build time (`trtbuild build --json`). Every
+for 20 s (benchmarks/serve_bench.py's clients); `trtbuild serve` with the paged KV cache at 1-256 clients, and
+its prefix cache's gain on a shared-prefix workload (serve_bench.py --paged); each engine's build time (`trtbuild build --json`). Every
 measurement runs in a child process with a time limit taken from --budget, so a run cut off keeps the rows it
 has: gate.json is written after every row. Writes gate.json, gate.png, gate.log and details.tar.gz (the
 children's own reports and logs) under --out; with --save-seeds the tactic and torch.compile caches too.
@@ -75,8 +76,11 @@ STEPS = {
                        "results/2026-12-06-h100-gate-3: 182 s on a fresh H100; -gate-2: 132 s after the bf16 build"),
     "bench_quant": Step("1B fp8 / int4_wo / bf16 decode", 2, 20, 20,
                         "results/2026-12-06-h100-gate-2: 15 s (three cache hits)"),
-    # last in part 2, where its time is left; `--part 3` runs it alone where part 2 was cut off before it
-    "smollm2": Step("SmolLM2 greedy vs transformers", 2, 115, 115,
+    "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 300, 250,
+                        "estimated: the paged graph compiled (the others reused from part 1), three servers' load "
+                        "and bucket captures, four random levels and two shared-prefix ones"),
+    # last, where its time is left
+    "smollm2": Step("SmolLM2 greedy vs transformers", 3, 115, 115,
                     "results/2026-12-06-h100-gate-2: 111 s (unpack, a 135M engine at tactics level none, "
                     "transformers' generate)"),
 }
@@ -84,7 +88,7 @@ STEPS = {
 
 def plan_text(seeded: bool) -> str:
     lines = [f"{'part':<5} {'step':<42} {'cold s':>7} {'seeded s':>9}  basis"]
-    for part in (1, 2):
+    for part in (1, 2, 3):
         steps = [s for s in STEPS.values() if s.part == part]
         for s in steps:
             lines.append(f"{part:<5} {s.name:<42} {s.cold_s:7.0f} {s.seeded_s:9.0f}  {s.basis}")
@@ -93,7 +97,7 @@ def plan_text(seeded: bool) -> str:
         lines.append(f"{part:<5} {'total (with ' + str(int(STARTUP_S)) + ' s start-up)':<42} {cold:7.0f} {warm:9.0f}")
     total = STARTUP_S + sum(s.seeded_s for s in STEPS.values())
     lines.append(f"all parts in one call, seeded: ~{total:.0f} s ({'fits' if total < 560 else 'does not fit'} "
-                 "one 10-minute call); cold: two calls (`--part 3`: SmolLM2 alone, where part 2 was cut off)")
+                 "one 10-minute call): three calls, one a part, on one warm machine")
     lines.append(f"running now: {'seeded' if seeded else 'cold'} estimates")
     return "\n".join(lines)
 
@@ -378,6 +382,76 @@ def serve_step(g: Gate) -> None:
     g.add(row(names[2], fig["ttft_ms"]["p99"], "ms", part, status=status))
 
 
+def serve_paged_step(g: Gate) -> None:
+    """`trtbuild serve` of the bf16 recipe with the paged KV cache (serve_bench.py --paged): the random workload at
+    1, 16, 64 and 256 clients, and the shared-prefix one at 64 clients with the prefix cache on and off."""
+    path = recipes(g)["bf16"]
+    tag = f"{label(g)} paged serve"
+    levels = "1,4,8" if g.args.tiny else "1,16,64,256"
+    top, mid = levels.split(",")[-1], levels.split(",")[-2]
+    runs = {"random": ("random", levels, ""), "prefix": ("shared-prefix", mid, ""),
+            "no-prefix": ("shared-prefix", mid, "--no-prefix-cache")}
+    figs: dict[str, dict[str, Any]] = {}
+    for key, (workload, conc, flags) in runs.items():
+        out = g.work / f"serve-paged-{key}"
+        shutil.rmtree(out, ignore_errors=True)
+        rc, text = g.child(f"serve-paged-{key}", [
+            sys.executable, "benchmarks/serve_bench.py", path, "--paged", "--engines", str(g.store), "--out", str(out),
+            "--workload", workload, "--concurrency", conc, f"--serve-flags={flags}",
+            "--load-timeout", str(max(30, int(g.left() - 60)))] + (["--quick"] if g.args.tiny else []),
+            reserve=g.args.reserve)
+        try:
+            rec = json.loads((out / "serve_bench.json").read_text())["recipes"][0]
+            figs[key] = rec["levels"] | ({"error": rec["error"]} if "error" in rec else {})
+        except (OSError, ValueError, IndexError, KeyError):
+            figs[key] = {"error": f"{'cut off' if rc is None else f'exit {rc}'}: {text.strip()[-300:]}"}
+
+    def level(key: str, n: str) -> dict[str, Any] | None:
+        f = figs.get(key, {}).get(n)
+        return f if f and not f.get("errors") and f.get("requests") else None
+
+    def missing(key: str, n: str) -> tuple[str, str]:
+        f, err = figs.get(key, {}).get(n), figs.get(key, {}).get("error")
+        if f and f.get("errors"):
+            return "error", f"{len(f['errors'])}+ failed requests: {f['errors'][0][:200]}"
+        return ("error", err[-300:]) if err else ("not run", "this level was not reached")
+
+    for n in levels.split(","):
+        name = f"{tag} {n} clients output tok/s"
+        f = level("random", n)
+        if f is None:
+            status, note = missing("random", n)
+            g.add(row(name, None, "tok/s", g.part, status=status, note=note))
+            continue
+        frac = f.get("fraction_of_floor")
+        g.add(row(name, f["output_tok_per_s"], "tok/s", g.part, target="0.6 of the workload's floor" if n == mid else "",
+                  met=(frac >= 0.6) if n == mid and frac is not None else None,
+                  note=f"{frac:.2f} of the workload's floor; TTFT p50 {f['ttft_ms']['p50']:.0f} ms, p99 "
+                       f"{f['ttft_ms']['p99']:.0f} ms; TPOT p50 {f['tpot_ms']['p50']:.2f} ms; peak running "
+                       f"{f.get('peak_running')}; {f['requests']} requests; preemptions {f['preemptions']:.0f}"))
+    f = level("random", top)
+    name = f"{tag} {top} clients: most requests running at once"
+    if f is None:
+        g.add(row(name, None, "requests", g.part, status=missing("random", top)[0], note=missing("random", top)[1]))
+    else:
+        g.add(row(name, f.get("peak_running"), "requests", g.part, target=f"{top} at once",
+                  met=(f.get("peak_running") or 0) >= int(top), note="/metrics' running requests, read every 0.1 s"))
+    on, off = level("prefix", mid), level("no-prefix", mid)
+    for what, unit_key, target in (("TTFT p50", "ttft", 3.0), ("output tok/s", "tput", 2.0)):
+        name = f"{tag} shared prefix {mid} clients: {what} gain from the prefix cache"
+        if on is None or off is None:
+            key = "prefix" if on is None else "no-prefix"
+            status, note = missing(key, mid)
+            g.add(row(name, None, "x gain", g.part, status=status, note=note))
+            continue
+        gain = (off["ttft_ms"]["p50"] / on["ttft_ms"]["p50"] if unit_key == "ttft"
+                else on["output_tok_per_s"] / off["output_tok_per_s"])
+        g.add(row(name, gain, "x gain", g.part, target=f">= {target:g}x", met=gain >= target,
+                  note=f"with: TTFT p50 {on['ttft_ms']['p50']:.0f} ms, {on['output_tok_per_s']:.0f} tok/s, "
+                       f"{on['prefix_hits']:.0f} block hits; without: {off['ttft_ms']['p50']:.0f} ms, "
+                       f"{off['output_tok_per_s']:.0f} tok/s"))
+
+
 def smollm2_step(g: Gate) -> None:
     name = "SmolLM2-135M bf16 greedy = transformers"
     part = g.part
@@ -413,10 +487,11 @@ def smollm2_step(g: Gate) -> None:
 RUNNERS: dict[str, Callable[[Gate], None]] = {
     "build_bf16": lambda g: build_step(g, "bf16"), "profile": profile_step, "bench_bf16": bench_bf16_step,
     "serve": serve_step, "build_fp8": lambda g: build_step(g, "fp8"), "build_int4": lambda g: build_step(g, "int4"),
-    "bench_quant": bench_quant_step, "smollm2": smollm2_step,
+    "bench_quant": bench_quant_step, "serve_paged": serve_paged_step, "smollm2": smollm2_step,
 }
 # One call (--part all): part 2's short steps before part 1's torch.compile, whose tail is the longest
-ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "smollm2", "bench_bf16")
+ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "serve_paged", "smollm2",
+             "bench_bf16")
 
 
 # -- seeds ----------------------------------------------------------------------------------------------------------------
@@ -491,16 +566,15 @@ def steps_to_run(part: str, only: str | None) -> list[str]:
         if unknown:
             raise SystemExit(f"gate.py: --only: unknown step(s) {', '.join(unknown)} (known: {', '.join(STEPS)})")
         return [k for k in ALL_ORDER if k in wanted]
-    if part == "3":  # the SmolLM2 row alone, on the machine part 2 left warm
-        return ["smollm2"]
     return list(ALL_ORDER) if part == "all" else [k for k, s in STEPS.items() if str(s.part) == part]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=("1", "2", "3", "all"), default="all",
-                    help="1: the 1B bf16 rows with torch.compile and the profile; 2: serve, fp8/int4_wo, SmolLM2 (on "
-                         "the same warm machine: part 1's store in --engines); all: both in one call (seeded)")
+                    help="1: the 1B bf16 rows with torch.compile and the profile; 2: serve, fp8/int4_wo; 3: paged "
+                         "serving, SmolLM2 (2 and 3 on the machine part 1 left warm: its store in --engines); "
+                         "all: every step in one call")
     ap.add_argument("--plan", action="store_true", help="print the steps and their estimated seconds, run nothing")
     ap.add_argument("--only", default=None, help=f"a comma list of steps to run alone, whatever --part says "
                                                  f"({', '.join(STEPS)})")

@@ -130,6 +130,31 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
+class Peak:
+    """The most requests running at once during a level: /metrics' `trtbuild_running_requests` read every
+    tenth of a second from a thread of its own (a level shorter than that reads 0)."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.running = port, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                self.running = max(self.running, int(scrape(self.port).get("trtbuild_running_requests", 0)))
+            except (OSError, RuntimeError, ValueError):
+                continue
+
+    def __enter__(self) -> Peak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 # -- the clients ----------------------------------------------------------------------------------------------------
 class Clients:
     """N threads sending the workload's requests back to back; each request's timings as the client sees them."""
@@ -328,9 +353,11 @@ def bench_recipe(path: Path, args: argparse.Namespace, ceilings: dict[str, Any],
                             kind=args.workload)
             clients = Clients(port, name, reqs)
             before = scrape(port)
-            wall = clients.run(n)
+            with Peak(port) as peak:
+                wall = clients.run(n)
             after = scrape(port)
             fig = level_figures(clients.results, wall, before, after, ceilings, lone)
+            fig["peak_running"] = peak.running
             floor = workload_floor(reqs, doc["model"].get("config", {}) or {}, after.get("trtbuild_engine_weight_bytes", 0.0),
                                    after.get("trtbuild_engine_kv_bytes_per_token", 0.0), ceilings, n)
             fig["floor_s"], fig["fraction_of_floor"] = floor, floor / wall if wall else None
@@ -368,7 +395,7 @@ def decode_bench(path: Path, args: argparse.Namespace) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     lines = [f"serve_bench: {report['device_name']} ({report['device']}), copy {report['ceilings']['copy_Bps'] / 1e9:.1f} GB/s, "
              f"{report['date']}, commit {report['commit']}"]
-    head = ["recipe", "N", "req", "tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "occ", "TTFT/bound p99",
+    head = ["recipe", "N", "req", "peak", "tok/s", "x floor", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "occ", "TTFT/bound p99",
             "decode step ms (x floor) per bucket"]
     rows = [head]
     for rec in report["recipes"]:
@@ -377,7 +404,9 @@ def table(report: dict[str, Any]) -> str:
                               if s["x_floor"] else f"b{b}: {s['mean_ms']:.3f}" for b, s in sorted(
                                   f["decode_steps"].items(), key=lambda kv: int(kv[0])))
             bound = f.get("ttft_vs_bound")
-            rows.append([rec["recipe"], n, str(f["requests"]), f"{f['output_tok_per_s']:.1f}",
+            frac = f.get("fraction_of_floor")
+            rows.append([rec["recipe"], n, str(f["requests"]), str(f.get("peak_running", "-")),
+                         f"{f['output_tok_per_s']:.1f}", "-" if frac is None else f"{frac:.2f}",
                          f"{f['ttft_ms']['p50']:.1f}", f"{f['ttft_ms']['p99']:.1f}", f"{f['tpot_ms']['p50']:.2f}",
                          f"{f['tpot_ms']['p99']:.2f}",
                          "-" if f["occupancy_mean"] is None else f"{f['occupancy_mean']:.2f}",
@@ -389,7 +418,8 @@ def table(report: dict[str, Any]) -> str:
         if "single_request_decode" in rec:
             lines.append(f"{rec['recipe']}: bench.py decode (single request, the recipe as given) "
                          f"{json.dumps(rec['single_request_decode'])}")
-    lines.append("ms; TTFT and TPOT as the clients saw them; occ = running rows / bucket rows, mean over steps; "
+    lines.append("ms; TTFT and TPOT as the clients saw them; peak = most requests running at once; x floor = the "
+                 "workload's floor / wall (1 is the floor); occ = running rows / bucket rows, mean over steps; "
                  "floor = (weights + filled KV cache) / copy bandwidth")
     return "\n".join(lines)
 

@@ -129,7 +129,7 @@ def test_the_plan_fits_each_part_into_one_call() -> None:
     for part in ("1", "2", "3"):
         steps = [gate.STEPS[k] for k in gate.steps_to_run(part, None)]
         assert steps and gate.STARTUP_S + sum(s.cold_s for s in steps) < 570, part
-    assert gate.steps_to_run("3", None) == ["smollm2"] and gate.steps_to_run("2", None)[-1] == "smollm2"
+    assert gate.steps_to_run("3", None) == ["serve_paged", "smollm2"] and gate.steps_to_run("2", None)[-1] == "bench_quant"
     assert set(gate.ALL_ORDER) == set(gate.STEPS) == set(gate.RUNNERS)
     assert "total" in gate.plan_text(seeded=False)
 

@@ -75,3 +75,17 @@ def test_bucket_graphs_only_where_the_graph_attends_through_the_paged_kernel(mon
     assert graphs is not None and graphs.sizes[-1] == 64 and graphs.width == 6 and graphs.scratch == 40
     assert PagedCache(PagedStep(model), model.cfg, 9000, torch.float32, "cpu", 96).graphs.sizes[-1] == 256
     assert PagedCache(PagedStep(model), model.cfg, 8, torch.float32, "cpu", 16).graphs.width == 2
+
+
+def test_capture_all_captures_each_bucket_once_and_nothing_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server captures every bucket before it is ready, so no request's step pays a capture; a bucket already
+    captured is not captured again, and the CPU captures nothing."""
+    cpu = PagedDecodeGraphs(None, [], "cpu", width=4, scratch=9, max_rows=5)
+    cpu.capture_all()
+    assert not cpu.graphs
+    graphs = PagedDecodeGraphs(None, [], "cuda:0", width=4, scratch=9, max_rows=5)
+    captured: list[int] = []
+    monkeypatch.setattr(graphs, "_capture", lambda size: (captured.append(size), graphs.graphs.setdefault(size, 0)))
+    graphs.graphs[2] = object()  # captured by an earlier step
+    graphs.capture_all()
+    assert captured == [1, 4, 8] and sorted(graphs.graphs) == [1, 2, 4, 8]

@@ -182,3 +182,21 @@ def test_admission_waits_for_blocks_and_the_queue_bound_counts_the_rest() -> Non
     assert s.running == 2 and s.waiting == 1
     run_until_idle(s)
     assert all(r.on_event.finish == "length" for r in (a, b, c))  # type: ignore[attr-defined]
+
+
+def test_a_block_is_offered_to_the_prefix_cache_only_once_its_every_position_is_written() -> None:
+    """After a decode step the newest token's KV is not yet written (the next step writes it). A block ending
+    with it must not be named yet: a newcomer whose prompt is the stream's text so far, plus more, would take
+    that block from the prefix cache and read a slot nothing wrote."""
+    engine = PagedStandIn(64, 4)
+    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4))
+    first, first_sink = req([5, 6], 6)
+    s.submit(first)
+    s.step()  # prefill positions 0-1, decode position 2: the stream's text is 4 tokens, position 3 unwritten
+    text = [5, 6, *first_sink.tokens]
+    assert len(text) == 4
+    late, late_sink = req(text + [9], 3)
+    s.submit(late)
+    run_until_idle(s)
+    assert late_sink.finish == "length" and late_sink.tokens == alone(text + [9], 3)
+    assert first_sink.tokens == alone([5, 6], 6)

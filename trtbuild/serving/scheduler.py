@@ -389,12 +389,14 @@ class Scheduler:
         now = time.perf_counter()
         self.step_s = 0.9 * self.step_s + 0.1 * (now - t)
         self.observer.step(len(rows), self.bucket_for(len(rows)), now - t, sum(r.position + 1 for r in rows))
+        block = self.pool.block_size
         for r, token in zip(rows, tokens):
             self.observer.token_interval(now - r.last_time)
             r.last_time = now
             r.position += 1
             r.filled = r.position
-            self.pool.name_full_blocks(r.table, r.prompt + r.history)
+            if r.position // block > r.table.named:  # a block just filled: the only time there is one to name
+                self.pool.name_full_blocks(r.table, r.prompt + r.history)  # the new token not yet among them
             self._accept(r, token)
 
     # -- rows ----------------------------------------------------------------------------------------------

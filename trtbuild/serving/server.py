@@ -234,12 +234,16 @@ def _text_side(session: Any) -> Any:
 
 def _warm_paged(engine: Any) -> None:
     """The paged graph's first calls: a one-token prompt and a decode step in block 0 (a free block, whose
-    contents no request reads before writing them)."""
+    contents no request reads before writing them); then, on CUDA, every row-count bucket's graph captured, so
+    that no request's step pays a capture."""
     from trtbuild.backends.sampling import Sampling
 
     engine.prefill_paged(-1, [0], [0], 0, Sampling())
     engine.decode_paged([-1], [[0]], [0], [1], [Sampling(temperature=1.0, top_p=0.9, seed=0)])
     engine.release(-1)
+    capture = getattr(engine, "capture_paged", None)
+    if callable(capture):
+        capture()
 
 
 def _warm(engine: Any, buckets: list[int]) -> None:

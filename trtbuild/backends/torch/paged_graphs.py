@@ -1,4 +1,5 @@
-"""Paged decode steps as CUDA graphs: one graph a row-count bucket, captured the first time a step needs it.
+"""Paged decode steps as CUDA graphs: one graph a row-count bucket, captured by a server before it is ready
+(`capture_all`), or else the first time a step needs it.
 
 A decode step of the paged graph is dozens of kernels a layer for a few rows: launched one by one from the
 host, the launches, not the kernels, set its time. A captured graph replays them in one launch. A graph fixes
@@ -110,6 +111,13 @@ class PagedDecodeGraphs:
             with torch.no_grad():
                 greedy, logits = self.package(tok, pos, tables, *self.pools)
         return greedy[:n], logits[:n]
+
+    def capture_all(self) -> None:
+        """Capture every bucket's graph now (CUDA; nothing elsewhere), so that no request's step pays a capture:
+        a server does this before it says it is ready."""
+        for size in self.sizes:
+            if self.capturable and size not in self.graphs:
+                self._capture(size)
 
     def _capture(self, size: int) -> None:
         """Warm up and capture the bucket's step with every row a padding row: the warm-up and the capture write

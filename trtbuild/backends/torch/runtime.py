@@ -357,6 +357,16 @@ class TorchEngine:
             decoder = self._decoder(b)
             decoder.prepare(0, self.max_seq_len)
 
+    def capture_paged(self) -> int:
+        """Capture the paged decode step's graph of every row-count bucket now (CUDA, where the paged kernel
+        serves the model); how many graphs are captured. Safe with requests in the pool: a capture writes only
+        the scratch block."""
+        graphs = self.paged.graphs if self.paged is not None else None
+        if graphs is None:
+            return 0
+        graphs.capture_all()
+        return len(graphs.graphs)
+
     def launch_report(self) -> dict[str, Any]:
         """How each captured decode graph launches its kernels: PDL (with the edge counts of the last
         capture) or serialized, and why."""
