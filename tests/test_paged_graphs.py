@@ -89,3 +89,31 @@ def test_capture_all_captures_each_bucket_once_and_nothing_off_cuda(monkeypatch:
     graphs.graphs[2] = object()  # captured by an earlier step
     graphs.capture_all()
     assert captured == [1, 4, 8] and sorted(graphs.graphs) == [1, 2, 4, 8]
+
+
+def test_the_bucket_path_of_the_cache_decodes_as_the_direct_one_and_refuses_bad_tables(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """PagedCache.decode through the buckets (tables cut to the blocks through each row's position, however
+    many the row holds) gives the direct call's tokens; a table short of its position, or naming a block
+    outside the pool, is refused with the row or the pool named."""
+    from trtbuild.models import llama
+
+    model = random_tiny_model(max_batch_size=1)
+    cfg, step = model.cfg, PagedStep(model)
+    direct = PagedCache(step, cfg, 20, torch.float32, "cpu", 96, graphs=False)
+    monkeypatch.setattr(llama, "paged_kernel", lambda cfg, pool: True)
+    bucketed = PagedCache(step, cfg, 20, torch.float32, "cpu", 96)
+    monkeypatch.undo()  # the buckets are made; the model attends with ATen ops on the CPU
+    assert bucketed.graphs is not None
+    g = torch.Generator().manual_seed(2)
+    for a, b in zip(direct.pools, bucketed.pools):
+        a.copy_(torch.randn(a.shape, generator=g))
+        b.copy_(a)
+    tables, tokens, positions = [[3, 9, 0, 14, 2, 6], [7, 1], [11, 5]], [5, 9, 17], [70, 3, 16]  # rows hold spares
+    want, _ = direct.decode(tables, tokens, positions)
+    got, _ = bucketed.decode(tables, tokens, positions)
+    assert got.tolist() == want.tolist()
+    with pytest.raises(InputError, match="row 1's block table of 1 blocks does not reach its position 16"):
+        bucketed.decode([[3, 9], [7]], [1, 2], [3, 16])
+    with pytest.raises(InputError, match="outside the pool's 20"):
+        bucketed.decode([[3, 20]], [1], [17])

@@ -329,3 +329,47 @@ def test_thread_serves_many_requests_and_drains_on_stop() -> None:
         assert sink.tokens == alone(prompt, n) and sink.finish == "length"
     with pytest.raises(ShuttingDown):
         s.submit(req([1], 1)[0])
+
+
+def test_after_step_follows_every_step_of_the_thread_with_that_steps_events() -> None:
+    """A server hands a step's events over in one go (after_step): every event is emitted before the next
+    after_step call, and each step that ran has one."""
+    engine = StandIn(rows=4, max_seq_len=64)
+    log: list[str] = []
+    s = Scheduler(engine, max_queue=8, after_step=lambda: log.append("after"))
+    sink = Collect()
+    s.submit(Request(prompt=[3, 1], max_tokens=5, on_event=lambda ev: (sink(ev), log.append("event"))))
+    s.start()
+    s.stop(drain=True, timeout=30)
+    assert sink.tokens == alone([3, 1], 5) and sink.finish == "length"
+    assert log[-1] == "after" and log.count("event") == 6  # five tokens and the finish
+    # the prefill's token and the first decode's come in the first step; then one a step
+    steps = "".join("|" if x == "after" else "e" for x in log).strip("|").split("|")
+    assert [len(x) for x in steps if x] == [2, 1, 1, 2]
+
+
+def test_the_outbox_wakes_the_event_loop_once_a_step_and_keeps_the_order() -> None:
+    """Events put during a step reach their queues only at flush, in order, with one call into each loop."""
+    import asyncio
+
+    from trtbuild.serving.server import Outbox
+
+    loop = asyncio.new_event_loop()
+    calls: list[int] = []
+    real = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda fn, *a: (calls.append(1), real(fn, *a))[1]  # type: ignore[method-assign]
+    a: asyncio.Queue[int] = asyncio.Queue()
+    b: asyncio.Queue[int] = asyncio.Queue()
+    box = Outbox()
+    for i in range(5):
+        box.put(loop, a if i % 2 else b, i)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert a.qsize() == b.qsize() == 0 and calls == []
+    box.flush()
+    box.flush()  # nothing left: no second wake-up
+    loop.run_until_complete(asyncio.sleep(0))
+    assert calls == [1]
+    assert [a.get_nowait() for _ in range(2)] == [1, 3] and [b.get_nowait() for _ in range(3)] == [0, 2, 4]
+    loop.close()
+    box.put(loop, a, 9)
+    box.flush()  # a closed loop (a server exiting): dropped, not raised

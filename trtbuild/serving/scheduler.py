@@ -122,9 +122,11 @@ class Event:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One generation: the prompt's token ids, how to sample, when to stop, and where its events go."""
+    """One generation: the prompt's token ids, how to sample, when to stop, and where its events go. Compared by
+    identity (the scheduler's lists find and remove requests at every step: a field-by-field comparison made
+    that the step's largest cost at 256 rows)."""
 
     prompt: list[int]
     max_tokens: int
@@ -151,6 +153,10 @@ class Request:
         """The tokens whose KV the request needs before its next decode step: the prompt, and after a
         preemption everything generated but the last token (which the next step feeds)."""
         return self.prompt + self.history[:-1] if self.history else self.prompt
+
+    def sequence_len(self) -> int:
+        """len(sequence()), without building it."""
+        return len(self.prompt) + max(0, len(self.history) - 1)
 
 
 def check_request(engine: SlotEngine, prompt: list[int], max_tokens: int) -> None:
@@ -181,8 +187,10 @@ class Scheduler:
     the head of the queue and is prefilled again (recomputed) when blocks free up."""
 
     def __init__(self, engine: SlotEngine, max_queue: int = 256, buckets: list[int] | None = None,
-                 observer: Observer | None = None, pool: Any = None, chunk_tokens: int | None = None) -> None:
+                 observer: Observer | None = None, pool: Any = None, chunk_tokens: int | None = None,
+                 after_step: Callable[[], None] = lambda: None) -> None:
         self.engine = engine
+        self.after_step = after_step  # run() calls it after every step: a server hands the step's events over
         self.max_queue = max_queue
         self.buckets = sorted(buckets or [engine.max_batch_size])
         self.observer: Observer = observer or _Quiet()
@@ -275,6 +283,8 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for r in list(self._running):
                     self._finish(r, "error", f"{type(exc).__name__}: {exc}", flushed=True)
+            finally:
+                self.after_step()
 
     def step(self) -> bool:
         """One step boundary: free cancelled rows, admit and prefill newcomers, decode every running row.
@@ -319,7 +329,7 @@ class Scheduler:
     def _paged_step(self, newcomers: list[Request]) -> bool:
         self._running.extend(newcomers)
         budget = self.chunk_tokens
-        for r in [r for r in self._running if r.filled < len(r.sequence())]:
+        for r in [r for r in self._running if r.filled < r.sequence_len()]:
             if budget <= 0:
                 break
             budget -= self._prefill_chunk(r, budget)
@@ -355,17 +365,24 @@ class Scheduler:
     def _make_room(self, rows: list[Request]) -> list[Request]:
         """Blocks for every decode row's next position; where the pool has none, the latest admitted request
         is preempted (its blocks freed, recomputed later) until the rest fit. The rows that still decode."""
-        for r in list(rows):
-            while r in rows and not self.pool.grow(r.table, r.position + 1):
+        kept: list[Request] = []
+        gone: set[int] = set()  # ids of the rows preempted here
+        for r in rows:
+            if r.id in gone:
+                continue
+            while not self.pool.grow(r.table, r.position + 1):
                 victim = self._running[-1]
                 if victim is r and len(self._running) == 1:  # cannot happen with a pool of one full sequence
                     self._finish(r, "error", "the KV pool cannot hold one sequence of the engine's length")
-                    rows.remove(r)
+                    gone.add(r.id)
                     break
                 self._preempt(victim)
-                if victim in rows:
-                    rows.remove(victim)
-        return rows
+                gone.add(victim.id)
+                if victim is r:
+                    break
+            else:
+                kept.append(r)
+        return [r for r in kept if r.id not in gone]
 
     def _preempt(self, r: Request) -> None:
         self._running.remove(r)
@@ -486,7 +503,7 @@ class Scheduler:
             return max(0, len(queue) - len(self._free))
         rows, free, admitted = self.rows - len(self._running), self.pool.free, 0
         for r in queue:  # in order, as admission goes (the prefix cache left out: an upper bound)
-            need = self.pool.blocks_for(len(r.sequence()))
+            need = self.pool.blocks_for(r.sequence_len())
             if admitted >= rows or need > free:
                 break
             free, admitted = free - need, admitted + 1

@@ -2,8 +2,8 @@
 
 FastAPI in uvicorn's event loop answers HTTP; one engine thread loads the engine, warms every decode
 bucket, then runs the scheduler (scheduler.py). Requests reach the scheduler as token ids with their
-sampling and stop conditions; tokens come back through `loop.call_soon_threadsafe` into a queue per HTTP
-request, as text that the engine thread has already made safe to emit (generate.py's detokenizer).
+sampling and stop conditions; tokens come back into a queue per HTTP request, as text that the engine thread
+has already made safe to emit (generate.py's detokenizer), handed to the event loop once a step (Outbox).
 
 Errors are OpenAI's error object: 400 for malformed JSON, wrong types and requests that do not fit the
 engine (the message names the limit), 404 for another model's name, 429 with Retry-After when the queue
@@ -62,6 +62,37 @@ class KvSettings:
 
 
 # -- the server -----------------------------------------------------------------------------------------------
+class Outbox:
+    """The engine thread's events on their way to the HTTP handlers' queues, handed over once a scheduler step:
+    one wake-up of the event loop a step rather than one a token. Each wake-up is a system call made holding the
+    GIL, which the HTTP side waits for; at hundreds of streams a step, one per token cost the step its time.
+    Engine thread only (put during a step, flush after it)."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any], Any]] = []
+
+    def put(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any], item: Any) -> None:
+        self._items.append((loop, queue, item))
+
+    def flush(self) -> None:
+        if not self._items:
+            return
+        items, self._items = self._items, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        for loop, queue, item in items:
+            by_loop.setdefault(loop, []).append((queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop has closed (the server is exiting): nobody is left to read them
+                continue
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
+
+
 class Server:
     """The engine thread and the state the HTTP handlers read. `status`: loading, ready, draining, failed."""
 
@@ -83,6 +114,7 @@ class Server:
         self.url = url
         self.kv = kv or KvSettings()
         self._announce = announce  # the operator's start-up lines (stderr), once the engine is ready
+        self.outbox = Outbox()
         self._thread = threading.Thread(target=self._engine_thread, name="trtbuild-engine", daemon=True)
         self._done = threading.Event()
 
@@ -107,7 +139,7 @@ class Server:
                 elem = {"fp32": 4, "fp16": 2, "bf16": 2}.get(session.recipe.precision, 2)
                 self.metrics.describe_engine(engine, elem)
                 self.scheduler = Scheduler(engine, self.max_queue, buckets, self.metrics, pool=pool,
-                                           chunk_tokens=self.kv.chunk or None)
+                                           chunk_tokens=self.kv.chunk or None, after_step=self.outbox.flush)
                 self.status = "ready"
                 self.metrics.ready.set(1)
                 for line in startup_lines(session, engine, buckets, self.url):
@@ -357,8 +389,8 @@ def create_app(server: Server) -> Any:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-        def emit(index: int, event: Event) -> None:  # the engine thread
-            loop.call_soon_threadsafe(events.put_nowait, (index, event))
+        def emit(index: int, event: Event) -> None:  # the engine thread, during a step
+            server.outbox.put(loop, events, (index, event))
 
         reqs = server.requests(prompts, params, max_tokens, default_max, emit)
         server.submit(reqs)

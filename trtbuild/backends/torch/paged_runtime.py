@@ -91,9 +91,14 @@ class PagedCache:
     def decode(self, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> tuple[Any, Any]:
         import torch
 
-        if self.graphs is not None:
-            need = [-(-(p + 1) // self.block_size) for p in positions]
-            return self.graphs.run([self._table(b, n)[:n] for b, n in zip(blocks, need)], tokens, positions)
+        if self.graphs is not None:  # the entries are checked as the bucket's buffer is filled
+            bs = self.block_size
+            rows = [b[:(p + bs) // bs] for b, p in zip(blocks, positions)]  # the blocks through position p
+            if any(len(r) * bs <= p for r, p in zip(rows, positions)):
+                short = next(i for i, (r, p) in enumerate(zip(rows, positions)) if len(r) * bs <= p)
+                raise InputError(f"row {short}'s block table of {len(blocks[short])} blocks does not reach its "
+                                 f"position {positions[short]}")
+            return self.graphs.run(rows, tokens, positions)
         width = max(-(-(p + 1) // self.block_size) for p in positions)
         # every table padded to the widest with its own first block: attention masks past each row's position
         tables = [self._table(b, min(width, -(-(p + 1) // self.block_size))) for b, p in zip(blocks, positions)]
