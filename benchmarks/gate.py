@@ -76,6 +76,8 @@ STEPS = {
                        "results/2026-12-06-h100-gate-3: 182 s on a fresh H100; -gate-2: 132 s after the bf16 build"),
     "bench_quant": Step("1B fp8 / int4_wo / bf16 decode", 2, 20, 20,
                         "results/2026-12-06-h100-gate-2: 15 s (three cache hits)"),
+    # not in a part: `--only` runs it where a change moves int4_wo alone (bench_quant has the same rows)
+    "bench_int4": Step("1B int4_wo / bf16 decode", 0, 15, 15, "bench_quant's, without the fp8 engine"),
     "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 300, 250,
                         "estimated: the paged graph compiled (the others reused from part 1), three servers' load "
                         "and bucket captures, four random levels and two shared-prefix ones"),
@@ -95,7 +97,7 @@ def plan_text(seeded: bool) -> str:
         cold = STARTUP_S + sum(s.cold_s for s in steps)
         warm = STARTUP_S + sum(s.seeded_s for s in steps)
         lines.append(f"{part:<5} {'total (with ' + str(int(STARTUP_S)) + ' s start-up)':<42} {cold:7.0f} {warm:9.0f}")
-    total = STARTUP_S + sum(s.seeded_s for s in STEPS.values())
+    total = STARTUP_S + sum(s.seeded_s for s in STEPS.values() if s.part)
     lines.append(f"all parts in one call, seeded: ~{total:.0f} s ({'fits' if total < 560 else 'does not fit'} "
                  "one 10-minute call): three calls, one a part, on one warm machine")
     lines.append(f"running now: {'seeded' if seeded else 'cold'} estimates")
@@ -292,12 +294,12 @@ def bench_bf16_step(g: Gate) -> None:
     engine_rows(g, rec, "bf16", ("decode", "prefill"), "compile", "bench.py wrote no figure (see details.tar.gz)")
 
 
-def bench_quant_step(g: Gate) -> None:
+def bench_quant_step(g: Gate, keys: tuple[str, ...] = ("fp8", "int4")) -> None:
     r = recipes(g)
-    report = bench_step(g, "bench-quant", [r["bf16"], r["fp8"], r["int4"]], "engine")
+    report = bench_step(g, "bench-quant", [r["bf16"], *(r[k] for k in keys)], "engine")
     recs = (report or {}).get("recipes", {})
     bf16 = engine_rows(g, recs.get(r["bf16"]), "bf16 (quant run)", ("decode",), None, "not reached")
-    for key in ("fp8", "int4"):
+    for key in keys:
         mine = engine_rows(g, recs.get(r[key]), key, ("decode",), None, "not reached")
         for b, ms in mine.items():
             if b in bf16:  # the same batch: the ratio of times is the ratio of tokens/s
@@ -487,11 +489,12 @@ def smollm2_step(g: Gate) -> None:
 RUNNERS: dict[str, Callable[[Gate], None]] = {
     "build_bf16": lambda g: build_step(g, "bf16"), "profile": profile_step, "bench_bf16": bench_bf16_step,
     "serve": serve_step, "build_fp8": lambda g: build_step(g, "fp8"), "build_int4": lambda g: build_step(g, "int4"),
-    "bench_quant": bench_quant_step, "serve_paged": serve_paged_step, "smollm2": smollm2_step,
+    "bench_quant": bench_quant_step, "bench_int4": lambda g: bench_quant_step(g, ("int4",)),
+    "serve_paged": serve_paged_step, "smollm2": smollm2_step,
 }
 # One call (--part all): part 2's short steps before part 1's torch.compile, whose tail is the longest
-ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "serve_paged", "smollm2",
-             "bench_bf16")
+ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "bench_int4", "serve_paged",
+             "smollm2", "bench_bf16")
 
 
 # -- seeds ----------------------------------------------------------------------------------------------------------------
@@ -566,7 +569,8 @@ def steps_to_run(part: str, only: str | None) -> list[str]:
         if unknown:
             raise SystemExit(f"gate.py: --only: unknown step(s) {', '.join(unknown)} (known: {', '.join(STEPS)})")
         return [k for k in ALL_ORDER if k in wanted]
-    return list(ALL_ORDER) if part == "all" else [k for k, s in STEPS.items() if str(s.part) == part]
+    return [k for k in ALL_ORDER if STEPS[k].part] if part == "all" else [k for k, s in STEPS.items()
+                                                                            if str(s.part) == part]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -157,6 +157,8 @@ def test_cpu_smoke_run(tmp_path: Path) -> None:
     names = {r["name"]: r for r in report["rows"]}
     assert names["tiny bf16 decode b1"]["x_floor"] > 0 and names["tiny fp8 decode b1 tok/s vs bf16"]["value"] > 0
     assert names["tiny serve 4 streams output tok/s"]["value"] > 0
+    assert names["tiny paged serve 4 clients output tok/s"]["value"] > 0
+    assert names["tiny paged serve shared prefix 4 clients: TTFT p50 gain from the prefix cache"]["value"] > 0
     assert names["SmolLM2-135M bf16 greedy = transformers"]["verdict"] == "not run"
     assert (tmp_path / "out" / "details.tar.gz").is_file() and base.is_file()
 
@@ -165,5 +167,8 @@ def test_only_runs_the_named_steps_in_the_order_every_step_runs() -> None:
     """--only reruns the rows one change can move, in the gate's own order; an unknown step is one line."""
     assert gate.steps_to_run("2", "bench_quant,build_int4,build_bf16") == ["build_bf16", "build_int4", "bench_quant"]
     assert gate.steps_to_run("1", None) == ["build_bf16", "profile", "bench_bf16"]
+    # int4_wo's rows without the fp8 engine: by name only, never in a part (bench_quant has its rows)
+    assert gate.steps_to_run("1", "bench_int4,build_int4") == ["build_int4", "bench_int4"]
+    assert "bench_int4" not in gate.steps_to_run("all", None)
     with pytest.raises(SystemExit, match="unknown step\\(s\\) build_fp4"):
         gate.steps_to_run("all", "build_fp4")
