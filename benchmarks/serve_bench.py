@@ -132,7 +132,7 @@ def scrape(port: int) -> dict[str, float]:
 
 class Peak:
     """The most requests running at once during a level: /metrics' `trtbuild_running_requests` read every
-    tenth of a second from a thread of its own (a level shorter than that reads 0)."""
+    0.1 s from a thread of its own (a level shorter than that reads 0)."""
 
     def __init__(self, port: int) -> None:
         self.port, self.running = port, 0

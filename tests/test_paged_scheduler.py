@@ -200,3 +200,25 @@ def test_a_block_is_offered_to_the_prefix_cache_only_once_its_every_position_is_
     run_until_idle(s)
     assert late_sink.finish == "length" and late_sink.tokens == alone(text + [9], 3)
     assert first_sink.tokens == alone([5, 6], 6)
+
+
+def test_a_first_token_is_flushed_as_soon_as_its_prompt_chunk_ends() -> None:
+    """With chunked prefill a newcomer's first token goes out (flush) right after the chunk that ends its prompt,
+    before the step's decode: the other rows' tokens wait for the step's end."""
+    engine = PagedStandIn(64, 4)
+    log: list[str] = []
+    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=8,
+                  flush=lambda: log.append("|"))
+    first, _ = req([3, 1, 4], 4)
+    first.on_event = lambda ev: log.append("a")
+    s.submit(first)
+    s.step()
+    second, _ = req(list(range(10)), 2)
+    second.on_event = lambda ev: log.append("b")
+    s.submit(second)
+    log.clear()
+    s.step()  # the second prompt's first chunk (8 of 10 tokens): no first token yet; the first row decodes
+    assert log == ["a"]
+    log.clear()
+    s.step()  # its last chunk: its first token flushed before the decode step's tokens
+    assert log[:2] == ["b", "|"] and set(log[2:]) == {"a", "b"}  # then the decode's tokens (and two ends)

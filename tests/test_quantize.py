@@ -124,7 +124,9 @@ def test_rtn_state_quantizes_the_layers_linears_only() -> None:
     assert "output.weight" in out and "tok_embeddings.weight" in out and "layers.0.attention_norm.weight" in out
     for name in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2"):
         assert f"layers.0.{name}.weight" not in out
-        assert {f"layers.0.{name}.{b}" for b in ("qweight", "scale", "zero")} <= set(out)
+        kept = name == "feed_forward.w2"  # every down projection is kept int8 (calibrate.INT4_KEPT_INT8)
+        assert quantize.format_of(out[f"layers.0.{name}.qweight"]) == ("int8" if kept else "int4")
+        assert {f"layers.0.{name}.{b}" for b in ("qweight", "scale", *(() if kept else ("zero",)))} <= set(out)
 
 
 def _recipe(tmp_path: Path, name: str = "recipe.yaml", **overrides: Any) -> Any:
@@ -199,9 +201,10 @@ def test_the_build_step_stores_small_tensors_that_the_placed_model_computes_with
     model = place_model(cfg, shapes, torch.bfloat16, "cpu", state)
     assert model.layers[0].attention.wqkv.quant == "int4"
     dq = dict(state)
-    for name in calibrate.quantized_names(dense):
-        dq[name + ".weight"] = quantize.dequantize("int4", dq.pop(name + ".qweight"), dq.pop(name + ".scale"),
-                                                   dq.pop(name + ".zero"), torch.bfloat16)
+    for name in calibrate.quantized_names(dense):  # int4, but the down projections kept int8
+        fmt = quantize.format_of(dq[name + ".qweight"])
+        dq[name + ".weight"] = quantize.dequantize(fmt, dq.pop(name + ".qweight"), dq.pop(name + ".scale"),
+                                                   dq.pop(name + ".zero", None), torch.bfloat16)
     reference = place_model(cfg, shapes, torch.bfloat16, "cpu", dq)
     tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
     with torch.no_grad():

@@ -331,21 +331,21 @@ def test_thread_serves_many_requests_and_drains_on_stop() -> None:
         s.submit(req([1], 1)[0])
 
 
-def test_after_step_follows_every_step_of_the_thread_with_that_steps_events() -> None:
-    """A server hands a step's events over in one go (after_step): every event is emitted before the next
-    after_step call, and each step that ran has one."""
+def test_events_are_flushed_after_every_step_and_at_once_after_a_first_token() -> None:
+    """A server hands events over in batches (flush): after every step of the thread, and right after each
+    newcomer's first token, which must not wait for the other newcomers' prefills and the decode step."""
     engine = StandIn(rows=4, max_seq_len=64)
     log: list[str] = []
-    s = Scheduler(engine, max_queue=8, after_step=lambda: log.append("after"))
-    sink = Collect()
-    s.submit(Request(prompt=[3, 1], max_tokens=5, on_event=lambda ev: (sink(ev), log.append("event"))))
+    s = Scheduler(engine, max_queue=8, flush=lambda: log.append("|"))
+    sinks = [Collect() for _ in range(2)]
+    for i, sink in enumerate(sinks):
+        s.submit(Request(prompt=[3, 1 + i], max_tokens=3, on_event=lambda ev, i=i, sink=sink: (sink(ev), log.append(f"{i}"))))
     s.start()
     s.stop(drain=True, timeout=30)
-    assert sink.tokens == alone([3, 1], 5) and sink.finish == "length"
-    assert log[-1] == "after" and log.count("event") == 6  # five tokens and the finish
-    # the prefill's token and the first decode's come in the first step; then one a step
-    steps = "".join("|" if x == "after" else "e" for x in log).strip("|").split("|")
-    assert [len(x) for x in steps if x] == [2, 1, 1, 2]
+    for i, sink in enumerate(sinks):
+        assert sink.tokens == alone([3, 1 + i], 3) and sink.finish == "length"
+    # step 1: each prefill's token flushed alone, then both rows' decode tokens; step 2: the last tokens and ends
+    assert "".join(log) == "0|1|01|0011|"
 
 
 def test_the_outbox_wakes_the_event_loop_once_a_step_and_keeps_the_order() -> None:

@@ -188,9 +188,13 @@ class Scheduler:
 
     def __init__(self, engine: SlotEngine, max_queue: int = 256, buckets: list[int] | None = None,
                  observer: Observer | None = None, pool: Any = None, chunk_tokens: int | None = None,
-                 after_step: Callable[[], None] = lambda: None) -> None:
+                 flush: Callable[[], None] = lambda: None) -> None:
         self.engine = engine
-        self.after_step = after_step  # run() calls it after every step: a server hands the step's events over
+        # Hands the events emitted so far to whoever reads them (a server's Outbox): called after every step of
+        # run(), and at once after a newcomer's first token, which must not wait for the other newcomers'
+        # prefills and the decode step (an H100 gate run measured TTFT p50 +9% and 5% fewer tokens a second at
+        # 16 streams on 8 rows when first tokens waited for the step's end)
+        self.flush = flush
         self.max_queue = max_queue
         self.buckets = sorted(buckets or [engine.max_batch_size])
         self.observer: Observer = observer or _Quiet()
@@ -284,7 +288,7 @@ class Scheduler:
                 for r in list(self._running):
                     self._finish(r, "error", f"{type(exc).__name__}: {exc}", flushed=True)
             finally:
-                self.after_step()
+                self.flush()
 
     def step(self) -> bool:
         """One step boundary: free cancelled rows, admit and prefill newcomers, decode every running row.
@@ -359,6 +363,7 @@ class Scheduler:
             self.observer.first_token(now - r.arrived, len(r.prompt))
             r.position, r.last_time = len(r.prompt), now
             self._accept(r, token)
+            self.flush()
         # after a preemption the recomputed sequence's token was delivered before: the next step feeds last_token
         return n
 
@@ -429,6 +434,7 @@ class Scheduler:
         self.observer.first_token(now - r.arrived, len(r.prompt))
         r.position, r.last_time = len(r.prompt), now
         self._accept(r, token)
+        self.flush()
 
     def _decode(self) -> None:
         rows = list(self._running)

@@ -63,10 +63,9 @@ class KvSettings:
 
 # -- the server -----------------------------------------------------------------------------------------------
 class Outbox:
-    """The engine thread's events on their way to the HTTP handlers' queues, handed over once a scheduler step:
-    one wake-up of the event loop a step rather than one a token. Each wake-up is a system call made holding the
-    GIL, which the HTTP side waits for; at hundreds of streams a step, one per token cost the step its time.
-    Engine thread only (put during a step, flush after it)."""
+    """The engine thread's events on their way to the HTTP handlers' queues, handed over once a scheduler step
+    (and at once after a first token): one wake-up of the event loop a step rather than one a token. Each
+    wake-up is a system call made holding the GIL, which the HTTP side waits for. Engine thread only."""
 
     def __init__(self) -> None:
         self._items: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any], Any]] = []
@@ -139,7 +138,7 @@ class Server:
                 elem = {"fp32": 4, "fp16": 2, "bf16": 2}.get(session.recipe.precision, 2)
                 self.metrics.describe_engine(engine, elem)
                 self.scheduler = Scheduler(engine, self.max_queue, buckets, self.metrics, pool=pool,
-                                           chunk_tokens=self.kv.chunk or None, after_step=self.outbox.flush)
+                                           chunk_tokens=self.kv.chunk or None, flush=self.outbox.flush)
                 self.status = "ready"
                 self.metrics.ready.set(1)
                 for line in startup_lines(session, engine, buckets, self.url):
