@@ -72,15 +72,16 @@ STEPS = {
                   "results/2026-12-06-h100-gate-2: 54 s (server load and warm-up, 20 s of load, drain)"),
     "build_fp8": Step("build 1B fp8", 2, 155, 120,
                       "results/2026-12-06-h100-gate-3: 151 s on a fresh H100; -gate-2: 116 s after the bf16 build"),
-    "build_int4": Step("build 1B int4_wo", 2, 185, 135,
-                       "results/2026-12-06-h100-gate-3: 182 s on a fresh H100; -gate-2: 132 s after the bf16 build"),
+    "build_int4": Step("build 1B int4_wo", 2, 200, 200,
+                       "results/2026-12-06-h100-gate-4: 196 s with the matmul timings seeded and its graphs compiled "
+                       "(int8 down projections, new graphs); -gate-3: 182 s on a fresh H100"),
     "bench_quant": Step("1B fp8 / int4_wo / bf16 decode", 2, 20, 20,
                         "results/2026-12-06-h100-gate-2: 15 s (three cache hits)"),
     # not in a part: `--only` runs it where a change moves int4_wo alone (bench_quant has the same rows)
     "bench_int4": Step("1B int4_wo / bf16 decode", 0, 15, 15, "bench_quant's, without the fp8 engine"),
-    "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 300, 250,
-                        "estimated: the paged graph compiled (the others reused from part 1), three servers' load "
-                        "and bucket captures, four random levels and two shared-prefix ones"),
+    "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 240, 225,
+                        "results/2026-12-06-h100-gate-4: 225 s (the paged graph compiled, 111 s, the others reused; "
+                        "three servers' load and bucket captures, ~12 s each; four random levels, 32 s)"),
     # last, where its time is left
     "smollm2": Step("SmolLM2 greedy vs transformers", 3, 115, 115,
                     "results/2026-12-06-h100-gate-2: 111 s (unpack, a 135M engine at tactics level none, "
