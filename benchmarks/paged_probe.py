@@ -1,0 +1,226 @@
+"""Where the paged graph's time goes on a device: prompt chunks and decode steps, each timed alone.
+
+    python benchmarks/paged_probe.py recipes/llama-3.2-1b.yaml --engines /tmp/e --out $OUT
+    python benchmarks/paged_probe.py recipes/tiny-llama.yaml --chunks 8,32 --contexts 0,16 --rows 1,4 --out /tmp/p
+
+`trtbuild serve --kv-cache paged` runs two kinds of call: a prompt chunk (one request's next tokens, written
+through its block table) and a decode step of every running row (replayed from the row-count bucket's CUDA
+graph). Under load a server's throughput is set by how long each takes; this times them outside a server.
+The recipe is built (or found) with `options.kv_cache: paged`, as `serve_bench.py --paged` builds it, and its
+pool opened with --blocks blocks. Medians of --iters calls, the device synchronized around each:
+
+- a chunk of C tokens (--chunks) after S tokens already in the request's blocks (--contexts): its wall time,
+  and on CUDA, under torch.profiler, its kernels' summed time split into attention, matmul and other kernels,
+  so a chunk shows whether its launches or which kernels bound it;
+- the same C tokens through the engine's prefill graph (the row cache), the time a chunk could approach;
+- a decode step of R rows (--rows) at --decode-context tokens each, against its floor (the weights and the rows'
+  KV read once at the measured copy rate).
+
+Prints a table; writes paged_probe.json and, where matplotlib imports, paged_probe.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # trtbuild, run from a checkout
+sys.path.insert(0, str(HERE))
+import trtbuild  # noqa: E402,F401  - before torch: one libstdc++ for the compiled graphs
+
+from serve_bench import serving_recipe  # noqa: E402
+from trtbuild.measure.ceilings import cached  # noqa: E402
+from trtbuild.recipe import load_recipe  # noqa: E402
+from trtbuild.runner import open_session  # noqa: E402
+from trtbuild.store.local import Store  # noqa: E402
+
+
+def timed(fn: Callable[[], Any], device: str, iters: int) -> float:
+    """The median seconds of `fn`, the device synchronized before and after each call (two untimed first)."""
+    import torch
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def kernel_split(fn: Callable[[], Any], device: str) -> dict[str, float] | None:
+    """One call of `fn` under torch.profiler: its CUDA kernels' summed milliseconds by kind, and the count."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {"attention_ms": 0.0, "matmul_ms": 0.0, "other_ms": 0.0, "kernels": 0}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = ev.name.lower()
+        kind = ("attention_ms" if "attention" in name or "attn" in name or "flash" in name else
+                "matmul_ms" if any(k in name for k in ("gemm", "matmul", "nvjet", "cutlass", "sm90_xmma")) else
+                "other_ms")
+        out[kind] += ev.device_time_total / 1e3
+        out["kernels"] += 1
+    out["kernel_ms"] = out["attention_ms"] + out["matmul_ms"] + out["other_ms"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("recipe", type=Path)
+    ap.add_argument("--engines", default=None)
+    ap.add_argument("--out", default="paged-probe-out")
+    ap.add_argument("--chunks", default="128,512,2048", help="prompt chunk lengths")
+    ap.add_argument("--contexts", default="0,1024", help="tokens already in the request's blocks before a chunk")
+    ap.add_argument("--rows", default="1,16,64,256", help="decode step rows")
+    ap.add_argument("--decode-context", type=int, default=512, help="tokens each decode row has")
+    ap.add_argument("--blocks", type=int, default=None, help="pool blocks (default: what the rows and chunks need)")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    chunks = [int(x) for x in args.chunks.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    rows = [int(x) for x in args.rows.split(",")]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE.parent).stdout.strip() or "?"
+    report: dict[str, Any] = {"recipe": str(args.recipe), "commit": commit, "command": " ".join(sys.argv),
+                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "chunks": [],
+                              "prefill_graph": [], "decode": []}
+
+    def save() -> None:
+        (out / "paged_probe.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path, _ = serving_recipe(args.recipe, None, Path(tmp), paged=True)
+        recipe = load_recipe(path)
+        with open_session(recipe, args.engines, progress=lambda m: print(f"[paged_probe] {m}", flush=True)) as s:
+            engine = s.engine
+            device = engine.device
+            report["device"] = device
+            ceilings = cached(device, Store(args.engines).root / "ceilings")
+            report["ceilings"] = ceilings
+            vocab = engine.vocab_size
+            # the prefill graph (row cache, slot 0) first: the pool below takes the memory left
+            for c in chunks:
+                if c > engine.max_input_len:
+                    continue
+                prompt = [(7 * i) % vocab for i in range(c)]
+                ms = timed(lambda: engine.prefill(0, prompt), device, args.iters) * 1e3
+                report["prefill_graph"].append({"tokens": c, "ms": ms})
+                engine.release(0)
+            block = 16
+            need_chunk = -(-(max(contexts) + max(chunks)) // block)
+            need_rows = max(rows) * -(-(args.decode_context + 1) // block)
+            blocks = args.blocks or max(need_chunk, need_rows) + 1
+            engine.open_pool(blocks=blocks)
+            paged = engine.paged
+            assert paged.block_size == block, paged.block_size
+            table = list(range(need_chunk))
+            for start in contexts:
+                if start:  # the context's KV, written once by a chunk of its own
+                    paged.prefill(table, [(3 * i) % vocab for i in range(start)], 0)
+                for c in chunks:
+                    if c > engine.max_input_len or start + c >= engine.max_seq_len:
+                        continue
+                    tokens = [(5 * i) % vocab for i in range(c)]
+
+                    def call(tokens: list[int] = tokens, start: int = start) -> Any:
+                        return paged.prefill(table, tokens, start)
+
+                    ms = timed(call, device, args.iters) * 1e3
+                    row: dict[str, Any] = {"tokens": c, "context": start, "ms": ms, "split": kernel_split(call, device)}
+                    report["chunks"].append(row)
+                    save()
+                    print(f"[paged_probe] chunk {c} after {start}: {ms:.3f} ms {row['split'] or ''}", flush=True)
+            per_row = -(-(args.decode_context + 1) // block)
+            elem = paged.pools[0].element_size()
+            kv_token = 2 * engine.cfg.num_layers * engine.cfg.num_kv_heads * engine.cfg.head_dim * elem
+            for r in rows:
+                if paged.graphs is not None and r > paged.graphs.sizes[-1]:
+                    continue
+                tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(r)]
+                toks, pos = [1] * r, [args.decode_context] * r
+                ms = timed(lambda: paged.decode(tables, toks, pos), device, args.iters) * 1e3
+                floor = (engine.weight_bytes + kv_token * r * (args.decode_context + 1)) / ceilings["copy_Bps"] * 1e3
+                report["decode"].append({"rows": r, "context": args.decode_context, "ms": ms, "floor_ms": floor,
+                                         "x_floor": ms / floor, "captured": paged.graphs is not None})
+                save()
+                print(f"[paged_probe] decode {r} rows: {ms:.3f} ms ({ms / floor:.2f}x its floor)", flush=True)
+    save()
+    print(table_text(report))
+    try:
+        plot(report, out / "paged_probe.png")
+    except ImportError:
+        print("[paged_probe] matplotlib is not importable here: no plot (the JSON has every number)")
+
+
+def table_text(report: dict[str, Any]) -> str:
+    graph = {p["tokens"]: p["ms"] for p in report["prefill_graph"]}
+    lines = [f"paged_probe: {report['recipe']} on {report.get('device')}, {report['date']}, commit {report['commit']}",
+             f"{'chunk':>6} {'after':>6} {'ms':>8} {'prefill graph ms':>17} {'kernels ms':>11} {'attention':>10} "
+             f"{'matmul':>8} {'other':>8} {'launches':>9}"]
+    for c in report["chunks"]:
+        sp = c["split"] or {}
+        lines.append(f"{c['tokens']:>6} {c['context']:>6} {c['ms']:8.3f} {graph.get(c['tokens'], float('nan')):17.3f} "
+                     f"{sp.get('kernel_ms', float('nan')):11.3f} {sp.get('attention_ms', float('nan')):10.3f} "
+                     f"{sp.get('matmul_ms', float('nan')):8.3f} {sp.get('other_ms', float('nan')):8.3f} "
+                     f"{sp.get('kernels', 0):>9}")
+    lines.append(f"{'rows':>6} {'context':>8} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
+    for d in report["decode"]:
+        lines.append(f"{d['rows']:>6} {d['context']:>8} {d['ms']:8.3f} {d['floor_ms']:9.3f} {d['x_floor']:8.2f}")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for start in sorted({c["context"] for c in report["chunks"]}):
+        cs = [c for c in report["chunks"] if c["context"] == start]
+        a.plot([c["tokens"] for c in cs], [c["ms"] for c in cs], "o-", label=f"paged chunk after {start}")
+    g = report["prefill_graph"]
+    a.plot([p["tokens"] for p in g], [p["ms"] for p in g], "s--", label="prefill graph")
+    a.set(xscale="log", xlabel="prompt tokens", ylabel="ms", title="prompt chunks")
+    d = report["decode"]
+    b.plot([x["rows"] for x in d], [x["ms"] for x in d], "o-", label="paged decode step")
+    b.plot([x["rows"] for x in d], [x["floor_ms"] for x in d], "k:", label="floor")
+    b.set(xscale="log", xlabel="rows", ylabel="ms", title="decode steps")
+    for ax in (a, b):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"paged graph, {report.get('device')}, {report['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
