@@ -82,6 +82,9 @@ STEPS = {
     "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 240, 225,
                         "results/2026-12-06-h100-gate-4: 225 s (the paged graph compiled, 111 s, the others reused; "
                         "three servers' load and bucket captures, ~12 s each; four random levels, 32 s)"),
+    "paged_probe": Step("paged chunk and decode step alone", 3, 45, 40,
+                        "estimated: the paged engine found in the store, a pool, 3 chunk lengths x 2 contexts and "
+                        "4 decode row counts timed, one profiled call a chunk"),
     # last, where its time is left
     "smollm2": Step("SmolLM2 greedy vs transformers", 3, 115, 115,
                     "results/2026-12-06-h100-gate-2: 111 s (unpack, a 135M engine at tactics level none, "
@@ -455,6 +458,43 @@ def serve_paged_step(g: Gate) -> None:
                        f"{off['output_tok_per_s']:.0f} tok/s"))
 
 
+def paged_probe_step(g: Gate) -> None:
+    """benchmarks/paged_probe.py on the bf16 recipe's paged engine (serve_paged built it): a 512-token prompt chunk
+    after 1,024 tokens beside the prefill graph on the same tokens, and decode steps of 64 and 256 rows."""
+    out = g.work / "paged-probe"
+    shutil.rmtree(out, ignore_errors=True)
+    quick = ["--chunks", "8,32", "--contexts", "0,16", "--rows", "1,4", "--decode-context", "40"] if g.args.tiny else []
+    rc, text = g.child("paged-probe", [sys.executable, "benchmarks/paged_probe.py", recipes(g)["bf16"], "--engines",
+                                       str(g.store), "--out", str(out), *quick], reserve=g.args.reserve)
+    chunk_len, context, rows = (32, 16, ("4",)) if g.args.tiny else (512, 1024, ("64", "256"))
+    name = f"{label(g)} paged prompt chunk {chunk_len} after {context}"
+    try:
+        report = json.loads((out / "paged_probe.json").read_text())
+    except (OSError, ValueError):
+        g.add(row(name, None, "ms", g.part, status="error" if rc is not None else "not run", note=text.strip()[-300:]))
+        return
+    graph = {p["tokens"]: p["ms"] for p in report["prefill_graph"]}
+    chunk = next((c for c in report["chunks"] if c["tokens"] == chunk_len and c["context"] == context), None)
+    if chunk is None:
+        g.add(row(name, None, "ms", g.part, status="not run", note="not reached"))
+    else:
+        split = chunk["split"] or {}
+        g.add(row(name, chunk["ms"], "ms", g.part,
+                  note=f"prefill graph on {chunk_len} tokens {graph.get(chunk_len, float('nan')):.3f} ms; kernels "
+                       + (f"{split['kernel_ms']:.3f} ms (attention {split['attention_ms']:.3f}, matmul "
+                          f"{split['matmul_ms']:.3f}, other {split['other_ms']:.3f}; {split['kernels']} kernels)"
+                          if split else "not profiled (CPU)")))
+    for n in rows:
+        d = next((d for d in report["decode"] if str(d["rows"]) == n), None)
+        rname = f"{label(g)} paged decode step {n} rows"
+        if d is None:
+            g.add(row(rname, None, "ms", g.part, status="not run", note="not reached"))
+            continue
+        g.add(row(rname, d["ms"], "ms", g.part, x_floor=d["x_floor"],
+                  note=f"{d['context']} tokens a row; floor {d['floor_ms']:.3f} ms; "
+                       f"{'a captured bucket' if d['captured'] else 'called directly'}"))
+
+
 def smollm2_step(g: Gate) -> None:
     name = "SmolLM2-135M bf16 greedy = transformers"
     part = g.part
@@ -491,11 +531,11 @@ RUNNERS: dict[str, Callable[[Gate], None]] = {
     "build_bf16": lambda g: build_step(g, "bf16"), "profile": profile_step, "bench_bf16": bench_bf16_step,
     "serve": serve_step, "build_fp8": lambda g: build_step(g, "fp8"), "build_int4": lambda g: build_step(g, "int4"),
     "bench_quant": bench_quant_step, "bench_int4": lambda g: bench_quant_step(g, ("int4",)),
-    "serve_paged": serve_paged_step, "smollm2": smollm2_step,
+    "serve_paged": serve_paged_step, "paged_probe": paged_probe_step, "smollm2": smollm2_step,
 }
 # One call (--part all): part 2's short steps before part 1's torch.compile, whose tail is the longest
 ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "bench_int4", "serve_paged",
-             "smollm2", "bench_bf16")
+             "paged_probe", "smollm2", "bench_bf16")
 
 
 # -- seeds ----------------------------------------------------------------------------------------------------------------

@@ -129,7 +129,7 @@ def test_the_plan_fits_each_part_into_one_call() -> None:
     for part in ("1", "2", "3"):
         steps = [gate.STEPS[k] for k in gate.steps_to_run(part, None)]
         assert steps and gate.STARTUP_S + sum(s.cold_s for s in steps) < 570, part
-    assert gate.steps_to_run("3", None) == ["serve_paged", "smollm2"] and gate.steps_to_run("2", None)[-1] == "bench_quant"
+    assert gate.steps_to_run("3", None) == ["serve_paged", "paged_probe", "smollm2"] and gate.steps_to_run("2", None)[-1] == "bench_quant"
     assert set(gate.ALL_ORDER) == set(gate.STEPS) == set(gate.RUNNERS)
     assert "total" in gate.plan_text(seeded=False)
 
@@ -158,6 +158,7 @@ def test_cpu_smoke_run(tmp_path: Path) -> None:
     assert names["tiny bf16 decode b1"]["x_floor"] > 0 and names["tiny fp8 decode b1 tok/s vs bf16"]["value"] > 0
     assert names["tiny serve 4 streams output tok/s"]["value"] > 0
     assert names["tiny paged serve 4 clients output tok/s"]["value"] > 0
+    assert names["tiny paged decode step 4 rows"]["x_floor"] > 0 and names["tiny paged prompt chunk 32 after 16"]["value"] > 0
     assert names["tiny paged serve shared prefix 4 clients: TTFT p50 gain from the prefix cache"]["value"] > 0
     assert names["SmolLM2-135M bf16 greedy = transformers"]["verdict"] == "not run"
     assert (tmp_path / "out" / "details.tar.gz").is_file() and base.is_file()
