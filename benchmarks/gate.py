@@ -222,6 +222,8 @@ def label(g: Gate) -> str:
 def build_step(g: Gate, key: str) -> None:
     path = recipes(g)[key]
     name = f"build {label(g)} {key}"
+    # cold: no tactic cache in the store before this build (neither seeded nor left by an earlier part's builds)
+    warm_store = any((g.store / "tactics").glob("torch/*/*"))
     rc, text = g.child(f"build-{key}", [sys.executable, "-m", "trtbuild", "build", path, "--engines", str(g.store),
                                         "--json", "--quiet"], reserve=g.args.reserve)
     try:
@@ -235,7 +237,7 @@ def build_step(g: Gate, key: str) -> None:
               if manifest.is_file() else [])
     hit = result["engine"]["cache_hit"]
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.0f}" for k, v in result.get("phases", {}).items() if v >= 1)
-    context = "seeded" if reused or g.args.seed else "cold"
+    context = "seeded" if reused or g.args.seed or warm_store else "cold"
     if hit:
         g.add(row(name, None, "s", g.part, status="not run", context=context,
                   note="the engine was already in the store (a cache hit): its build time is that of the run that built it"))
