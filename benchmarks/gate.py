@@ -440,7 +440,8 @@ def serve_paged_step(g: Gate) -> None:
     f = level("random", top)
     name = f"{tag} {top} clients: most requests running at once"
     if f is None:
-        g.add(row(name, None, "requests", g.part, status=missing("random", top)[0], note=missing("random", top)[1]))
+        status, note = missing("random", top)
+        g.add(row(name, None, "requests", g.part, status=status, note=note))
     else:
         g.add(row(name, f.get("peak_running"), "requests", g.part, target=f"{top} at once",
                   met=(f.get("peak_running") or 0) >= int(top), note="/metrics' running requests, read every 0.1 s"))

@@ -13,8 +13,8 @@ pool opened with --blocks blocks. Medians of --iters calls, the device synchroni
   and on CUDA, under torch.profiler, its kernels' summed time split into attention, matmul and other kernels,
   so a chunk shows whether its launches or which kernels bound it;
 - the same C tokens through the engine's prefill graph (the row cache), the time a chunk could approach;
-- a decode step of R rows (--rows) at --decode-context tokens each, against its floor (the weights and the rows'
-  KV read once at the measured copy rate).
+- a decode step of R rows (--rows) at --decode-context tokens each, against its floor (bench.py's: the weights and
+  the rows' KV read once at the measured copy rate).
 
 Prints a table; writes paged_probe.json and, where matplotlib imports, paged_probe.png under --out.
 """
@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE.parent))  # trtbuild, run from a checkout
 sys.path.insert(0, str(HERE))
 import trtbuild  # noqa: E402,F401  - before torch: one libstdc++ for the compiled graphs
 
+from bench import decode_bytes  # noqa: E402
 from serve_bench import serving_recipe  # noqa: E402
 from trtbuild.measure.ceilings import cached  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
@@ -159,14 +160,13 @@ def main() -> None:
                     print(f"[paged_probe] chunk {c} after {start}: {ms:.3f} ms {row['split'] or ''}", flush=True)
             per_row = -(-(args.decode_context + 1) // block)
             elem = paged.pools[0].element_size()
-            kv_token = 2 * engine.cfg.num_layers * engine.cfg.num_kv_heads * engine.cfg.head_dim * elem
             for r in rows:
                 if paged.graphs is not None and r > paged.graphs.sizes[-1]:
                     continue
                 tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(r)]
                 toks, pos = [1] * r, [args.decode_context] * r
                 ms = timed(lambda: paged.decode(tables, toks, pos), device, args.iters) * 1e3
-                floor = (engine.weight_bytes + kv_token * r * (args.decode_context + 1)) / ceilings["copy_Bps"] * 1e3
+                floor = decode_bytes(engine.cfg, elem, r, args.decode_context + 1) / ceilings["copy_Bps"] * 1e3
                 report["decode"].append({"rows": r, "context": args.decode_context, "ms": ms, "floor_ms": floor,
                                          "x_floor": ms / floor, "captured": paged.graphs is not None})
                 save()

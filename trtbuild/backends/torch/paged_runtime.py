@@ -94,8 +94,8 @@ class PagedCache:
         if self.graphs is not None:  # the entries are checked as the bucket's buffer is filled
             bs = self.block_size
             rows = [b[:(p + bs) // bs] for b, p in zip(blocks, positions)]  # the blocks through position p
-            if any(len(r) * bs <= p for r, p in zip(rows, positions)):
-                short = next(i for i, (r, p) in enumerate(zip(rows, positions)) if len(r) * bs <= p)
+            short = next((i for i, (r, p) in enumerate(zip(rows, positions)) if len(r) * bs <= p), None)
+            if short is not None:
                 raise InputError(f"row {short}'s block table of {len(blocks[short])} blocks does not reach its "
                                  f"position {positions[short]}")
             return self.graphs.run(rows, tokens, positions)
