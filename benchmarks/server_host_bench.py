@@ -1,0 +1,264 @@
+"""How much of a paged server's step time is the host's: the real HTTP server and scheduler over an engine whose
+device work is a sleep of a GPU's measured length, under N streaming clients.
+
+    python benchmarks/server_host_bench.py --out /tmp/host                       # 16, 64, 256 clients
+    python benchmarks/server_host_bench.py --clients 256 --switch-ms 5,0.5 --out /tmp/host
+
+Under load a server's GPU waits whenever the host is busy between two steps: the scheduler's bookkeeping, and
+the HTTP side's work for every token (one server-sent event a token a stream), which runs in the same process
+and shares the GIL with the engine thread. Here the engine (`SleepEngine`) does the host work of the real
+paged path (the bucket buffer filled as PagedDecodeGraphs fills it) and then sleeps, the GIL released as a
+CUDA synchronization releases it, for the time an H100 took for that call (`--decode-ms` + `--row-us` a row
+for a decode step; `--chunk-ms` per 512 prompt tokens). `trtbuild serve`'s code runs unchanged around it
+(serving/server.py's `serve`, uvicorn, FastAPI, the scheduler, the prefix cache's block pool).
+
+Per (clients, switch interval): output tokens per second as the clients count them; the engine's busy
+fraction (its sleeps' sum over the wall time: 1.0 means the host never held the device back); and the host
+gap, the wall time a step beyond its sleeps, split into the time between two engine calls and the time an
+engine call overran its sleep (waiting for the GIL). The switch interval is Python's
+`sys.setswitchinterval`, how long a thread holding the GIL runs before a waiting one may take it; `serve`
+sets it (serving/server.py), this bench overrides it to compare. The clients run in this process, the server
+in a child: on a machine of few cores they compete for them (state the core count with the figures).
+Prints a table; writes server_host_bench.json and, where matplotlib imports, server_host_bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE))
+
+BLOCK, MAX_SEQ, MAX_INPUT, ROWS = 16, 4096, 2048, 256
+
+
+# -- the server side (a child process) --------------------------------------------------------------------------
+class _Paged:
+    block_size = BLOCK
+
+
+class SleepEngine:
+    """The paged slot API with the host work of the real path and a sleep in place of the device's."""
+
+    max_batch_size, max_input_len, max_seq_len, vocab_size = 1, MAX_INPUT, MAX_SEQ, 1000
+    can_page = True
+    spec: dict[str, Any] = {}
+
+    def __init__(self, decode_ms: float, row_us: float, chunk_ms: float, releases: int) -> None:
+        from trtbuild.backends.torch.paged_graphs import PagedDecodeGraphs
+
+        self.releases = max(1, releases)
+        self.decode_s, self.row_s, self.chunk_s = decode_ms / 1e3, row_us / 1e6, chunk_ms / 1e3
+        self.graphs = PagedDecodeGraphs(None, [], "cpu", width=MAX_SEQ // BLOCK, scratch=1 << 20, max_rows=ROWS)
+        self.paged: Any = None
+        self.stats = {"calls": 0, "steps": 0, "slept_s": 0.0, "overran_s": 0.0, "first": None, "last": None}
+
+    def open_pool(self, memory: float, blocks: int | None) -> int:
+        self.paged = _Paged()
+        n = blocks or ROWS * MAX_SEQ // BLOCK
+        self.kv_capacity_tokens, self.kv_layout = n * BLOCK, f"paged: {n} blocks of {BLOCK} tokens (a sleep)"
+        return n
+
+    def _device(self, seconds: float, warm: bool) -> None:
+        t = time.perf_counter()
+        # the real call's torch ops before its synchronization (a copy, a replay, a slice), each releasing the GIL
+        # and taking it back, as torch's Python bindings do around every op
+        for _ in range(self.releases - 1):
+            time.sleep(0)
+        time.sleep(seconds)  # releases the GIL, as a CUDA synchronization does
+        now = time.perf_counter()
+        if warm:  # the server's warm-up calls (request id -1), before any client
+            return
+        s = self.stats
+        s["calls"] += 1
+        s["slept_s"] += seconds
+        s["overran_s"] += max(0.0, now - t - seconds)
+        s["first"] = s["first"] or t
+        s["last"] = now
+
+    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any) -> int:
+        self._device(self.chunk_s * len(tokens) / 512, key < 0)
+        return 1
+
+    def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
+                     sampling: list[Any]) -> list[int]:
+        from trtbuild.backends.torch.paged_graphs import bucket_for
+
+        rows = [b[:(p + BLOCK) // BLOCK] for b, p in zip(blocks, positions)]
+        self.graphs.host_rows(bucket_for(len(keys), self.graphs.sizes), rows, tokens, positions)
+        self._device(self.decode_s + self.row_s * len(keys), keys[0] < 0)
+        self.stats["steps"] += keys[0] >= 0
+        return [2] * len(keys)
+
+    def release(self, key: int) -> None:
+        pass
+
+    def prefill(self, slot: int, tokens: list[int], sampling: Any = None) -> int:
+        raise NotImplementedError("the row cache's API: this engine serves paged only")
+
+    decode = prefill
+
+
+class _Session:
+    """What serving/server.py reads of a runner.Session."""
+
+    def __init__(self, engine: SleepEngine) -> None:
+        from types import SimpleNamespace
+
+        self.engine = engine
+        self.recipe = SimpleNamespace(name="sleep", precision="bf16", backend="torch")
+        self.outcome = SimpleNamespace(cache_hit=True, key="sleep", entry=SimpleNamespace(path="-"), fleet={},
+                                       model=SimpleNamespace(folder=None))
+
+    def __enter__(self) -> _Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def serve_child(args: argparse.Namespace) -> None:
+    from trtbuild.serving.server import KvSettings, serve
+
+    engine = SleepEngine(args.decode_ms, args.row_us, args.chunk_ms, args.releases)
+    try:
+        serve(_Session(engine), port=args.serve, max_queue=4096, log_level="warning",
+              kv=KvSettings("paged", 0.9, None, 512, True), switch_interval=float(args.switch_ms) / 1e3)
+    finally:
+        Path(args.stats).write_text(json.dumps(engine.stats))
+
+
+# -- the clients (this process) ---------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def level(clients: int, switch_ms: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from serve_bench import Clients, get, percentile, workload
+
+    port, stats = free_port(), tmp / f"stats-{clients}-{switch_ms}.json"
+    cmd = [sys.executable, __file__, "--serve", str(port), "--stats", str(stats), "--switch-ms", str(switch_ms),
+           "--decode-ms", str(args.decode_ms), "--row-us", str(args.row_us), "--chunk-ms", str(args.chunk_ms),
+           "--releases", str(args.releases)]
+    proc = subprocess.Popen(cmd, cwd=REPO)
+    try:
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode})")
+            try:
+                if get(port, "/health", 2.0)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("the server did not come up")
+        reqs = workload(clients * args.per_client, MAX_INPUT, MAX_SEQ, False, 1000)
+        cl = Clients(port, "sleep", reqs)
+        wall = cl.run(clients)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    s = json.loads(stats.read_text())
+    ok = [r for r in cl.results if "error" not in r]
+    tokens = sum(r["tokens"] for r in ok)
+    span = s["last"] - s["first"]
+    gap = span - s["slept_s"]  # the engine's active span less its sleeps: host time the device waited for
+    return {"clients": clients, "switch_ms": switch_ms, "requests": len(ok), "errors": len(cl.results) - len(ok),
+            "tok_s": tokens / wall, "busy": s["slept_s"] / span, "steps": s["steps"], "calls": s["calls"],
+            "gap_ms_per_step": gap / max(1, s["steps"]) * 1e3,
+            "overrun_ms_per_step": s["overran_s"] / max(1, s["steps"]) * 1e3,
+            "ttft_p50_ms": percentile([r["ttft_s"] for r in ok], 50) * 1e3,
+            "tpot_p50_ms": percentile([r["tpot_s"] for r in ok if r["tpot_s"]], 50) * 1e3}
+
+
+def table_text(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'clients':>7} {'switch ms':>9} {'tok/s':>8} {'busy':>6} {'steps':>6} {'host gap ms/step':>16} "
+            f"{'of it GIL ms':>12} {'TTFT p50':>9} {'TPOT p50':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['clients']:>7} {r['switch_ms']:>9g} {r['tok_s']:>8.0f} {r['busy']:>6.2f} {r['steps']:>6} "
+                     f"{r['gap_ms_per_step']:>16.3f} {r['overrun_ms_per_step']:>12.3f} {r['ttft_p50_ms']:>9.1f} "
+                     f"{r['tpot_p50_ms']:>9.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for sw in sorted({r["switch_ms"] for r in rows}):
+        pts = [r for r in rows if r["switch_ms"] == sw]
+        ax.plot([r["clients"] for r in pts], [r["busy"] for r in pts], marker="o", label=f"switch {sw:g} ms")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("streaming clients")
+    ax.set_ylabel("engine busy fraction")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--clients", default="16,64,256")
+    ap.add_argument("--switch-ms", default="5,0.5", help="Python switch intervals to compare (ms)")
+    ap.add_argument("--per-client", type=int, default=2, help="requests each client sends")
+    ap.add_argument("--decode-ms", type=float, default=1.1, help="a decode step's fixed device time")
+    ap.add_argument("--row-us", type=float, default=30.0, help="a decode step's device time a row")
+    ap.add_argument("--chunk-ms", type=float, default=2.5, help="device time per 512 prompt tokens")
+    ap.add_argument("--releases", type=int, default=4,
+                    help="times an engine call releases the GIL (its torch ops), the last for the device time")
+    ap.add_argument("--out", default="server-host-bench-out")
+    ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--stats", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve is not None:
+        serve_child(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip() or "?"
+    report: dict[str, Any] = {"commit": commit, "command": " ".join(sys.argv), "cores": os.cpu_count(),
+                              "cpu": platform.processor() or platform.machine(),
+                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                              "engine": {"decode_ms": args.decode_ms, "row_us": args.row_us,
+                                         "chunk_ms_per_512": args.chunk_ms, "releases": args.releases}, "rows": []}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in [int(x) for x in args.clients.split(",")]:
+            for sw in [float(x) for x in args.switch_ms.split(",")]:
+                r = level(n, sw, args, Path(tmp))
+                report["rows"].append(r)
+                print(f"[server_host_bench] {n} clients, switch {sw:g} ms: {r['tok_s']:.0f} tok/s, busy "
+                      f"{r['busy']:.2f}, gap {r['gap_ms_per_step']:.2f} ms a step", flush=True)
+                (out / "server_host_bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(table_text(report["rows"]))
+    try:
+        plot(report["rows"], out / "server_host_bench.png")
+    except ImportError:
+        print("[server_host_bench] matplotlib is not importable here: no plot (the JSON has every number)")
+
+
+if __name__ == "__main__":
+    threading.stack_size(256 * 1024)  # hundreds of client threads
+    main()
