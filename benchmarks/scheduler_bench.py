@@ -41,7 +41,8 @@ class NoWorkEngine:
     def __init__(self, rows: int) -> None:
         self.graphs = PagedDecodeGraphs(None, [], "cpu", width=MAX_SEQ // BLOCK, scratch=1 << 20, max_rows=rows)
 
-    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any) -> int:
+    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any,
+                      last: bool = True) -> int | None:
         return 1
 
     def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],

@@ -88,7 +88,8 @@ class SleepEngine:
         s["first"] = s["first"] or t
         s["last"] = now
 
-    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any) -> int:
+    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any,
+                      last: bool = True) -> int | None:
         self._device(self.chunk_s * len(tokens) / 512, key < 0)
         return 1
 

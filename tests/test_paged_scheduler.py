@@ -51,12 +51,14 @@ class PagedStandIn:
         assert None not in out, "a position read before it was written"
         return out  # type: ignore[return-value]
 
-    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any) -> int:
+    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any,
+                      last: bool = True) -> int | None:
         for i, t in enumerate(tokens):
             self._write(blocks, start + i, t)
         self.prefilled += len(tokens)
-        self.log.append(("prefill", key, len(tokens)))
-        return rule(self._read(blocks, start + len(tokens)))
+        self.log.append(("prefill", key, len(tokens), last))
+        # as the torch engine: no token (and no wait for the device) for a chunk whose token is not wanted
+        return rule(self._read(blocks, start + len(tokens))) if last else None
 
     def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
                      sampling: list[Any]) -> list[int]:
@@ -157,6 +159,8 @@ def test_no_running_stream_waits_more_than_one_chunk() -> None:
             between += call[2]
             assert between <= 8
     assert sum(c[2] for c in engine.log if c[0] == "prefill" and c[1] == long.id) == 60
+    # only the chunk that ends a prompt asks for its token: the seven before it leave the device running
+    assert [c[3] for c in engine.log if c[0] == "prefill" and c[1] == long.id] == [False] * 7 + [True]
 
 
 def test_block_exhaustion_preempts_and_recomputes_never_an_error() -> None:

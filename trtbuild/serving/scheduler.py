@@ -44,7 +44,8 @@ class PagedEngine(SlotEngine, Protocol):
     """An engine reading its KV cache through block tables (kv_blocks.py): any prompt chunk from any start
     position, and decode steps of any rows; `key` names a request's sampling history (release(key) ends it)."""
 
-    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any) -> int: ...
+    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any,
+                      last: bool = True) -> int | None: ...
 
     def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
                      sampling: list[Any]) -> list[int]: ...
@@ -350,15 +351,17 @@ class Scheduler:
         """Prefill the next chunk of at most `budget` tokens of r's sequence; the tokens it took."""
         seq = r.sequence()
         n = min(budget, len(seq) - r.filled)
+        # the token after the chunk is wanted only where the chunk ends the prompt: no other makes the host wait
+        last = r.filled + n == len(seq) and not r.history
         try:
             token = self.engine.prefill_paged(r.id, r.table.blocks, seq[r.filled:r.filled + n],  # type: ignore[attr-defined]
-                                              r.filled, r.sampling)
+                                              r.filled, r.sampling, last=last)
         except Exception as exc:  # one bad request must not take the server down
             self._finish(r, "error", f"prefill failed: {type(exc).__name__}: {exc}")
             return n
         r.filled += n
         self.pool.name_full_blocks(r.table, seq[:r.filled])
-        if r.filled == len(seq) and not r.history:  # the prompt's last chunk: the first token
+        if last:  # the prompt's last chunk: the first token
             now = time.perf_counter()
             self.observer.first_token(now - r.arrived, len(r.prompt))
             r.position, r.last_time = len(r.prompt), now

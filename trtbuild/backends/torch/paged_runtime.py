@@ -82,11 +82,12 @@ class PagedCache:
 
         end = start + len(tokens)
         table = self._table(blocks, -(-end // self.block_size))
-        dev = self.device
+        t = len(tokens)
+        # one host-to-device copy for the three inputs: each torch call gives the GIL up and takes it back, which
+        # under a busy event loop costs the engine thread a wait (serving/server.py's SWITCH_INTERVAL_S)
+        rows = torch.tensor([*tokens, *range(start, end), *table], dtype=torch.long).to(self.device)
         with torch.no_grad():
-            return self.package(torch.tensor([tokens], dtype=torch.long, device=dev),
-                                torch.arange(start, end, device=dev)[None], torch.tensor([table], device=dev),
-                                *self.pools)
+            return self.package(rows[:t][None], rows[t:2 * t][None], rows[2 * t:][None], *self.pools)
 
     def decode(self, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> tuple[Any, Any]:
         import torch

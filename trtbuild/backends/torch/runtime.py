@@ -299,9 +299,11 @@ class TorchEngine:
         return n
 
     def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int,
-                      sampling: Sampling = GREEDY) -> int:
+                      sampling: Sampling = GREEDY, last: bool = True) -> int | None:
         """Write a prompt chunk's KV (positions start..start+len-1) through the block table; return the token
-        that follows it (the first generated token when the chunk ends the prompt)."""
+        that follows it (the first generated token when the chunk ends the prompt). `last` False: the caller
+        does not want that token (a chunk before the prompt's last), so None, and the host does not wait for
+        the device: the next call queues behind the chunk."""
         if not tokens or start + len(tokens) >= self.max_seq_len or len(tokens) > self.max_input_len:
             raise InputError(f"a chunk of {len(tokens)} tokens at {start} does not fit the engine")
         if any(not 0 <= tok < self.vocab_size for tok in tokens):
@@ -311,6 +313,8 @@ class TorchEngine:
         if start == 0 or key not in self._prompts:  # a first chunk (after a cached prefix, start > 0)
             self._prompts[key], self._generated[key] = [], []
         self._prompts[key] += tokens
+        if not last:
+            return None
         end = start + len(tokens)
         token = int(greedy[0, 0]) if sampling.greedy else int(self._sample(logits, [key], [end - 1], [sampling])[0])
         return token
