@@ -46,6 +46,9 @@ def _scattered_tables(lengths: list[int], num_blocks: int, seed: int) -> list[li
     (4, 4, [[0, 1, 2, 3, 4, 5, 6], [100, 101, 102, 103, 104, 105, 106]]),  # prompt chunks: one tile and a partial one
     (16, 2, [[40, 41, 42], [512, 513, 514]]),  # eight queries a KV head: two tokens a tile
     (16, 1, [[20], [250]]),  # sixteen queries a KV head: one token fills a tile
+    # the chunk kernel's tiles of 64 rows: 16 tokens of four heads, three tiles and a partial one, after a context
+    (4, 1, [list(range(100, 140)), list(range(0, 40))]),
+    (2, 2, [list(range(30, 100))]),  # one query a KV head: 64 tokens a tile, a second tile of six
 ])
 def test_the_kernel_gives_the_aten_paged_attention(monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int,
                                                    positions: list[list[int]]) -> None:
