@@ -2,6 +2,7 @@
 same file at another commit: prompt chunks and decode steps of the 1B's attention shapes.
 
     python benchmarks/paged_kernel_bench.py --against 5db31ec --out $OUT
+    python benchmarks/paged_kernel_bench.py --against 5db31ec --before old_paged_attention.py --out $OUT
 
 Each case is one layer's attention: q (B, T, 32 heads, 64) over pools of 8 KV heads, every row's blocks
 scattered through the pool. Chunks: T tokens after S tokens already cached (B 1); decode: B rows of one token
@@ -72,6 +73,8 @@ def timed(fn: Any, iters: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--against", default=None, help="a commit whose kernel file runs beside this one's")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="that kernel file itself (where the checkout has no git history)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="paged-kernel-bench-out")
     args = ap.parse_args()
@@ -81,9 +84,10 @@ def main() -> None:
 
     versions = {"now": paged_attention}
     tmp = tempfile.TemporaryDirectory()
-    if args.against:
-        text = subprocess.run(["git", "show", f"{args.against}:trtbuild/kernels/paged_attention.py"], cwd=REPO,
-                              capture_output=True, text=True, check=True).stdout
+    if args.against or args.before:
+        text = args.before.read_text() if args.before else subprocess.run(
+            ["git", "show", f"{args.against}:trtbuild/kernels/paged_attention.py"], cwd=REPO, capture_output=True,
+            text=True, check=True).stdout
         path = Path(tmp.name) / "paged_before.py"
         # its custom op under another namespace: one name registers once a process
         path.write_text(text.replace('"trtbuild::', '"trtbuild_before::'))
