@@ -136,7 +136,7 @@ def serve_child(args: argparse.Namespace) -> None:
     engine = SleepEngine(args.decode_ms, args.row_us, args.chunk_ms, args.releases)
     try:
         serve(_Session(engine), port=args.serve, max_queue=4096, log_level="warning",
-              kv=KvSettings("paged", 0.9, None, 512, True), switch_interval=float(args.switch_ms) / 1e3)
+              kv=KvSettings("paged", 0.9, None, args.prefill_chunk, True), switch_interval=float(args.switch_ms) / 1e3)
     finally:
         Path(args.stats).write_text(json.dumps(engine.stats))
 
@@ -154,7 +154,7 @@ def level(clients: int, switch_ms: float, args: argparse.Namespace, tmp: Path) -
     port, stats = free_port(), tmp / f"stats-{clients}-{switch_ms}.json"
     cmd = [sys.executable, __file__, "--serve", str(port), "--stats", str(stats), "--switch-ms", str(switch_ms),
            "--decode-ms", str(args.decode_ms), "--row-us", str(args.row_us), "--chunk-ms", str(args.chunk_ms),
-           "--releases", str(args.releases)]
+           "--releases", str(args.releases), "--prefill-chunk", str(args.prefill_chunk)]
     proc = subprocess.Popen(cmd, cwd=REPO)
     try:
         for _ in range(600):
@@ -233,6 +233,7 @@ def main() -> None:
     ap.add_argument("--chunk-ms", type=float, default=2.5, help="device time per 512 prompt tokens")
     ap.add_argument("--releases", type=int, default=4,
                     help="times an engine call releases the GIL (its torch ops), the last for the device time")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="serve's --prefill-chunk")
     ap.add_argument("--out", default="server-host-bench-out")
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--stats", default=None, help=argparse.SUPPRESS)
@@ -248,7 +249,8 @@ def main() -> None:
                               "cpu": platform.processor() or platform.machine(),
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "engine": {"decode_ms": args.decode_ms, "row_us": args.row_us,
-                                         "chunk_ms_per_512": args.chunk_ms, "releases": args.releases}, "rows": []}
+                                         "chunk_ms_per_512": args.chunk_ms, "releases": args.releases},
+                              "prefill_chunk": args.prefill_chunk, "rows": []}
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
