@@ -250,7 +250,7 @@ def _run(partial: Any, merge: Any, chunk: Any, q: Tensor, k_pool: Tensor, v_pool
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         y.stride(0), y.stride(1), y.stride(2), REP=rep, TOK=ctok, TOK_P2=max(2, triton.next_power_of_2(ctok)),
         ROWS=max(16, triton.next_power_of_2(ctok * rep)), D=d, PAGE=page, BLOCK_S=CHUNK_S, SCALE=scale,
-        num_warps=4)
+        num_warps=4 if d <= 64 else 8)  # a 64 x 128 fp32 accumulator over 128 threads would spill
     return y
 
 
