@@ -466,7 +466,8 @@ def paged_probe_step(g: Gate) -> None:
     after 1,024 tokens beside the prefill graph on the same tokens, and decode steps of 64 and 256 rows."""
     out = g.work / "paged-probe"
     shutil.rmtree(out, ignore_errors=True)
-    quick = ["--chunks", "8,32", "--contexts", "0,16", "--rows", "1,4", "--decode-context", "40"] if g.args.tiny else []
+    quick = ["--chunks", "8,32", "--contexts", "0,16", "--rows", "1,4", "--decode-context", "40", "--together", "2x8"] \
+        if g.args.tiny else []
     rc, text = g.child("paged-probe", [sys.executable, "benchmarks/paged_probe.py", recipes(g)["bf16"], "--engines",
                                        str(g.store), "--out", str(out), *quick], reserve=g.args.reserve)
     chunk_len, context, rows = (32, 16, ("4",)) if g.args.tiny else (512, 1024, ("64", "256"))
@@ -487,6 +488,10 @@ def paged_probe_step(g: Gate) -> None:
                        + (f"{split['kernel_ms']:.3f} ms (attention {split['attention_ms']:.3f}, matmul "
                           f"{split['matmul_ms']:.3f}, other {split['other_ms']:.3f}; {split['kernels']} kernels)"
                           if split else "not profiled (CPU)")))
+    t = report.get("together")
+    if t:
+        g.add(row(f"{label(g)} paged {t['rows']} chunks of {t['tokens']} after {t['context']}, one call", t["one_call_ms"],
+                  "ms", g.part, note=f"one call each: {t['one_call_each_ms']:.3f} ms"))
     for n in rows:
         d = next((d for d in report["decode"] if str(d["rows"]) == n), None)
         rname = f"{label(g)} paged decode step {n} rows"

@@ -13,6 +13,8 @@ pool opened with --blocks blocks. Medians of --iters calls, the device synchroni
   and on CUDA, under torch.profiler, its kernels' summed time split into attention, matmul and other kernels,
   so a chunk shows whether its launches or which kernels bound it;
 - the same C tokens through the engine's prefill graph (the row cache), the time a chunk could approach;
+- --together R x T: R requests' chunks of T tokens after the largest context, shared as a prefix cache shares
+  it, in one call (as the server batches a step's chunks) and in one call each;
 - a decode step of R rows (--rows) at --decode-context tokens each, against its floor (bench.py's: the weights and
   the rows' KV read once at the measured copy rate).
 
@@ -99,6 +101,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="0,1024", help="tokens already in the request's blocks before a chunk")
     ap.add_argument("--rows", default="1,16,64,256", help="decode step rows")
     ap.add_argument("--decode-context", type=int, default=512, help="tokens each decode row has")
+    ap.add_argument("--together", default="8x64",
+                    help="ROWSxTOKENS: that many requests' chunks after the largest context, shared (a prefix "
+                         "cache's hit), in one call and in one call each")
     ap.add_argument("--blocks", type=int, default=None, help="pool blocks (default: what the rows and chunks need)")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
@@ -137,7 +142,9 @@ def main() -> None:
             block = 16
             need_chunk = -(-(max(contexts) + max(chunks)) // block)
             need_rows = max(rows) * -(-(args.decode_context + 1) // block)
-            blocks = args.blocks or max(need_chunk, need_rows) + 1
+            n_together, t_together = (int(x) for x in args.together.split("x"))
+            need_together = need_chunk + n_together * -(-t_together // block)
+            blocks = args.blocks or max(need_together, need_rows) + 1
             engine.open_pool(blocks=blocks)
             paged = engine.paged
             assert paged.block_size == block, paged.block_size
@@ -158,6 +165,23 @@ def main() -> None:
                     report["chunks"].append(row)
                     save()
                     print(f"[paged_probe] chunk {c} after {start}: {ms:.3f} ms {row['split'] or ''}", flush=True)
+            # several requests' chunks after one shared context (its blocks written by the last chunk loop's
+            # context): the prefix cache's case, one call for all against one call each
+            start = max(contexts)
+            own = -(-t_together // block)
+            shared = table[:start // block]
+            if start % block == 0 and start + t_together < engine.max_seq_len:
+                tabs = [shared + list(range(need_chunk + i * own, need_chunk + (i + 1) * own)) for i in range(n_together)]
+                toks = [[(11 * i + j) % vocab for j in range(t_together)] for i in range(n_together)]
+                together = timed(lambda: paged.prefill_many(tabs, toks, [start] * n_together), device,
+                                 args.iters) * 1e3
+                apart = timed(lambda: [paged.prefill(tb, tk, start) for tb, tk in zip(tabs, toks)], device,
+                              args.iters) * 1e3
+                report["together"] = {"rows": n_together, "tokens": t_together, "context": start,
+                                      "one_call_ms": together, "one_call_each_ms": apart}
+                save()
+                print(f"[paged_probe] {n_together} chunks of {t_together} after {start}: {together:.3f} ms in one "
+                      f"call, {apart:.3f} ms in one call each", flush=True)
             per_row = -(-(args.decode_context + 1) // block)
             elem = paged.pools[0].element_size()
             for r in rows:
@@ -190,6 +214,9 @@ def table_text(report: dict[str, Any]) -> str:
                      f"{sp.get('kernel_ms', float('nan')):11.3f} {sp.get('attention_ms', float('nan')):10.3f} "
                      f"{sp.get('matmul_ms', float('nan')):8.3f} {sp.get('other_ms', float('nan')):8.3f} "
                      f"{sp.get('kernels', 0):>9}")
+    if (t := report.get("together")):
+        lines.append(f"{t['rows']} chunks of {t['tokens']} after {t['context']}: {t['one_call_ms']:.3f} ms in one call, "
+                     f"{t['one_call_each_ms']:.3f} ms in one call each")
     lines.append(f"{'rows':>6} {'context':>8} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
     for d in report["decode"]:
         lines.append(f"{d['rows']:>6} {d['context']:>8} {d['ms']:8.3f} {d['floor_ms']:9.3f} {d['x_floor']:8.2f}")

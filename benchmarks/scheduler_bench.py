@@ -41,9 +41,9 @@ class NoWorkEngine:
     def __init__(self, rows: int) -> None:
         self.graphs = PagedDecodeGraphs(None, [], "cpu", width=MAX_SEQ // BLOCK, scratch=1 << 20, max_rows=rows)
 
-    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any,
-                      last: bool = True) -> int | None:
-        return 1
+    def prefill_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
+                      sampling: list[Any], lasts: list[bool]) -> list[int | None]:
+        return [1 if last else None for last in lasts]
 
     def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
                      sampling: list[Any]) -> list[int]:

@@ -88,10 +88,10 @@ class SleepEngine:
         s["first"] = s["first"] or t
         s["last"] = now
 
-    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any,
-                      last: bool = True) -> int | None:
-        self._device(self.chunk_s * len(tokens) / 512, key < 0)
-        return 1
+    def prefill_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
+                      sampling: list[Any], lasts: list[bool]) -> list[int | None]:
+        self._device(self.chunk_s * sum(map(len, tokens)) / 512, keys[0] < 0)
+        return [1 if last else None for last in lasts]
 
     def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
                      sampling: list[Any]) -> list[int]:

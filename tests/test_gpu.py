@@ -316,7 +316,7 @@ def test_decode_graphs_launch_with_pdl_and_give_the_tokens_of_serialized_graphs(
 
 def test_paged_decode_through_the_kernel_replays_bucket_graphs_with_the_direct_calls_tokens(tmp_path: Path) -> None:
     """A bf16 paged engine (head_dim 16, so the paged graph calls the Triton paged attention): three prompts of
-    different lengths prefilled through scattered block tables, then decode steps of all three, which replay
+    different lengths prefilled together through scattered block tables, then decode steps of all three, which replay
     the 4-row bucket's captured graph (one padding row on the scratch block). The tokens equal those of the
     same padded step called without a graph, the scratch block is the only block no row owns that changed,
     and each row's tokens are the eager model's (within bf16 ties)."""
@@ -341,9 +341,9 @@ def test_paged_decode_through_the_kernel_replays_bucket_graphs_with_the_direct_c
         direct = PagedDecodeGraphs(paged.package, [p.clone() for p in paged.pools], paged.device,
                                    paged.graphs.width, paged.scratch, 40)
         direct.capturable = False
-        streams: list[list[int]] = []
-        for key, (prompt, table) in enumerate(zip(prompts, tables)):
-            streams.append([engine.prefill_paged(key, table, prompt, 0)])
+        # the three prompts in one call: left-padded to the longest, the padding on the scratch block
+        firsts = engine.prefill_paged([0, 1, 2], tables, prompts, [0, 0, 0], [GREEDY] * 3, [True] * 3)
+        streams: list[list[int]] = [[t] for t in firsts]
         for mine, theirs in zip(direct.pools, paged.pools):  # the direct path starts from the same prefilled pools
             mine.copy_(theirs)
         before = [p.clone() for p in paged.pools]

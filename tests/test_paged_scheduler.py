@@ -42,6 +42,7 @@ class PagedStandIn:
         self.pool: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.log: list[tuple[str, Any]] = []
         self.prefilled = 0  # prompt tokens computed (not taken from the prefix cache)
+        self.calls: list[int] = []  # chunks in each prefill call
 
     def _write(self, blocks: list[int], pos: int, token: int) -> None:
         self.pool[blocks[pos // self.block_size]][pos % self.block_size] = token
@@ -51,14 +52,18 @@ class PagedStandIn:
         assert None not in out, "a position read before it was written"
         return out  # type: ignore[return-value]
 
-    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any,
-                      last: bool = True) -> int | None:
-        for i, t in enumerate(tokens):
-            self._write(blocks, start + i, t)
-        self.prefilled += len(tokens)
-        self.log.append(("prefill", key, len(tokens), last))
-        # as the torch engine: no token (and no wait for the device) for a chunk whose token is not wanted
-        return rule(self._read(blocks, start + len(tokens))) if last else None
+    def prefill_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
+                      sampling: list[Any], lasts: list[bool]) -> list[int | None]:
+        self.calls.append(len(keys))
+        out: list[int | None] = []
+        for key, b, chunk, start, last in zip(keys, blocks, tokens, starts, lasts):
+            for i, t in enumerate(chunk):
+                self._write(b, start + i, t)
+            self.prefilled += len(chunk)
+            self.log.append(("prefill", key, len(chunk), last))
+            # as the torch engine: no token (and no wait for the device) for a chunk whose token is not wanted
+            out.append(rule(self._read(b, start + len(chunk))) if last else None)
+        return out
 
     def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
                      sampling: list[Any]) -> list[int]:
@@ -226,3 +231,20 @@ def test_a_first_token_is_flushed_as_soon_as_its_prompt_chunk_ends() -> None:
     log.clear()
     s.step()  # its last chunk: its first token flushed before the decode step's tokens
     assert log[:2] == ["b", "|"] and set(log[2:]) == {"a", "b"}  # then the decode's tokens (and two ends)
+
+
+def test_the_chunks_of_a_step_go_to_the_engine_in_one_call() -> None:
+    """Five prompts arrive together: with a budget that holds them all, one prefill call carries the five
+    chunks (one launch of the paged graph); with a budget of 8 tokens, each step's call carries the chunks that
+    fit it. The tokens are each prompt's own either way."""
+    for chunk, most in ((64, 5), (8, 3)):
+        engine = PagedStandIn(64, 4)
+        s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=chunk)
+        jobs = [([i + 1] * (3 + i), 4) for i in range(5)]
+        pairs = [req(p, n) for p, n in jobs]
+        for r, _ in pairs:
+            s.submit(r)
+        run_until_idle(s)
+        for (p, n), (_, sink) in zip(jobs, pairs):
+            assert sink.tokens == alone(p, n)
+        assert engine.calls[0] == min(5, most) and max(engine.calls) == most

@@ -44,8 +44,11 @@ class PagedEngine(SlotEngine, Protocol):
     """An engine reading its KV cache through block tables (kv_blocks.py): any prompt chunk from any start
     position, and decode steps of any rows; `key` names a request's sampling history (release(key) ends it)."""
 
-    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int, sampling: Any,
-                      last: bool = True) -> int | None: ...
+    def prefill_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
+                      sampling: list[Any], lasts: list[bool]) -> list[int | None]:
+        """Prompt chunks of several requests in one call; the token after each chunk whose `lasts` entry is
+        true (None for the others: their tokens are not wanted, and nothing waits for them)."""
+        ...
 
     def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
                      sampling: list[Any]) -> list[int]: ...
@@ -334,10 +337,15 @@ class Scheduler:
     def _paged_step(self, newcomers: list[Request]) -> bool:
         self._running.extend(newcomers)
         budget = self.chunk_tokens
+        plan: list[tuple[Request, int]] = []  # this step's chunks: (request, tokens), the budget's share of each
         for r in [r for r in self._running if r.filled < r.sequence_len()]:
             if budget <= 0:
                 break
-            budget -= self._prefill_chunk(r, budget)
+            n = min(budget, r.sequence_len() - r.filled)
+            plan.append((r, n))
+            budget -= n
+        if plan:
+            self._prefill_chunks(plan)
         rows = self._make_room([r for r in self._running if r.history and r.filled >= r.position])
         worked = bool(newcomers or self._running)
         if rows:
@@ -347,28 +355,36 @@ class Scheduler:
         self.observer.queued(len(self._waiting), len(self._running))
         return worked
 
-    def _prefill_chunk(self, r: Request, budget: int) -> int:
-        """Prefill the next chunk of at most `budget` tokens of r's sequence; the tokens it took."""
-        seq = r.sequence()
-        n = min(budget, len(seq) - r.filled)
-        # the token after the chunk is wanted only where the chunk ends the prompt: no other makes the host wait
-        last = r.filled + n == len(seq) and not r.history
+    def _prefill_chunks(self, plan: list[tuple[Request, int]]) -> None:
+        """Prefill each planned chunk (the next `n` tokens of r's sequence), all in one engine call: one launch
+        of the paged graph however many requests start this step. Where that call fails, each chunk is tried
+        alone, so that a bad request ends by itself."""
+        seqs = [r.sequence() for r, _ in plan]
+        # a chunk's token is wanted only where it ends the prompt: no other makes the host wait for the device
+        lasts = [r.filled + n == len(seq) and not r.history for (r, n), seq in zip(plan, seqs)]
         try:
-            token = self.engine.prefill_paged(r.id, r.table.blocks, seq[r.filled:r.filled + n],  # type: ignore[attr-defined]
-                                              r.filled, r.sampling, last=last)
-        except Exception as exc:  # one bad request must not take the server down
-            self._finish(r, "error", f"prefill failed: {type(exc).__name__}: {exc}")
-            return n
-        r.filled += n
-        self.pool.name_full_blocks(r.table, seq[:r.filled])
-        if last:  # the prompt's last chunk: the first token
-            now = time.perf_counter()
-            self.observer.first_token(now - r.arrived, len(r.prompt))
-            r.position, r.last_time = len(r.prompt), now
-            self._accept(r, token)
+            tokens = self.engine.prefill_paged(  # type: ignore[attr-defined]
+                [r.id for r, _ in plan], [r.table.blocks for r, _ in plan],
+                [seq[r.filled:r.filled + n] for (r, n), seq in zip(plan, seqs)], [r.filled for r, _ in plan],
+                [r.sampling for r, _ in plan], lasts)
+        except Exception as exc:
+            if len(plan) > 1:
+                for item in plan:
+                    self._prefill_chunks([item])
+                return
+            self._finish(plan[0][0], "error", f"prefill failed: {type(exc).__name__}: {exc}")
+            return
+        for (r, n), seq, last, token in zip(plan, seqs, lasts, tokens):
+            r.filled += n
+            self.pool.name_full_blocks(r.table, seq[:r.filled])
+            if last:  # the prompt's last chunk: the first token, handed over at once
+                now = time.perf_counter()
+                self.observer.first_token(now - r.arrived, len(r.prompt))
+                r.position, r.last_time = len(r.prompt), now
+                self._accept(r, token)
+        if any(lasts):
             self.flush()
         # after a preemption the recomputed sequence's token was delivered before: the next step feeds last_token
-        return n
 
     def _make_room(self, rows: list[Request]) -> list[Request]:
         """Blocks for every decode row's next position; where the pool has none, the latest admitted request

@@ -275,7 +275,7 @@ def _warm_paged(engine: Any) -> None:
     that no request's step pays a capture."""
     from trtbuild.backends.sampling import Sampling
 
-    engine.prefill_paged(-1, [0], [0], 0, Sampling())
+    engine.prefill_paged([-1], [[0]], [[0]], [0], [Sampling()], [True])
     engine.decode_paged([-1], [[0]], [0], [1], [Sampling(temperature=1.0, top_p=0.9, seed=0)])
     engine.release(-1)
     capture = getattr(engine, "capture_paged", None)

@@ -57,6 +57,7 @@ class PagedCache:
         from trtbuild.models.paged import BLOCK, pool_shape
 
         self.package, self.device, self.num_blocks, self.block_size = package, device, num_blocks, BLOCK
+        self.max_seq_len = max_seq_len
         self.max_blocks = -(-max_seq_len // BLOCK)
         self.scratch = num_blocks
         self.pools = [torch.zeros(pool_shape(cfg, num_blocks + 1), dtype=dtype, device=device)
@@ -88,6 +89,51 @@ class PagedCache:
         rows = torch.tensor([*tokens, *range(start, end), *table], dtype=torch.long).to(self.device)
         with torch.no_grad():
             return self.package(rows[:t][None], rows[t:2 * t][None], rows[2 * t:][None], *self.pools)
+
+    def prefill_many(self, blocks: list[list[int]], tokens: list[list[int]], starts: list[int]) -> tuple[Any, Any]:
+        """Several requests' prompt chunks in one call, row i chunk tokens[i] at positions starts[i].. through
+        blocks[i]: (greedy (n, 1), logits (n, V)) of each chunk's last token. The rows are left-padded to the
+        longest chunk, so that every row's last column is its own last token (the graph's output). A padding
+        token sits past its row's last block, in table entries that name the scratch block, so its keys and
+        values land there; the row's own tokens attend only up to their positions and never see them. A row
+        whose padding would pass the engine's max_seq_len (rope's table) is called alone instead."""
+        import torch
+
+        bs, longest = self.block_size, max(map(len, tokens))
+        rows: list[tuple[list[int], list[int], list[int]]] = []  # (tokens, positions, table) of each padded row
+        alone: list[int] = []
+        for i, (b, chunk, start) in enumerate(zip(blocks, tokens, starts)):
+            end, pad = start + len(chunk), longest - len(chunk)
+            owned = -(-end // bs)
+            if pad and owned * bs + pad > self.max_seq_len:
+                alone.append(i)
+                continue
+            table = self._table(b, owned) + [self.scratch] * -(-pad // bs)
+            rows.append(([0] * pad + chunk, [*range(owned * bs, owned * bs + pad), *range(start, end)], table))
+        if alone:  # the rare row near the end of the engine's length: the others still go together
+            return self._prefill_some(blocks, tokens, starts, alone)
+        width = max(len(r[2]) for r in rows)
+        flat = [x for t, p, _ in rows for x in (*t, *p)]
+        flat += [e for _, _, table in rows for e in table + [self.scratch] * (width - len(table))]
+        n = len(rows)
+        data = torch.tensor(flat, dtype=torch.long).to(self.device)  # one copy (see `prefill`)
+        tp = data[:2 * n * longest].view(n, 2, longest)
+        with torch.no_grad():
+            return self.package(tp[:, 0], tp[:, 1], data[2 * n * longest:].view(n, width), *self.pools)
+
+    def _prefill_some(self, blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
+                      alone: list[int]) -> tuple[Any, Any]:
+        import torch
+
+        rest = [i for i in range(len(tokens)) if i not in alone]
+        outs: dict[int, tuple[Any, Any]] = {}
+        if rest:
+            g, lg = self.prefill_many([blocks[i] for i in rest], [tokens[i] for i in rest], [starts[i] for i in rest])
+            outs |= {i: (g[j:j + 1], lg[j:j + 1]) for j, i in enumerate(rest)}
+        for i in alone:
+            outs[i] = self.prefill(blocks[i], tokens[i], starts[i])
+        order = [outs[i] for i in range(len(tokens))]
+        return torch.cat([g for g, _ in order]), torch.cat([lg for _, lg in order])
 
     def decode(self, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> tuple[Any, Any]:
         import torch

@@ -298,26 +298,43 @@ class TorchEngine:
         self.kv_layout = f"paged: {n} blocks of {self.paged.block_size} tokens"
         return n
 
-    def prefill_paged(self, key: int, blocks: list[int], tokens: list[int], start: int,
-                      sampling: Sampling = GREEDY, last: bool = True) -> int | None:
-        """Write a prompt chunk's KV (positions start..start+len-1) through the block table; return the token
-        that follows it (the first generated token when the chunk ends the prompt). `last` False: the caller
-        does not want that token (a chunk before the prompt's last), so None, and the host does not wait for
-        the device: the next call queues behind the chunk."""
-        if not tokens or start + len(tokens) >= self.max_seq_len or len(tokens) > self.max_input_len:
-            raise InputError(f"a chunk of {len(tokens)} tokens at {start} does not fit the engine")
-        if any(not 0 <= tok < self.vocab_size for tok in tokens):
-            raise InputError(f"prompt: token ids must be in [0, {self.vocab_size})")
-        sampling.checked()
-        greedy, logits = self.paged.prefill(blocks, tokens, start)
-        if start == 0 or key not in self._prompts:  # a first chunk (after a cached prefix, start > 0)
-            self._prompts[key], self._generated[key] = [], []
-        self._prompts[key] += tokens
-        if not last:
-            return None
-        end = start + len(tokens)
-        token = int(greedy[0, 0]) if sampling.greedy else int(self._sample(logits, [key], [end - 1], [sampling])[0])
-        return token
+    def prefill_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
+                      sampling: list[Sampling], lasts: list[bool]) -> list[int | None]:
+        """Write prompt chunks' KV, chunk i at positions starts[i].. through the block table blocks[i], all in
+        one call of the paged graph; for each chunk whose `lasts` entry is true, the token that follows it (the
+        first generated token when the chunk ends its prompt), else None. Where no chunk is last the host does
+        not wait for the device: the next call queues behind these."""
+        n = len(keys)
+        if not n or not len(blocks) == len(tokens) == len(starts) == len(sampling) == len(lasts) == n:
+            raise InputError("prefill: expected as many tables, chunks, starts, samplings and flags as keys")
+        for chunk, start, plan in zip(tokens, starts, sampling):
+            if not chunk or start + len(chunk) >= self.max_seq_len or len(chunk) > self.max_input_len:
+                raise InputError(f"a chunk of {len(chunk)} tokens at {start} does not fit the engine")
+            if any(not 0 <= tok < self.vocab_size for tok in chunk):
+                raise InputError(f"prompt: token ids must be in [0, {self.vocab_size})")
+            plan.checked()
+        if n == 1:
+            greedy, logits = self.paged.prefill(blocks[0], tokens[0], starts[0])
+        else:
+            greedy, logits = self.paged.prefill_many(blocks, tokens, starts)
+        for key, chunk, start in zip(keys, tokens, starts):
+            if start == 0 or key not in self._prompts:  # a first chunk (after a cached prefix, start > 0)
+                self._prompts[key], self._generated[key] = [], []
+            self._prompts[key] += chunk
+        out: list[int | None] = [None] * n
+        wanted = [i for i in range(n) if lasts[i]]
+        if not wanted:
+            return out
+        picked = greedy[wanted, 0].tolist()
+        sampled = [i for i in wanted if not sampling[i].greedy]
+        if sampled:
+            draws = self._sample(logits[sampled], [keys[i] for i in sampled],
+                                 [starts[i] + len(tokens[i]) - 1 for i in sampled], [sampling[i] for i in sampled])
+            for i, tok in zip(sampled, draws.tolist()):
+                picked[wanted.index(i)] = tok
+        for i, tok in zip(wanted, picked):
+            out[i] = int(tok)
+        return out
 
     def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
                      sampling: list[Sampling]) -> list[int]:
