@@ -78,17 +78,21 @@ def kernel_split(fn: Callable[[], Any], device: str) -> dict[str, float] | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    out = {"attention_ms": 0.0, "matmul_ms": 0.0, "other_ms": 0.0, "kernels": 0}
+    out: dict[str, Any] = {"attention_ms": 0.0, "matmul_ms": 0.0, "other_ms": 0.0, "kernels": 0}
+    by_name: dict[str, float] = {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = ev.name.lower()
-        kind = ("attention_ms" if "attention" in name or "attn" in name or "flash" in name else
+        # trtbuild's paged kernels are _paged_partial, _paged_merge and _paged_chunk
+        kind = ("attention_ms" if any(k in name for k in ("attention", "attn", "flash", "_paged_")) else
                 "matmul_ms" if any(k in name for k in ("gemm", "matmul", "nvjet", "cutlass", "sm90_xmma")) else
                 "other_ms")
         out[kind] += ev.device_time_total / 1e3
         out["kernels"] += 1
+        by_name[ev.name[:60]] = by_name.get(ev.name[:60], 0.0) + ev.device_time_total / 1e3
     out["kernel_ms"] = out["attention_ms"] + out["matmul_ms"] + out["other_ms"]
+    out["top"] = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:8])  # the costliest kernels, ms summed
     return out
 
 
@@ -192,7 +196,8 @@ def main() -> None:
                 ms = timed(lambda: paged.decode(tables, toks, pos), device, args.iters) * 1e3
                 floor = decode_bytes(engine.cfg, elem, r, args.decode_context + 1) / ceilings["copy_Bps"] * 1e3
                 report["decode"].append({"rows": r, "context": args.decode_context, "ms": ms, "floor_ms": floor,
-                                         "x_floor": ms / floor, "captured": paged.graphs is not None})
+                                         "x_floor": ms / floor, "captured": paged.graphs is not None,
+                                         "split": kernel_split(lambda: paged.decode(tables, toks, pos), device)})
                 save()
                 print(f"[paged_probe] decode {r} rows: {ms:.3f} ms ({ms / floor:.2f}x its floor)", flush=True)
     save()
