@@ -117,3 +117,47 @@ def test_the_bucket_path_of_the_cache_decodes_as_the_direct_one_and_refuses_bad_
         bucketed.decode([[3, 9], [7]], [1, 2], [3, 16])
     with pytest.raises(InputError, match="outside the pool's 20"):
         bucketed.decode([[3, 20]], [1], [17])
+
+
+def test_chunk_buckets_hold_at_most_512_tokens_and_a_larger_call_goes_direct() -> None:
+    from trtbuild.backends.torch.paged_graphs import PagedChunkGraphs, chunk_buckets
+
+    assert chunk_buckets(64) == [(1, 16), (1, 32), (1, 64), (2, 16), (2, 32), (2, 64), (4, 16), (4, 32), (4, 64),
+                                 (8, 16), (8, 32), (8, 64)]
+    assert max(r * t for r, t in chunk_buckets(4096)) == 512
+    graphs = PagedChunkGraphs(None, [], "cpu", width=6, scratch=40, max_seq_len=96, max_input_len=64, block=BLOCK)
+    assert graphs.bucket(3, 10) == (4, 16) and graphs.bucket(1, 33) == (1, 64)
+    assert graphs.bucket(9, 4) is None and graphs.bucket(2, 65) is None
+    # a row at the end of the engine's length has no room for its padding: the caller calls directly
+    assert graphs.host_rows((2, 32), [[0, 1, 2, 3, 4, 5], [6]], [[1] * 4, [2] * 32], [88, 0]) is None
+
+
+def test_a_chunk_bucket_gives_the_direct_calls_logits_and_writes_only_its_rows_and_the_scratch() -> None:
+    """Three requests' chunks (after a context, from the start, mid-block) in the (4, 16) bucket, each left-padded
+    onto the scratch block, beside one direct call each: the same logits and greedy tokens, and the same pools
+    but for the scratch block."""
+    from trtbuild.backends.torch.paged_graphs import PagedChunkGraphs
+
+    model = random_tiny_model(max_batch_size=1)
+    cfg, step = model.cfg, PagedStep(model)
+    direct = PagedCache(step, cfg, 20, torch.float32, "cpu", 96, graphs=False)
+    g = torch.Generator().manual_seed(2)
+    for pool in direct.pools:
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    padded = PagedChunkGraphs(step, [p.clone() for p in direct.pools], "cpu", direct.max_blocks, direct.scratch,
+                              96, 64, BLOCK)
+    tables, starts = [[3, 9, 0], [7], [11, 5, 2, 6]], [16, 0, 40]
+    chunks = [[5, 1, 4, 1, 5], [(3 * i) % cfg.vocab_size for i in range(12)], [8, 2, 7]]
+    want = [direct.prefill(t, c, s) for t, c, s in zip(tables, chunks, starts)]
+    greedy, logits = padded.run(tables, chunks, starts)
+    assert sorted(padded.inputs) == [(4, 16)] and not padded.graphs  # the CPU captures nothing
+    torch.testing.assert_close(logits, torch.cat([lg for _, lg in want]), atol=1e-5, rtol=1e-5)
+    assert greedy.tolist() == torch.cat([gr for gr, _ in want]).tolist()
+    for got, exp in zip(padded.pools, direct.pools):
+        torch.testing.assert_close(got[:20], exp[:20], atol=0, rtol=0)
+    # the many-chunk call without buckets (the CPU's path, and a call too large for one) agrees as well
+    many = PagedCache(step, cfg, 20, torch.float32, "cpu", 96, graphs=False)
+    for mine, theirs in zip(many.pools, padded.pools):
+        mine.copy_(theirs)
+    greedy2, logits2 = many.prefill_many(tables, chunks, starts)
+    torch.testing.assert_close(logits2, logits, atol=1e-5, rtol=1e-5)

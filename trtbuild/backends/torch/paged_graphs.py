@@ -147,3 +147,143 @@ class PagedDecodeGraphs:
         self._pool = graph.pool()
         self.graphs[size] = graph
         sync(self.device)
+
+
+# -- prompt chunks ------------------------------------------------------------------------------------------------
+# A step's prompt chunks (one call, a row a request: PagedCache.prefill_many) are captured as well where the call
+# is small: its launches then cost more than its kernels (a 1B layer is a dozen kernels whatever the tokens). A
+# bucket is (rows, tokens a row), powers of two from 16 tokens, at most CHUNK_TOKENS tokens in all; a larger
+# call is bound by its matmuls and runs directly, unpadded (padding it to a bucket would multiply its FLOPs).
+CHUNK_ROWS = (1, 2, 4, 8)
+CHUNK_TOKENS = 512
+
+
+def chunk_buckets(max_input_len: int) -> list[tuple[int, int]]:
+    """The (rows, tokens) shapes chunk graphs are captured for."""
+    out = []
+    for rows in CHUNK_ROWS:
+        t = 16
+        while t <= min(max_input_len, CHUNK_TOKENS // rows):
+            out.append((rows, t))
+            t *= 2
+    return out
+
+
+class PagedChunkGraphs:
+    """Static buffers and, on CUDA, a captured graph for each (rows, tokens) bucket of a step's prompt chunks.
+
+    A bucket's rows are the chunks, each left-padded to the bucket's tokens (PagedCache.prefill_many's layout:
+    the padding at positions past the row's blocks, whose table entries name the scratch block), then padding
+    rows: token 0 at positions 0.. with every table entry the scratch block. Tables are a full-length sequence's
+    width. A call takes the smallest bucket that holds its rows and its longest chunk, if there is one and every
+    row's padding stays inside the engine's length; else `run` returns None and the caller calls directly."""
+
+    def __init__(self, package: Any, pools: list[Any], device: str, width: int, scratch: int, max_seq_len: int,
+                 max_input_len: int, block: int) -> None:
+        self.package, self.pools, self.device = package, pools, device
+        self.width, self.scratch, self.max_seq_len, self.block = width, scratch, max_seq_len, block
+        self.sizes = chunk_buckets(max_input_len)
+        self.capturable = device.startswith("cuda") and getattr(package, "graph_safe", True)
+        self.io: dict[tuple[int, int], Any] = {}
+        self.host: dict[tuple[int, int], Any] = {}
+        self.inputs: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.outputs: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._pool: Any = None
+
+    def bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
+        return next(((r, t) for r, t in self.sizes if r >= rows and t >= tokens), None)
+
+    def _buffers(self, size: tuple[int, int]) -> tuple[Any, Any, Any]:
+        import torch
+
+        if size not in self.inputs:
+            rows, t = size
+            seg, tab = _even(rows * t), _even(rows * self.width)
+            io = torch.zeros(2 * seg + tab, dtype=torch.long, device=self.device)
+            self.io[size] = io
+            self.host[size] = torch.zeros(io.shape, dtype=torch.long, pin_memory=self.capturable)
+            self.inputs[size] = (io[:rows * t].view(rows, t), io[seg:seg + rows * t].view(rows, t),
+                                 io[2 * seg:2 * seg + rows * self.width].view(rows, self.width))
+        return self.inputs[size]
+
+    def host_rows(self, size: tuple[int, int], blocks: list[list[int]], tokens: list[list[int]],
+                  starts: list[int]) -> Any | None:
+        """The bucket's buffer as the host fills it, or None where a row's padding would pass the engine's
+        length. Every table entry a row owns must be a block of the pool (below the scratch block)."""
+        import numpy as np
+
+        rows, t = size
+        self._buffers(size)
+        bs, seg = self.block, _even(rows * t)
+        host = self.host[size].numpy()
+        tok = host[:rows * t].reshape(rows, t)
+        pos = host[seg:seg + rows * t].reshape(rows, t)
+        tables = host[2 * seg:2 * seg + rows * self.width].reshape(rows, self.width)
+        tables.fill(self.scratch)
+        tok.fill(0)
+        pos[:] = np.arange(t)[None, :]
+        for i, (b, chunk, start) in enumerate(zip(blocks, tokens, starts)):
+            n, end = len(chunk), start + len(chunk)
+            owned, pad = -(-end // bs), t - len(chunk)
+            if owned * bs + pad > self.max_seq_len:
+                return None
+            if len(b) < owned or any(not 0 <= x < self.scratch for x in b[:owned]):
+                raise InputError(f"a block table of {len(b)} blocks does not cover {owned} blocks of the pool's "
+                                 f"{self.scratch}")
+            tok[i, pad:] = chunk
+            pos[i, :pad] = np.arange(owned * bs, owned * bs + pad)
+            pos[i, pad:] = np.arange(start, end)
+            tables[i, :owned] = b[:owned]
+        return self.host[size]
+
+    def run(self, blocks: list[list[int]], tokens: list[list[int]], starts: list[int]) -> tuple[Any, Any] | None:
+        """The chunks through their bucket: greedy (n, 1) and logits (n, V) of each chunk's last token (views of
+        the bucket's outputs, valid until its next call), or None where no bucket takes the call."""
+        import torch
+
+        size = self.bucket(len(tokens), max(map(len, tokens)))
+        if size is None:
+            return None
+        tok, pos, tables = self._buffers(size)
+        if self.capturable and size not in self.graphs:
+            self._capture(size)
+        host = self.host_rows(size, blocks, tokens, starts)
+        if host is None:
+            return None
+        self.io[size].copy_(host, non_blocking=self.capturable)
+        n = len(tokens)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            greedy, logits = self.outputs[size]
+        else:
+            with torch.no_grad():
+                greedy, logits = self.package(tok, pos, tables, *self.pools)
+        return greedy[:n], logits[:n]
+
+    def capture_all(self) -> None:
+        """Capture every bucket's graph now (CUDA; nothing elsewhere)."""
+        for size in self.sizes:
+            if self.capturable and size not in self.graphs:
+                self._capture(size)
+
+    def _capture(self, size: tuple[int, int]) -> None:
+        """As PagedDecodeGraphs._capture: every row a padding row, so only the scratch block is written."""
+        import torch
+
+        tok, pos, tables = self._buffers(size)
+        tok.zero_()
+        pos.copy_(torch.arange(size[1], device=pos.device).expand(size[0], size[1]))
+        tables.fill_(self.scratch)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):
+                self.package(tok, pos, tables, *self.pools)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+            self.outputs[size] = self.package(tok, pos, tables, *self.pools)
+        self._pool = graph.pool()
+        self.graphs[size] = graph
+        sync(self.device)

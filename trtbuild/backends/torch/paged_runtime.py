@@ -48,11 +48,11 @@ class PagedCache:
     directly, as on the CPU)."""
 
     def __init__(self, package: Any, cfg: Any, num_blocks: int, dtype: Any, device: str, max_seq_len: int,
-                 graphs: bool = True) -> None:
+                 graphs: bool = True, max_input_len: int | None = None) -> None:
         import torch
 
         from trtbuild.backends.torch.export import PAGED_ROWS
-        from trtbuild.backends.torch.paged_graphs import PagedDecodeGraphs
+        from trtbuild.backends.torch.paged_graphs import PagedChunkGraphs, PagedDecodeGraphs
         from trtbuild.models.llama import paged_kernel
         from trtbuild.models.paged import BLOCK, pool_shape
 
@@ -66,9 +66,12 @@ class PagedCache:
         # its table's width: the ATen gather reads every entry, so tables padded to a full-length sequence would
         # make every step read max_seq_len slots a row. Tables of 2+ entries, as the graph was exported for.
         self.graphs: PagedDecodeGraphs | None = None
+        self.chunks: PagedChunkGraphs | None = None  # small prompt-chunk calls, captured likewise
         if graphs and paged_kernel(cfg, self.pools[0]):
             self.graphs = PagedDecodeGraphs(package, self.pools, device, max(2, self.max_blocks), self.scratch,
                                             min(PAGED_ROWS, num_blocks))
+            self.chunks = PagedChunkGraphs(package, self.pools, device, max(2, self.max_blocks), self.scratch,
+                                           max_seq_len, max_input_len or max_seq_len, BLOCK)
 
     def _table(self, blocks: list[int], width: int) -> list[int]:
         if len(blocks) < width or any(not 0 <= b < self.num_blocks for b in blocks[:width]):
@@ -81,6 +84,8 @@ class PagedCache:
     def prefill(self, blocks: list[int], tokens: list[int], start: int) -> tuple[Any, Any]:
         import torch
 
+        if self.chunks is not None and (out := self.chunks.run([blocks], [tokens], [start])) is not None:
+            return out
         end = start + len(tokens)
         table = self._table(blocks, -(-end // self.block_size))
         t = len(tokens)
@@ -99,6 +104,8 @@ class PagedCache:
         whose padding would pass the engine's max_seq_len (rope's table) is called alone instead."""
         import torch
 
+        if self.chunks is not None and (out := self.chunks.run(blocks, tokens, starts)) is not None:
+            return out
         bs, longest = self.block_size, max(map(len, tokens))
         rows: list[tuple[list[int], list[int], list[int]]] = []  # (tokens, positions, table) of each padded row
         alone: list[int] = []

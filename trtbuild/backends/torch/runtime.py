@@ -292,7 +292,8 @@ class TorchEngine:
 
         dtype = self._consts["model.tok_embeddings.weight"].dtype
         n = pool_blocks(self.cfg, dtype.itemsize, self.device, self.max_seq_len, fraction, blocks)
-        self.paged = PagedCache(self._packages["paged"], self.cfg, n, dtype, self.device, self.max_seq_len)
+        self.paged = PagedCache(self._packages["paged"], self.cfg, n, dtype, self.device, self.max_seq_len,
+                                max_input_len=self.max_input_len)
         sync(self.device)
         self.kv_capacity_tokens = n * self.paged.block_size
         self.kv_layout = f"paged: {n} blocks of {self.paged.block_size} tokens"
@@ -379,14 +380,16 @@ class TorchEngine:
             decoder.prepare(0, self.max_seq_len)
 
     def capture_paged(self) -> int:
-        """Capture the paged decode step's graph of every row-count bucket now (CUDA, where the paged kernel
-        serves the model); how many graphs are captured. Safe with requests in the pool: a capture writes only
-        the scratch block."""
-        graphs = self.paged.graphs if self.paged is not None else None
-        if graphs is None:
+        """Capture the paged decode step's graph of every row-count bucket, and the small prompt-chunk calls'
+        graphs, now (CUDA, where the paged kernel serves the model); how many graphs are captured. Safe with
+        requests in the pool: a capture writes only the scratch block."""
+        if self.paged is None or self.paged.graphs is None:
             return 0
-        graphs.capture_all()
-        return len(graphs.graphs)
+        self.paged.graphs.capture_all()
+        chunks = self.paged.chunks
+        if chunks is not None:
+            chunks.capture_all()
+        return len(self.paged.graphs.graphs) + (len(chunks.graphs) if chunks is not None else 0)
 
     def launch_report(self) -> dict[str, Any]:
         """How each captured decode graph launches its kernels: PDL (with the edge counts of the last
