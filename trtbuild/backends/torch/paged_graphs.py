@@ -189,6 +189,7 @@ class PagedChunkGraphs:
         self.inputs: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
         self.graphs: dict[tuple[int, int], Any] = {}
         self.outputs: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.copied: dict[tuple[int, int], Any] = {}  # bucket -> a CUDA event after its last host-to-device copy
         self._pool: Any = None
 
     def bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
@@ -248,10 +249,17 @@ class PagedChunkGraphs:
         tok, pos, tables = self._buffers(size)
         if self.capturable and size not in self.graphs:
             self._capture(size)
+        # a chunk call whose tokens are not wanted is not waited for: the host buffer's copy of the bucket's last
+        # call may still be queued, so the refill below waits for that copy (not for the call)
+        if size in self.copied:
+            self.copied[size].synchronize()
         host = self.host_rows(size, blocks, tokens, starts)
         if host is None:
             return None
         self.io[size].copy_(host, non_blocking=self.capturable)
+        if self.capturable:
+            self.copied[size] = torch.cuda.Event()
+            self.copied[size].record()
         n = len(tokens)
         if size in self.graphs:
             self.graphs[size].replay()
