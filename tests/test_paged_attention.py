@@ -180,3 +180,27 @@ def test_the_paged_graph_exports_the_kernel_as_one_opaque_op_a_layer_with_rows_a
         "assert sources_called(text) == '\\0trtbuild.paged_attention ' + source_digest()\n"
         "print('ok')\n")
     run_compiled_triton(script)
+
+
+@pytest.mark.parametrize("programs", [4, 24])
+def test_fewer_slices_where_rows_fill_the_device(monkeypatch: pytest.MonkeyPatch, programs: int) -> None:
+    """With many rows a decode step needs no slicing to fill the device: the slices a row gets fall to
+    PROGRAMS / (rows x KV heads), one (4) or four (24) here for three rows of two KV heads, and the output is
+    still the ATen attention's."""
+    from trtbuild.kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "PROGRAMS", programs)
+    cfg = _cfg(4, 2)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 1, 4, 16, generator=g).to(DEVICE)
+    k_pool, v_pool = (torch.randn(pool_shape(cfg, 40), generator=g).to(DEVICE) for _ in range(2))
+    pos = torch.tensor([[2], [200], [97]], device=DEVICE)
+    tables = torch.tensor([[5] + [39] * 12, list(range(13)), [20, 21, 22, 23, 24, 25, 26] + [39] * 6], device=DEVICE)
+    got = pa.paged_attention(q, k_pool, v_pool, pos, tables)
+    for i in range(3):
+        n = int(pos[i, 0]) + 1
+        keys = k_pool[tables[i]].transpose(0, 1).reshape(1, 2, -1, 16)
+        values = v_pool[tables[i]].transpose(0, 1).reshape(1, 2, -1, 16)
+        want = llama._cached_attention(q[i:i + 1].transpose(1, 2), keys, values, pos[i:i + 1],
+                                       torch.arange(n, device=DEVICE)).transpose(1, 2)
+        torch.testing.assert_close(got[i:i + 1], want, atol=1e-5, rtol=1e-5)

@@ -19,9 +19,9 @@ fp32 partials of 16 slices for every (token, head).
 The paged graph's rows and tokens are dynamic (one compiled graph serves every batch), so nothing the launch
 fixes at compile time may depend on them: every call launches all three kernels, and those not meant for the
 call's token count return at once (the decode kernels' grids have one tile a row, the chunk kernel's one per
-tile of the chunk, so the idle launches are small). The number of slices is constant, and each program works
-out its slice of the filled slots on the device from the positions (a short sequence's later slices are
-empty and return at once). Registered as a custom op that AOTInductor compiles into the paged graph.
+tile of the chunk, so the idle launches are small). The grid's slices are constant (SPLITS); each program
+works out on the device how many of them its row uses (fewer when rows are many: `_slice_len`) and its slice
+of the filled slots from the positions (a short sequence's later slices are empty and return at once). Registered as a custom op that AOTInductor compiles into the paged graph.
 Imported only where Triton is present; on the CPU the model keeps its ATen attention.
 """
 
@@ -39,7 +39,8 @@ from torch.library import triton_op, wrap_triton
 
 BLOCK_S = 32  # cache slots per loop step: two blocks of 16, a (16 x D) by (D x 32) dot
 BLOCK_R = 16  # rows of a decode tile, (token, query head) pairs: the smallest tensor-core dot
-SPLITS = 16  # slices of the filled slots a (row, KV head): a 4096-token row in slices of 256
+SPLITS = 16  # the most slices of the filled slots a (row, KV head): a 4096-token row in slices of 256
+PROGRAMS = 1024  # decode programs with work a step aims for: several a streaming multiprocessor
 CHUNK_R = 64  # rows of a prompt chunk's tile: 16 tokens of four query heads a KV head
 CHUNK_S = 64  # cache slots per loop step of a chunk's tile
 
@@ -69,10 +70,14 @@ def tokens_per_tile(rep: int) -> int:
 
 
 @triton.jit
-def _slice_len(filled, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Slots per slice: the filled ones spread over SPLITS slices, rounded up to whole BLOCK_S steps, so the
-    first cdiv(filled, this) slices hold slots and the rest none. Slice 0 always holds slot 0."""
-    return tl.cdiv(tl.cdiv(filled, SPLITS), BLOCK_S) * BLOCK_S
+def _slice_len(filled, PAIRS, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PROGRAMS: tl.constexpr):
+    """Slots per slice: the filled ones spread over as many slices as give the step about PROGRAMS programs with
+    work (PAIRS (sequence, KV head) pairs; 1 to SPLITS slices each), rounded up to whole BLOCK_S steps, so the
+    first cdiv(filled, this) slices hold slots and the rest none. Slice 0 always holds slot 0. Many rows need
+    no slicing to fill the device, and each slice costs a program's start, its partials and the merge's reads
+    (at 256 rows of 512 tokens on an H100, 16 slices a row made the step's attention 2.3 of its 4.2 ms)."""
+    slices = tl.minimum(tl.maximum(tl.cdiv(PROGRAMS, PAIRS), 1), SPLITS)
+    return tl.cdiv(tl.cdiv(filled, slices), BLOCK_S) * BLOCK_S
 
 
 @triton.jit
@@ -84,12 +89,12 @@ def _tile_filled(pos_ptr, b, tile, T, stride_pb, stride_pt, TOK: tl.constexpr, T
 
 
 @triton.jit
-def _paged_partial(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, o_ptr, ml_ptr, T, TILES, KV,
+def _paged_partial(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, o_ptr, ml_ptr, T, TILES, KV, PAIRS,
                    stride_qb, stride_qt, stride_qh, stride_pb, stride_pt, stride_tb,
                    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                    REP: tl.constexpr, TOK: tl.constexpr, TOK_P2: tl.constexpr, BLOCK_R: tl.constexpr,
                    D: tl.constexpr, PAGE: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
-                   SCALE: tl.constexpr):
+                   SCALE: tl.constexpr, PROGRAMS: tl.constexpr):
     if T > 1:  # a prompt chunk: _paged_chunk's
         return
     g = tl.program_id(0)  # (sequence, tile, KV head)
@@ -103,7 +108,7 @@ def _paged_partial(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, o_ptr, ml_ptr, T, TI
     valid = (r < TOK * REP) & (tok < T)  # rows past the tile's tokens are padding for the dot
     pos = tl.load(pos_ptr + b * stride_pb + tok * stride_pt, mask=valid, other=-1)
     filled = _tile_filled(pos_ptr, b, tile, T, stride_pb, stride_pt, TOK, TOK_P2)
-    per = _slice_len(filled, SPLITS, BLOCK_S)
+    per = _slice_len(filled, PAIRS, SPLITS, BLOCK_S, PROGRAMS)
     start = split * per
     end = tl.minimum(start + per, filled)
     if start < end:
@@ -141,9 +146,9 @@ def _paged_partial(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, o_ptr, ml_ptr, T, TI
 
 
 @triton.jit
-def _paged_merge(o_ptr, ml_ptr, y_ptr, pos_ptr, T, TILES, KV, stride_pb, stride_pt, stride_yb, stride_yt, stride_yh,
+def _paged_merge(o_ptr, ml_ptr, y_ptr, pos_ptr, T, TILES, KV, PAIRS, stride_pb, stride_pt, stride_yb, stride_yt, stride_yh,
                  REP: tl.constexpr, TOK: tl.constexpr, TOK_P2: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr,
-                 BLOCK_S: tl.constexpr, SPLITS: tl.constexpr):
+                 BLOCK_S: tl.constexpr, SPLITS: tl.constexpr, PROGRAMS: tl.constexpr):
     """One query row's output, (sequence, token, query head), from the partials of its tile's slices."""
     if T > 1:  # a prompt chunk: _paged_chunk's
         return
@@ -156,7 +161,7 @@ def _paged_merge(o_ptr, ml_ptr, y_ptr, pos_ptr, T, TILES, KV, stride_pb, stride_
     sp = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
     # slice 0 holds slot 0, which every row sees: the maximum below is finite
-    held = sp < tl.cdiv(filled, _slice_len(filled, SPLITS, BLOCK_S))
+    held = sp < tl.cdiv(filled, _slice_len(filled, PAIRS, SPLITS, BLOCK_S, PROGRAMS))
     g = (b * TILES + tile) * KV + h // REP
     row = (g * SPLITS + sp) * BLOCK_R + (t % TOK) * REP + h % REP
     m = tl.load(ml_ptr + row * 2, mask=held, other=float("-inf"))
@@ -232,16 +237,16 @@ def _run(partial: Any, merge: Any, chunk: Any, q: Tensor, k_pool: Tensor, v_pool
     y = torch.empty((b, t, heads, d), dtype=q.dtype, device=q.device)
     # TOK_P2 at least 2: a one-element arange (sixteen queries a KV head) is the one width no other kernel here uses
     consts = {"REP": rep, "TOK": tok, "TOK_P2": max(2, triton.next_power_of_2(tok)), "BLOCK_R": BLOCK_R, "D": d,
-              "BLOCK_S": BLOCK_S, "SPLITS": SPLITS}
+              "BLOCK_S": BLOCK_S, "SPLITS": SPLITS, "PROGRAMS": PROGRAMS}
     # the scale a compile-time constant: AOTInductor passes a float argument as fp64, which would promote the
     # scores and the running maximum to fp64
     partial[(b * kv, SPLITS)](
-        q, k_pool, v_pool, pos, table, o, ml, t, 1, kv,
+        q, k_pool, v_pool, pos, table, o, ml, t, 1, kv, b * kv,
         q.stride(0), q.stride(1), q.stride(2), pos.stride(0), pos.stride(1), table.stride(0),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         PAGE=page, SCALE=scale, num_warps=4, **consts)
     merge[(b * heads,)](
-        o, ml, y, pos, t, 1, kv, pos.stride(0), pos.stride(1), y.stride(0), y.stride(1), y.stride(2),
+        o, ml, y, pos, t, 1, kv, b * kv, pos.stride(0), pos.stride(1), y.stride(0), y.stride(1), y.stride(2),
         num_warps=1, **consts)
     ctok = max(1, CHUNK_R // rep)
     chunk[(b * ((t + ctok - 1) // ctok) * kv,)](
