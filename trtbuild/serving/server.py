@@ -292,6 +292,11 @@ def _warm(engine: Any, buckets: list[int]) -> None:
     capture = getattr(engine, "capture_all", None)  # the torch backend: every cache window's graph, now
     if callable(capture):
         capture()
+    # and every prompt length's prefill graph: a request that met a length first paid its capture, and the
+    # gate's serve row (16 streams of 256-1024-token prompts) saw those requests in its TTFT p99
+    capture_prefill = getattr(engine, "capture_prefill", None)
+    if callable(capture_prefill):
+        capture_prefill()
     for b in buckets:
         slots = list(range(b))
         tokens = [engine.prefill(s, [0], plans[0]) for s in slots]

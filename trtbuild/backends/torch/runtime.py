@@ -223,6 +223,26 @@ class TorchEngine:
                                           self.max_input_len, self.max_seq_len)
         return self._prefill
 
+    def capture_prefill(self) -> int:
+        """Capture the one-prompt prefill's graph of every padded length up to max_input_len now (CUDA, where
+        prefill graphs are on), so that no request of a server pays a capture; how many graphs there are. The
+        limit on kept graphs is raised to hold them (one memory pool: it grows with the longest, not the
+        count). The captures write the scratch cache row only."""
+        import torch
+
+        from trtbuild.backends.torch.prefill_graphs import graph_length
+
+        graphs = self._prefill_graphs()
+        if not graphs.capturable:
+            return 0
+        lengths = sorted({graph_length(t, graphs.longest) for t in range(1, graphs.longest + 1)})
+        graphs.limit = max(graphs.limit, len(lengths))
+        slots = torch.tensor([self.max_batch_size], dtype=torch.long, device=self.device)  # the scratch row
+        for n in lengths:
+            graphs.prepare(torch.zeros((1, n), dtype=torch.long, device=self.device),
+                           torch.arange(n, device=self.device), slots)
+        return len(graphs.graphs)
+
     def prefill(self, slot: int, prompt: list[int], sampling: Sampling = GREEDY) -> int:
         """Write the prompt's KV into cache row `slot` (positions 0..len-1); return the first generated token."""
         import torch
