@@ -381,6 +381,9 @@ def serve_step(g: Gate) -> None:
         fig = serve_bench.level_figures(clients.results, wall, {}, {}, {"copy_Bps": 1.0}, None)
     finally:
         serve_bench.stop_server(proc)
+    # each request's send time, TTFT and how many were awaiting a first token ahead of it: where a tail comes from
+    fig["each"] = [{k: r[k] for k in ("sent_s", "prompt", "ahead", "ttft_s", "tpot_s") if k in r}
+                   for r in clients.results if "error" not in r]
     (g.work / "serve.json").write_text(json.dumps(fig, indent=1) + "\n")
     note = (f"{fig['requests']} requests in {fig['wall_s']:.1f} s, {fig['output_tokens']} tokens, "
             f"{len(fig['errors'])} errors, on the recipe's {shapes['max_batch_size']} rows")

@@ -164,10 +164,11 @@ class Clients:
         self.lock = threading.Lock()
         self.awaiting_first = 0  # requests sent that have no first token yet
         self.results: list[dict[str, Any]] = []
+        self.started = time.perf_counter()  # run()'s start: each request's `sent_s` counts from it
 
     def run(self, n: int) -> float:
         threads = [threading.Thread(target=self._client) for _ in range(n)]
-        t = time.perf_counter()
+        t = self.started = time.perf_counter()
         for th in threads:
             th.start()
         for th in threads:
@@ -234,7 +235,8 @@ class Clients:
         if not times:
             raise RuntimeError("no token came back")
         n = len(times)
-        return {"i": i, "prompt": len(req["prompt"]), "tokens": n, "expected": req["max_tokens"], "ahead": ahead,
+        return {"i": i, "sent_s": t0 - self.started, "prompt": len(req["prompt"]), "tokens": n,
+                "expected": req["max_tokens"], "ahead": ahead,
                 "ttft_s": times[0] - t0, "tpot_s": (times[-1] - times[0]) / (n - 1) if n > 1 else None,
                 "usage": usage}
 

@@ -15,6 +15,7 @@ then exits.
 # request type is imported inside create_app (the web libraries load only when a server starts).
 import asyncio
 import logging
+import os
 import signal
 import sys
 import threading
@@ -534,7 +535,10 @@ def serve(session: Any, host: str = "127.0.0.1", port: int = 8000, max_queue: in
     # that signal; the re-raise meets these handlers instead, so a drained exit is a clean one (status 0).
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_INTERVAL_S if switch_interval is None else switch_interval)
+    if switch_interval is None:  # TRTBUILD_SWITCH_INTERVAL_MS: a diagnostic switch (docs/diagnostics.md)
+        ms = os.environ.get("TRTBUILD_SWITCH_INTERVAL_MS")
+        switch_interval = float(ms) / 1e3 if ms else SWITCH_INTERVAL_S
+    sys.setswitchinterval(switch_interval)
     try:
         web.run()
     finally:
