@@ -161,3 +161,24 @@ def test_a_chunk_bucket_gives_the_direct_calls_logits_and_writes_only_its_rows_a
         mine.copy_(theirs)
     greedy2, logits2 = many.prefill_many(tables, chunks, starts)
     torch.testing.assert_close(logits2, logits, atol=1e-5, rtol=1e-5)
+
+
+def test_chunks_in_one_call_equal_one_call_each_and_their_padding_touches_only_the_scratch_block() -> None:
+    """PagedCache.prefill_many, the direct path (the CPU's, and a call too large for a bucket): a short chunk in
+    a request's first block beside a longer one is padded past that block, onto the scratch block; its keys and
+    values, its logits and every other block are those of one call each."""
+    model = random_tiny_model(max_batch_size=1)
+    cfg, step = model.cfg, PagedStep(model)
+    one, many = (PagedCache(step, cfg, 20, torch.float32, "cpu", 96, graphs=False) for _ in range(2))
+    g = torch.Generator().manual_seed(3)
+    for a, b in zip(one.pools, many.pools):
+        a.copy_(torch.randn(a.shape, generator=g))
+        b.copy_(a)
+    tables, starts = [[4], [7, 8, 2], [12]], [0, 0, 5]
+    chunks = [[9, 3, 1], [(5 * i) % cfg.vocab_size for i in range(40)], [6, 6, 2, 8]]
+    want = [one.prefill(t, c, s) for t, c, s in zip(tables, chunks, starts)]
+    greedy, logits = many.prefill_many(tables, chunks, starts)
+    torch.testing.assert_close(logits, torch.cat([lg for _, lg in want]), atol=1e-5, rtol=1e-5)
+    assert greedy.tolist() == torch.cat([gr for gr, _ in want]).tolist()
+    for a, b in zip(one.pools, many.pools):
+        torch.testing.assert_close(b[:20], a[:20], atol=0, rtol=0)

@@ -115,11 +115,13 @@ class PagedCache:
             if pad and owned * bs + pad > self.max_seq_len:
                 alone.append(i)
                 continue
-            table = self._table(b, owned) + [self.scratch] * -(-pad // bs)
+            # the row's own blocks, then scratch entries for the padding (never `_table`'s repeated first block
+            # for a row of one block: the padding's positions would land in it)
+            table = self._table(b, owned)[:owned] + [self.scratch] * -(-pad // bs)
             rows.append(([0] * pad + chunk, [*range(owned * bs, owned * bs + pad), *range(start, end)], table))
         if alone:  # the rare row near the end of the engine's length: the others still go together
             return self._prefill_some(blocks, tokens, starts, alone)
-        width = max(len(r[2]) for r in rows)
+        width = max(2, max(len(r[2]) for r in rows))  # the graph was exported for tables of 2+ entries
         flat = [x for t, p, _ in rows for x in (*t, *p)]
         flat += [e for _, _, table in rows for e in table + [self.scratch] * (width - len(table))]
         n = len(rows)
