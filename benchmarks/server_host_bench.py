@@ -3,13 +3,15 @@ device work is a sleep of a GPU's measured length, under N streaming clients.
 
     python benchmarks/server_host_bench.py --out /tmp/host                       # 16, 64, 256 clients
     python benchmarks/server_host_bench.py --clients 256 --switch-ms 5,0.5 --out /tmp/host
+    python benchmarks/server_host_bench.py --rows 8 --clients 16 --per-client 40 --out /tmp/host-rows  # row cache
 
 Under load a server's GPU waits whenever the host is busy between two steps: the scheduler's bookkeeping, and
 the HTTP side's work for every token (one server-sent event a token a stream), which runs in the same process
 and shares the GIL with the engine thread. Here the engine (`SleepEngine`) does the host work of the real
 paged path (the bucket buffer filled as PagedDecodeGraphs fills it) and then sleeps, the GIL released as a
 CUDA synchronization releases it, for the time an H100 took for that call (`--decode-ms` + `--row-us` a row
-for a decode step; `--chunk-ms` per 512 prompt tokens). `trtbuild serve`'s code runs unchanged around it
+for a decode step; `--chunk-ms` per 512 prompt tokens). `--rows N` serves the row cache of N rows instead (the
+gate's serve row: 8 rows, 16 streams), one prompt a prefill call at the chunk rate. `trtbuild serve`'s code runs unchanged around it
 (serving/server.py's `serve`, uvicorn, FastAPI, the scheduler, the prefix cache's block pool).
 
 Per (clients, switch interval): output tokens per second as the clients count them; the engine's busy
@@ -56,14 +58,16 @@ class SleepEngine:
     can_page = True
     spec: dict[str, Any] = {}
 
-    def __init__(self, decode_ms: float, row_us: float, chunk_ms: float, releases: int) -> None:
+    def __init__(self, decode_ms: float, row_us: float, chunk_ms: float, releases: int, rows: int = 0) -> None:
         from trtbuild.backends.torch.paged_graphs import PagedDecodeGraphs
 
         self.releases = max(1, releases)
+        if rows:  # the row cache: `rows` cache rows, decode buckets 1 and rows
+            self.can_page, self.max_batch_size, self.buckets = False, rows, sorted({1, rows})
         self.decode_s, self.row_s, self.chunk_s = decode_ms / 1e3, row_us / 1e6, chunk_ms / 1e3
         self.graphs = PagedDecodeGraphs(None, [], "cpu", width=MAX_SEQ // BLOCK, scratch=1 << 20, max_rows=ROWS)
         self.paged: Any = None
-        self.stats = {"calls": 0, "steps": 0, "slept_s": 0.0, "overran_s": 0.0, "first": None, "last": None}
+        self.stats: dict[str, Any] = {"events": [], "steps": []}
 
     def open_pool(self, memory: float, blocks: int | None) -> int:
         self.paged = _Paged()
@@ -81,12 +85,10 @@ class SleepEngine:
         now = time.perf_counter()
         if warm:  # the server's warm-up calls (request id -1), before any client
             return
-        s = self.stats
-        s["calls"] += 1
-        s["slept_s"] += seconds
-        s["overran_s"] += max(0.0, now - t - seconds)
-        s["first"] = s["first"] or t
-        s["last"] = now
+        # (start, end, slept, a decode step?): the clients' side keeps the calls made while they ran (the row
+        # cache's warm-up calls look like any other). perf_counter is the system's monotonic clock: the two
+        # processes read the same one.
+        self.stats["events"].append((t, now, seconds))
 
     def prefill_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
                       sampling: list[Any], lasts: list[bool]) -> list[int | None]:
@@ -100,16 +102,23 @@ class SleepEngine:
         rows = [b[:(p + BLOCK) // BLOCK] for b, p in zip(blocks, positions)]
         self.graphs.host_rows(bucket_for(len(keys), self.graphs.sizes), rows, tokens, positions)
         self._device(self.decode_s + self.row_s * len(keys), keys[0] < 0)
-        self.stats["steps"] += keys[0] >= 0
+        if keys[0] >= 0:
+            self.stats["steps"].append(time.perf_counter())
         return [2] * len(keys)
 
     def release(self, key: int) -> None:
         pass
 
+    # the row cache's slot API (`--rows`): one prompt a prefill call, a decode step of the bucket's rows
     def prefill(self, slot: int, tokens: list[int], sampling: Any = None) -> int:
-        raise NotImplementedError("the row cache's API: this engine serves paged only")
+        self._device(self.chunk_s * len(tokens) / 512, False)
+        return 1
 
-    decode = prefill
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int], sampling: list[Any]) -> list[int]:
+        bucket = next(b for b in self.buckets if b >= len(slots))
+        self._device(self.decode_s + self.row_s * bucket, False)
+        self.stats["steps"].append(time.perf_counter())
+        return [2] * len(slots)
 
 
 class _Session:
@@ -133,10 +142,11 @@ class _Session:
 def serve_child(args: argparse.Namespace) -> None:
     from trtbuild.serving.server import KvSettings, serve
 
-    engine = SleepEngine(args.decode_ms, args.row_us, args.chunk_ms, args.releases)
+    engine = SleepEngine(args.decode_ms, args.row_us, args.chunk_ms, args.releases, args.rows)
+    cache = "rows" if args.rows else "paged"
     try:
         serve(_Session(engine), port=args.serve, max_queue=4096, log_level="warning",
-              kv=KvSettings("paged", 0.9, None, args.prefill_chunk, True), switch_interval=float(args.switch_ms) / 1e3)
+              kv=KvSettings(cache, 0.9, None, args.prefill_chunk, True), switch_interval=float(args.switch_ms) / 1e3)
     finally:
         Path(args.stats).write_text(json.dumps(engine.stats))
 
@@ -154,7 +164,7 @@ def level(clients: int, switch_ms: float, args: argparse.Namespace, tmp: Path) -
     port, stats = free_port(), tmp / f"stats-{clients}-{switch_ms}.json"
     cmd = [sys.executable, __file__, "--serve", str(port), "--stats", str(stats), "--switch-ms", str(switch_ms),
            "--decode-ms", str(args.decode_ms), "--row-us", str(args.row_us), "--chunk-ms", str(args.chunk_ms),
-           "--releases", str(args.releases), "--prefill-chunk", str(args.prefill_chunk)]
+           "--releases", str(args.releases), "--prefill-chunk", str(args.prefill_chunk), "--rows", str(args.rows)]
     proc = subprocess.Popen(cmd, cwd=REPO)
     try:
         for _ in range(600):
@@ -170,21 +180,27 @@ def level(clients: int, switch_ms: float, args: argparse.Namespace, tmp: Path) -
             raise RuntimeError("the server did not come up")
         reqs = workload(clients * args.per_client, MAX_INPUT, MAX_SEQ, False, 1000)
         cl = Clients(port, "sleep", reqs)
+        begun = time.perf_counter()
         wall = cl.run(clients)
         metrics = scrape(port)
     finally:
         proc.terminate()
         proc.wait(60)
     s = json.loads(stats.read_text())
+    events = [e for e in s["events"] if e[0] >= begun]
+    steps = sum(1 for t in s["steps"] if t >= begun)
     ok = [r for r in cl.results if "error" not in r]
     tokens = sum(r["tokens"] for r in ok)
-    span = s["last"] - s["first"]
-    gap = span - s["slept_s"]  # the engine's active span less its sleeps: host time the device waited for
+    span = events[-1][1] - events[0][0]
+    slept = sum(e[2] for e in events)
+    overran = sum(max(0.0, e[1] - e[0] - e[2]) for e in events)
+    gap = span - slept  # the engine's active span less its sleeps: host time the device waited for
     return {"clients": clients, "switch_ms": switch_ms, "requests": len(ok), "errors": len(cl.results) - len(ok),
-            "tok_s": tokens / wall, "busy": s["slept_s"] / span, "steps": s["steps"], "calls": s["calls"],
-            "gap_ms_per_step": gap / max(1, s["steps"]) * 1e3,
-            "overrun_ms_per_step": s["overran_s"] / max(1, s["steps"]) * 1e3,
+            "tok_s": tokens / wall, "busy": slept / span, "steps": steps, "calls": len(events),
+            "gap_ms_per_step": gap / max(1, steps) * 1e3,
+            "overrun_ms_per_step": overran / max(1, steps) * 1e3,
             "ttft_p50_ms": percentile([r["ttft_s"] for r in ok], 50) * 1e3,
+            "ttft_p99_ms": percentile([r["ttft_s"] for r in ok], 99) * 1e3,
             # the mean TTFT as the clients saw it and as the scheduler counted it (arrival in the queue to the
             # first token's delivery): the difference is the HTTP side's, before the queue and after the token
             "ttft_mean_ms": sum(r["ttft_s"] for r in ok) / max(1, len(ok)) * 1e3,
@@ -195,12 +211,12 @@ def level(clients: int, switch_ms: float, args: argparse.Namespace, tmp: Path) -
 
 def table_text(rows: list[dict[str, Any]]) -> str:
     head = (f"{'clients':>7} {'switch ms':>9} {'tok/s':>8} {'busy':>6} {'steps':>6} {'host gap ms/step':>16} "
-            f"{'of it GIL ms':>12} {'TTFT p50':>9} {'TTFT mean':>9} {'in server':>9} {'TPOT p50':>9}")
+            f"{'of it GIL ms':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TTFT mean':>9} {'in server':>9} {'TPOT p50':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['clients']:>7} {r['switch_ms']:>9g} {r['tok_s']:>8.0f} {r['busy']:>6.2f} {r['steps']:>6} "
                      f"{r['gap_ms_per_step']:>16.3f} {r['overrun_ms_per_step']:>12.3f} {r['ttft_p50_ms']:>9.1f} "
-                     f"{r['ttft_mean_ms']:>9.1f} {r['ttft_server_mean_ms']:>9.1f} {r['tpot_p50_ms']:>9.2f}")
+                     f"{r['ttft_p99_ms']:>9.1f} {r['ttft_mean_ms']:>9.1f} {r['ttft_server_mean_ms']:>9.1f} {r['tpot_p50_ms']:>9.2f}")
     return "\n".join(lines)
 
 
@@ -234,6 +250,8 @@ def main() -> None:
     ap.add_argument("--releases", type=int, default=4,
                     help="times an engine call releases the GIL (its torch ops), the last for the device time")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="serve's --prefill-chunk")
+    ap.add_argument("--rows", type=int, default=0,
+                    help="serve the row cache with this many rows (the gate's serve row: 8) instead of the paged one")
     ap.add_argument("--out", default="server-host-bench-out")
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--stats", default=None, help=argparse.SUPPRESS)
@@ -250,7 +268,7 @@ def main() -> None:
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "engine": {"decode_ms": args.decode_ms, "row_us": args.row_us,
                                          "chunk_ms_per_512": args.chunk_ms, "releases": args.releases},
-                              "prefill_chunk": args.prefill_chunk, "rows": []}
+                              "prefill_chunk": args.prefill_chunk, "cache_rows": args.rows, "rows": []}
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
