@@ -248,3 +248,23 @@ def test_the_chunks_of_a_step_go_to_the_engine_in_one_call() -> None:
         for (p, n), (_, sink) in zip(jobs, pairs):
             assert sink.tokens == alone(p, n)
         assert engine.calls[0] == min(5, most) and max(engine.calls) == most
+
+
+def test_a_chunk_call_that_fails_is_retried_chunk_by_chunk_so_only_the_bad_request_ends() -> None:
+    """The engine refuses any call holding one poisoned request: the step's batched call fails, each chunk is
+    then tried alone, and only that request ends in an error; the others get their own tokens."""
+
+    class Refusing(PagedStandIn):
+        def prefill_paged(self, keys: list[int], *rest: Any) -> list[int | None]:
+            if bad.id in keys:
+                raise RuntimeError("refused")
+            return super().prefill_paged(keys, *rest)
+
+    engine = Refusing(64, 4)
+    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=64)
+    (good, good_sink), (bad, bad_sink), (other, other_sink) = req([1, 2, 3], 5), req([4, 5], 5), req([6], 5)
+    for r in (good, bad, other):
+        s.submit(r)
+    run_until_idle(s)
+    assert good_sink.tokens == alone([1, 2, 3], 5) and other_sink.tokens == alone([6], 5)
+    assert bad_sink.finish == "error" and "refused" in (bad_sink.events[-1].error or "")
