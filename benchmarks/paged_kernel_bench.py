@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,19 +54,12 @@ def case(b: int, t: int, context: int, heads: int = 32, kv: int = 8, d: int = 64
 
 
 def timed(fn: Any, iters: int) -> float:
-    import torch
+    """Milliseconds of one eager call: three untimed, then timing.event_seconds' median of `iters`."""
+    from trtbuild.timing import event_seconds
 
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return event_seconds(fn, iters) * 1e3
 
 
 def main() -> None:

@@ -28,6 +28,15 @@ def _cfg(heads: int, kv_heads: int, head_dim: int = 16) -> llama.LlamaConfig:
                                           num_key_value_heads=kv_heads, max_position_embeddings=1024))
 
 
+def _alone(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,
+           i: int) -> torch.Tensor:
+    """Row i's one-token attention by ATen over its blocks gathered into a contiguous cache (two KV heads of 16)."""
+    keys = k_pool[tables[i]].transpose(0, 1).reshape(1, 2, -1, 16)
+    values = v_pool[tables[i]].transpose(0, 1).reshape(1, 2, -1, 16)
+    return llama._cached_attention(q[i:i + 1].transpose(1, 2), keys, values, pos[i:i + 1],
+                                   torch.arange(int(pos[i, 0]) + 1, device=DEVICE)).transpose(1, 2)
+
+
 def _scattered_tables(lengths: list[int], num_blocks: int, seed: int) -> list[list[int]]:
     """Each row's blocks, drawn without repeats from one shuffled pool: rows interleave in it."""
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -96,12 +105,7 @@ def test_the_kernel_reads_only_the_slices_it_wrote(monkeypatch: pytest.MonkeyPat
     got = pa.paged_attention(q, k_pool, v_pool, pos, tables)
     assert torch.isfinite(got).all()
     for i in range(3):  # each row alone, its blocks gathered: ATen's attention over a contiguous cache
-        n = int(pos[i, 0]) + 1
-        keys = k_pool[tables[i]].transpose(0, 1).reshape(1, 2, -1, 16)
-        values = v_pool[tables[i]].transpose(0, 1).reshape(1, 2, -1, 16)
-        want = llama._cached_attention(q[i:i + 1].transpose(1, 2), keys, values, pos[i:i + 1],
-                                       torch.arange(n, device=DEVICE)).transpose(1, 2)
-        torch.testing.assert_close(got[i:i + 1], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[i:i + 1], _alone(q, k_pool, v_pool, pos, tables, i), atol=1e-5, rtol=1e-5)
 
 
 def test_a_paged_model_through_the_kernel_decodes_as_through_aten(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,9 +202,4 @@ def test_fewer_slices_where_rows_fill_the_device(monkeypatch: pytest.MonkeyPatch
     tables = torch.tensor([[5] + [39] * 12, list(range(13)), [20, 21, 22, 23, 24, 25, 26] + [39] * 6], device=DEVICE)
     got = pa.paged_attention(q, k_pool, v_pool, pos, tables)
     for i in range(3):
-        n = int(pos[i, 0]) + 1
-        keys = k_pool[tables[i]].transpose(0, 1).reshape(1, 2, -1, 16)
-        values = v_pool[tables[i]].transpose(0, 1).reshape(1, 2, -1, 16)
-        want = llama._cached_attention(q[i:i + 1].transpose(1, 2), keys, values, pos[i:i + 1],
-                                       torch.arange(n, device=DEVICE)).transpose(1, 2)
-        torch.testing.assert_close(got[i:i + 1], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[i:i + 1], _alone(q, k_pool, v_pool, pos, tables, i), atol=1e-5, rtol=1e-5)

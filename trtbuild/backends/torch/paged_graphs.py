@@ -45,6 +45,39 @@ def _even(n: int) -> int:
     return -(-n // 2) * 2
 
 
+def capture(package: Any, inputs: tuple[Any, ...], pool: Any, device: str) -> tuple[Any, Any, Any]:
+    """A CUDA graph of `package(*inputs)` in memory pool `pool` (None: a new one): (graph, its outputs, the pool).
+    Two calls first on a side stream, outside the graph: they allocate and load the kernels."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(2):
+            package(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+        outputs = package(*inputs)
+    sync(device)
+    return graph, outputs, graph.pool()
+
+
+def left_padded(chunk: list[int], start: int, length: int, block: int,
+                max_seq_len: int) -> tuple[list[int], list[int], int] | None:
+    """A prompt chunk at positions start.. as one row of a call whose rows hold `length` tokens: (tokens,
+    positions, the blocks of its table it owns), or None where the padding would pass max_seq_len (rope's table).
+    The row is padded on the left, so that its last column is its own last token (the paged graph's output);
+    the padding sits at the positions just past the row's own blocks, whose table entries the caller fills with
+    the scratch block, so its keys and values land there and the row's own tokens, which attend only up to their
+    positions, never see them."""
+    end, pad = start + len(chunk), length - len(chunk)
+    owned = -(-end // block)
+    if pad and owned * block + pad > max_seq_len:
+        return None
+    return [0] * pad + chunk, [*range(owned * block, owned * block + pad), *range(start, end)], owned
+
+
 class PagedDecodeGraphs:
     """Static buffers and, on CUDA, a captured graph for each row-count bucket of the paged decode step."""
 
@@ -128,25 +161,12 @@ class PagedDecodeGraphs:
     def _capture(self, size: int) -> None:
         """Warm up and capture the bucket's step with every row a padding row: the warm-up and the capture write
         only the scratch block, so a capture may come between any two steps of a server."""
-        import torch
-
         tok, pos, tables = self._buffers(size)
         tok.zero_()
         pos.zero_()
         tables.fill_(self.scratch)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        # the first calls allocate and load kernels: kept out of the graph
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(2):
-                self.package(tok, pos, tables, *self.pools)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-            self.outputs[size] = self.package(tok, pos, tables, *self.pools)
-        self._pool = graph.pool()
-        self.graphs[size] = graph
-        sync(self.device)
+        self.graphs[size], self.outputs[size], self._pool = capture(self.package, (tok, pos, tables, *self.pools),
+                                                                     self._pool, self.device)
 
 
 # -- prompt chunks ------------------------------------------------------------------------------------------------
@@ -172,8 +192,7 @@ def chunk_buckets(max_input_len: int) -> list[tuple[int, int]]:
 class PagedChunkGraphs:
     """Static buffers and, on CUDA, a captured graph for each (rows, tokens) bucket of a step's prompt chunks.
 
-    A bucket's rows are the chunks, each left-padded to the bucket's tokens (PagedCache.prefill_many's layout:
-    the padding at positions past the row's blocks, whose table entries name the scratch block), then padding
+    A bucket's rows are the chunks, each left-padded to the bucket's tokens (`left_padded`), then padding
     rows: token 0 at positions 0.. with every table entry the scratch block. Tables are a full-length sequence's
     width. A call takes the smallest bucket that holds its rows and its longest chunk, if there is one and every
     row's padding stays inside the engine's length; else `run` returns None and the caller calls directly."""
@@ -225,16 +244,13 @@ class PagedChunkGraphs:
         tok.fill(0)
         pos[:] = np.arange(t)[None, :]
         for i, (b, chunk, start) in enumerate(zip(blocks, tokens, starts)):
-            n, end = len(chunk), start + len(chunk)
-            owned, pad = -(-end // bs), t - len(chunk)
-            if owned * bs + pad > self.max_seq_len:
+            row = left_padded(chunk, start, t, bs, self.max_seq_len)
+            if row is None:
                 return None
+            tok[i], pos[i], owned = row
             if len(b) < owned or any(not 0 <= x < self.scratch for x in b[:owned]):
                 raise InputError(f"a block table of {len(b)} blocks does not cover {owned} blocks of the pool's "
                                  f"{self.scratch}")
-            tok[i, pad:] = chunk
-            pos[i, :pad] = np.arange(owned * bs, owned * bs + pad)
-            pos[i, pad:] = np.arange(start, end)
             tables[i, :owned] = b[:owned]
         return self.host[size]
 
@@ -283,15 +299,5 @@ class PagedChunkGraphs:
         tok.zero_()
         pos.copy_(torch.arange(size[1], device=pos.device).expand(size[0], size[1]))
         tables.fill_(self.scratch)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(2):
-                self.package(tok, pos, tables, *self.pools)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
-            self.outputs[size] = self.package(tok, pos, tables, *self.pools)
-        self._pool = graph.pool()
-        self.graphs[size] = graph
-        sync(self.device)
+        self.graphs[size], self.outputs[size], self._pool = capture(self.package, (tok, pos, tables, *self.pools),
+                                                                     self._pool, self.device)

@@ -98,11 +98,11 @@ class PagedCache:
     def prefill_many(self, blocks: list[list[int]], tokens: list[list[int]], starts: list[int]) -> tuple[Any, Any]:
         """Several requests' prompt chunks in one call, row i chunk tokens[i] at positions starts[i].. through
         blocks[i]: (greedy (n, 1), logits (n, V)) of each chunk's last token. The rows are left-padded to the
-        longest chunk, so that every row's last column is its own last token (the graph's output). A padding
-        token sits past its row's last block, in table entries that name the scratch block, so its keys and
-        values land there; the row's own tokens attend only up to their positions and never see them. A row
-        whose padding would pass the engine's max_seq_len (rope's table) is called alone instead."""
+        longest chunk (paged_graphs.left_padded); a row whose padding would pass the engine's max_seq_len is
+        called alone instead."""
         import torch
+
+        from trtbuild.backends.torch.paged_graphs import left_padded
 
         if self.chunks is not None and (out := self.chunks.run(blocks, tokens, starts)) is not None:
             return out
@@ -110,15 +110,15 @@ class PagedCache:
         rows: list[tuple[list[int], list[int], list[int]]] = []  # (tokens, positions, table) of each padded row
         alone: list[int] = []
         for i, (b, chunk, start) in enumerate(zip(blocks, tokens, starts)):
-            end, pad = start + len(chunk), longest - len(chunk)
-            owned = -(-end // bs)
-            if pad and owned * bs + pad > self.max_seq_len:
+            row = left_padded(chunk, start, longest, bs, self.max_seq_len)
+            if row is None:
                 alone.append(i)
                 continue
+            padded, positions, owned = row
             # the row's own blocks, then scratch entries for the padding (never `_table`'s repeated first block
             # for a row of one block: the padding's positions would land in it)
-            table = self._table(b, owned)[:owned] + [self.scratch] * -(-pad // bs)
-            rows.append(([0] * pad + chunk, [*range(owned * bs, owned * bs + pad), *range(start, end)], table))
+            table = self._table(b, owned)[:owned] + [self.scratch] * -(-(longest - len(chunk)) // bs)
+            rows.append((padded, positions, table))
         if alone:  # the rare row near the end of the engine's length: the others still go together
             return self._prefill_some(blocks, tokens, starts, alone)
         width = max(2, max(len(r[2]) for r in rows))  # the graph was exported for tables of 2+ entries
