@@ -37,13 +37,14 @@ def test_auto_on_cuda_needs_four_cores_and_memory_for_each_workers_copy_of_the_m
     assert compile_workers.worker_count(3, 90 << 30, "cuda") == 0
 
 
-def test_auto_on_the_cpu_forks_a_child_for_each_core_past_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_on_the_cpu_forks_up_to_twice_the_cores_with_the_build_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(compile_workers.ENV, raising=False)
     monkeypatch.setattr(compile_workers.os, "cpu_count", lambda: 2)
-    assert compile_workers.worker_count(3, 1 << 40, "cpu") == 1  # a fork shares the model: no memory cap
+    assert compile_workers.worker_count(3, 1 << 40, "cpu") == 2  # a fork shares the model: no memory cap
+    assert compile_workers.worker_count(8, 1, "cpu") == 3
     assert compile_workers.worker_count(1, 1, "cpu") == 0
     monkeypatch.setattr(compile_workers.os, "cpu_count", lambda: 1)
-    assert compile_workers.worker_count(3, 1, "cpu") == 0
+    assert compile_workers.worker_count(3, 1, "cpu") == 1
 
 
 def test_a_fork_reports_its_result_and_a_failed_one_its_error(tmp_path: Path) -> None:
@@ -55,6 +56,15 @@ def test_a_fork_reports_its_result_and_a_failed_one_its_error(tmp_path: Path) ->
     assert good is not None and good["ok"] and good["compile_s"] == 1.5 and good["total_s"] >= 0
     assert good["pid"] != compile_workers.os.getpid()  # it ran in another process
     assert bad is not None and not bad["ok"] and "ZeroDivisionError" in bad["error"]
+
+
+def test_a_fork_handed_several_units_reports_each_by_name(tmp_path: Path) -> None:
+    with compile_workers.Forks(tmp_path / "forks") as forks:
+        forks.start(["a", "b"], lambda: {"a": {"compile_s": 1.0}, "b": {"compile_s": 2.0}})
+        assert forks.running["a"] == forks.running["b"]  # one child for both
+        a, b = forks.wait("a"), forks.wait("b")
+    assert a is not None and a["ok"] and a["compile_s"] == 1.0
+    assert b is not None and b["ok"] and b["compile_s"] == 2.0
 
 
 def test_forks_still_running_are_ended_on_exit(tmp_path: Path) -> None:

@@ -366,3 +366,32 @@ def test_paged_decode_through_the_kernel_replays_bucket_graphs_with_the_direct_c
     folder = outcome.model.materialize()
     for prompt, stream in zip(prompts, streams):
         assert eager_disagreements(folder, [prompt], [stream], 96, dtype=torch.bfloat16, device="cuda") == []
+
+
+def test_an_engine_compiled_by_regions_replays_its_chain_in_cuda_graphs_with_the_eager_tokens(tmp_path: Path) -> None:
+    """Six bf16 layers (regions: layers 0-4 in one program, the last in another; trtbuild's decode kernels in
+    both): prefill through the captured prefill graphs and decode through the bucket graphs, each a chain of six
+    region calls and the embedding; every token is the eager model's (within bf16 ties), and the paged graph's
+    chain gives the same first tokens as the row cache."""
+    from trtbuild.backends.sampling import GREEDY
+
+    config = dict(TINY_CONFIG, hidden_size=64, num_hidden_layers=6, max_position_embeddings=96)
+    doc = tiny_recipe_doc(precision="bf16", options={"kv_cache": "paged"},
+                          model={"source": "synthetic", "seed": 0, "config": config},
+                          shapes={"max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]})
+    recipe = load_recipe(write_recipe(tmp_path, doc))
+    outcome = build(recipe, tmp_path / "store")
+    import json
+
+    spec = json.loads((outcome.entry.path / "engine.json").read_text())
+    assert [r["layers"] for r in spec["graphs"]["decode_b2"]["regions"]] == [[0, 1, 2, 3, 4], [5]]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
+    with open_session(recipe, tmp_path / "store", build=False) as session:
+        got = session.greedy(prompts, 24)
+        assert all(d.graphs for d in session.engine._decoders.values())
+        engine = session.engine
+        engine.open_pool(blocks=12)
+        firsts = engine.prefill_paged([0, 1], [[3, 1], [0, 7]], prompts, [0, 0], [GREEDY] * 2, [True] * 2)
+    assert firsts == [row[0] for row in got]
+    assert eager_disagreements(outcome.model.materialize(), prompts, got, 48, dtype=torch.bfloat16,
+                               device="cuda") == []

@@ -565,8 +565,7 @@ class Transformer(nn.Module):
         for block in self.layers:  # a window no position here outgrows masks nothing: SDPA's causal kernel serves
             if block.attention.window >= max_seq_len:
                 block.attention.window, block.attention.masked = 0, bool(cfg.attn_softcap)
-        # Gemma scales the embeddings by sqrt(hidden_size) rounded to the weights' dtype, as transformers does
-        self.embed_scale = float(torch.tensor(cfg.embed_scale, dtype=dtype, device="cpu"))
+        self.embed_scale = embed_scale(cfg, dtype)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, fusion="norm")
         self.register_buffer("rope", rope_table(cfg, max_seq_len), persistent=False)
@@ -597,13 +596,11 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, input_pos: Tensor, all_logits: bool = False, from_start: bool = False,
                 span: Tensor | None = None, slots: Tensor | None = None, pools: list[Tensor] | None = None) -> Tensor:
-        pos = input_pos if input_pos.dim() == 2 else input_pos[None, :]  # (B or 1, T)
+        pos = positions(input_pos)
         if slots is None:
             slots = torch.arange(tokens.shape[0], device=tokens.device)
         table = self.rope[pos]
-        x = self.tok_embeddings(tokens)
-        if self.embed_scale != 1.0:
-            x = x * self.embed_scale
+        x = embed(self.tok_embeddings.weight, self.embed_scale, tokens)
         for i, layer in enumerate(self.layers):
             # `pools` (models/paged.py): each layer's K and V block pools, with `slots` the block tables (B, N)
             k_cache, v_cache = (pools[2 * i], pools[2 * i + 1]) if pools is not None else \
@@ -611,9 +608,30 @@ class Transformer(nn.Module):
             x = layer(x, self.rope, table, pos, slots, k_cache, v_cache, from_start, span)
         if all_logits:
             return softcap(self.output(x, norm=self.norm), self.cfg.final_softcap)
-        if from_start:  # a decode step's graph stays as it was: its compiled form is keyed by its program
-            x = x.index_select(1, prompt_end(input_pos) - 1)
-        return softcap(self.output(x[:, -1], norm=self.norm), self.cfg.final_softcap)
+        return head(self.norm, self.output, self.cfg.final_softcap, x, input_pos, from_start)
+
+
+def positions(input_pos: Tensor) -> Tensor:
+    """(B or 1, T): a prompt's one set of positions (T,) for every row, or each row's own (B, T)."""
+    return input_pos if input_pos.dim() == 2 else input_pos[None, :]
+
+
+def embed(table: Tensor, scale: float, tokens: Tensor) -> Tensor:
+    """The tokens' embeddings, times the family's scale (`embed_scale`)."""
+    x = F.embedding(tokens, table)
+    return x * scale if scale != 1.0 else x
+
+
+def embed_scale(cfg: LlamaConfig, dtype: torch.dtype) -> float:
+    """Gemma scales the embeddings by sqrt(hidden_size) rounded to the weights' dtype, as transformers does."""
+    return float(torch.tensor(cfg.embed_scale, dtype=dtype, device="cpu"))
+
+
+def head(norm: RMSNorm, output: Linear, cap: float | None, x: Tensor, input_pos: Tensor, from_start: bool) -> Tensor:
+    """The logits (B, V) of each row's last position: a prompt's last real row (`prompt_end`), else the last."""
+    if from_start:  # a decode step's graph stays as it was: its compiled form is keyed by its program
+        x = x.index_select(1, prompt_end(input_pos) - 1)
+    return softcap(output(x[:, -1], norm=norm), cap)
 
 
 def softcap(logits: Tensor, cap: float | None) -> Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import re
@@ -162,6 +163,11 @@ class TorchAOTIBackend:
         shared_rows = export.shared_decode_rows(device, shapes.batch_buckets)
         names = ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets), *paged]
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in names}
+        # Each graph is one program, or with regional compilation one program a region (models/regions.py): the
+        # units exported and compiled below, each named "<graph>" or "<graph>.r<k>".
+        regions = export.regions(model, _option(recipe, "compile"))
+        units = {name: (name, None, None) for name in names} if not regions else \
+            {f"{name}.r{k}": (name, layers[0], layers) for name in names for k, layers in enumerate(regions)}
         # Everything an export reads but the weights' values: a graph an earlier build exported from the same
         # material (another checkpoint of this architecture, or this one after `cache rm`) is copied from the
         # tactic cache without exporting again.
@@ -171,35 +177,37 @@ class TorchAOTIBackend:
                     "plan": {str(b): {decode_kernels.key_name(k): c.name for k, c in sorted(p.items())}
                              for b, p in plan.items()},
                     "attention": attention["used"], "prefill_attention": prompt["used"],
-                    "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "shared_rows": shared_rows}
-        graphs: dict[str, dict[str, Any]] = {}
-        records: dict[str, tuple[str, dict[str, Any]]] = {}  # name -> (architecture key, export record)
-        for name in names:
-            architecture = graph_cache.architecture_key(name, configs[name], material)
+                    "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "shared_rows": shared_rows,
+                    "regions": regions}
+        graphs: dict[str, dict[str, Any]] = {}  # by unit
+        records: dict[str, tuple[str, dict[str, Any]]] = {}  # unit -> (architecture key, export record)
+        for unit, (name, layer, _) in units.items():
+            architecture = graph_cache.architecture_key(unit, configs[name], material)
             known = graph_cache.known_export(job.tactics.path, architecture)
-            shared = next((g for n, g in graphs.items() if shared_rows and bucket(n) and "program" in g), None)
-            if known is None and shared is not None and bucket(name):  # the buckets' one decode program, exported
-                # already (a decode bucket only: the paged graph is a program of its own)
-                graphs[name] = shared | {"export_s": 0.0}
+            # the buckets' one decode program (a region of it), exported already; a decode bucket only: the paged
+            # graph is a program of its own
+            shared = next((g for u, g in graphs.items() if shared_rows and bucket(units[u][0]) and units[u][1] == layer
+                           and "program" in g), None)
+            if known is None and shared is not None and bucket(name):
+                graphs[unit] = shared | {"export_s": 0.0}
             elif known is None:
-                job.progress(f"exporting {name}")
-                graphs[name] = export_graph(model, name, shapes, device, plan.get(bucket(name), {}),
-                                            attention["used"], prompt["used"], shared_rows)
-                graphs[name]["digest"] = graph_cache.graph_digest(graphs[name]["program"], configs[name])
+                job.progress(f"exporting {unit}")
+                graphs[unit] = export_graph(model, name, shapes, device, plan.get(bucket(name), {}),
+                                            attention["used"], prompt["used"], shared_rows, layer)
+                graphs[unit]["digest"] = graph_cache.graph_digest(graphs[unit]["program"], configs[name])
             else:
-                graphs[name] = known | {"export_s": 0.0}
-            records[name] = (architecture, graph_cache.export_record(graphs[name]))
-            if (timed := decode_kernels.timed_step_us(matmuls, bucket(name))) is not None:
-                graphs[name]["matmuls_timed_us"] = timed  # for the run report: where a step's time goes
-                graphs[name]["fused_outside"] = decode_kernels.fused_outside(matmuls, bucket(name))
+                graphs[unit] = known | {"export_s": 0.0}
+            records[unit] = (architecture, graph_cache.export_record(graphs[unit]))
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
         graph_cache.sweep_half_copied(job.tactics.path)
-        missing: list[str] = []  # one name a digest: buckets sharing one decode graph compile it once, then copy it
-        for name, graph in graphs.items():
+        missing: list[str] = []  # one unit a digest: buckets sharing one decode graph compile it once, then copy it
+        for unit, graph in graphs.items():
             if not graph_cache.cached(job.tactics.path, graph["digest"]).is_file() and \
                     all(graphs[n]["digest"] != graph["digest"] for n in missing):
-                missing.append(name)
+                missing.append(unit)
         workers_n = compile_workers.worker_count(len(missing), model_bytes(model), device)
+        slots = workers_n + 1
+        dealt = {unit: i % slots for i, unit in enumerate(missing)}  # 0: the build's own
         tuned: list[dict[str, Any]] = []
         t = time.perf_counter()
         spare = job.workdir / ".workers"  # removed before the entry is published
@@ -210,26 +218,31 @@ class TorchAOTIBackend:
                   "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "shared_rows": shared_rows}
         forking = compile_workers.forks_for(device)
         if forking and missing:
-            prepare_cpu(configs[missing[0]])
+            prepare_cpu(configs[units[missing[0]][0]])
         with inductor_caches(job.tactics.path), record_autotuning(tuned), \
                 (compile_workers.Forks(spare) if forking else
                  compile_workers.Workers(spare, max(1, (os.cpu_count() or 1) // (workers_n + 1)))) as workers, \
                 (compile_workers.timing_alone(job.tactics.path / compile_workers.TIMING_LOCK) if workers_n
                  and not forking else contextlib.nullcontext()):
-            # The build compiles the first missing graph itself while workers compile the next ones.
-            for name in missing[1:1 + workers_n]:
+            # The missing units dealt out in turn to the build and its workers; each compiles its share in order.
+            for j in range(1, slots):
+                share = [u for u in missing if dealt[u] == j]
                 if forking:
-                    workers.start(name, functools.partial(_compile_forked, graphs[name], name, configs[name],
-                                                          job.tactics.path, spare / name, tuned))
+                    workers.start(share, functools.partial(_compile_forked, [(graphs[u], u, configs[units[u][0]],
+                                                                             spare / u) for u in share],
+                                                           job.tactics.path, tuned))
                     continue
-                workers.start(common | {"graph": name, "digest": graphs[name]["digest"], "workdir": str(spare / name),
-                                        "matmuls": graphs[name].get("matmuls", {})})
-            for name, graph in graphs.items():
-                where = " (in a worker process)" if name in workers.running else ""
-                job.progress(f"compiling {name} with AOTInductor (tactics: {recipe.tactics_level}){where}")
+                workers.start(common | {"units": [{"graph": units[u][0], "unit": u, "layer": units[u][1],
+                                                   "digest": graphs[u]["digest"], "workdir": str(spare / u),
+                                                   "matmuls": graphs[u].get("matmuls", {})} for u in share]})
+            # the build's own share first, then every other unit: the workers' ones from the cache they fill
+            for unit in [u for u in missing if dealt[u] == 0] + [u for u in graphs if dealt.get(u, 1)]:
+                graph, name = graphs[unit], units[unit][0]
+                where = " (in a worker process)" if unit in workers.running else ""
+                job.progress(f"compiling {unit} with AOTInductor (tactics: {recipe.tactics_level}){where}")
                 g0 = time.perf_counter()
-                report = workers.wait(name)
-                graph["reused"] = graph_cache.compile_or_reuse(graph, name, configs[name], graph["digest"],
+                report = workers.wait(unit)
+                graph["reused"] = graph_cache.compile_or_reuse(graph, unit, configs[name], graph["digest"],
                                                                job.tactics.path, job.workdir)
                 if report is not None:  # found in the cache because this build's worker put it there
                     graph["reused"] = False
@@ -238,16 +251,21 @@ class TorchAOTIBackend:
                     if forking and report["ok"]:  # the same process's work, only forked: counted as the build's
                         graph.update({k: report[k] for k in ("compile_inductor_s", "compile_cxx_s") if k in report})
                 graph["compile_s"] = time.perf_counter() - g0
-                graph["pdl"] = bool(configs[name].get("triton.enable_pdl"))
-                graph["trtbuild_wait"] = name.startswith("decode_b") and kernels_wait(device)
                 graph.pop("program", None)
-                graph_cache.remember_export(job.tactics.path, *records[name])
+                graph_cache.remember_export(job.tactics.path, *records[unit])
         shutil.rmtree(spare, ignore_errors=True)
         phases["compile_s"] = time.perf_counter() - t
         # of which, for the graphs compiled in this process or its forks: Inductor's Python, and the C++ compiler's
         # (with forks, their sum can exceed compile_s: the graphs compiled side by side)
         for part in ("inductor_s", "cxx_s"):
             phases[f"compile_{part}"] = sum(g.get(f"compile_{part}", 0.0) for g in graphs.values())
+        graphs = _assembled(graphs, units, names, model.embed_scale)
+        for name, graph in graphs.items():
+            graph["pdl"] = bool(configs[name].get("triton.enable_pdl"))
+            graph["trtbuild_wait"] = name.startswith("decode_b") and kernels_wait(device)
+            if (timed := decode_kernels.timed_step_us(matmuls, bucket(name))) is not None:
+                graph["matmuls_timed_us"] = timed  # for the run report: where a step's time goes
+                graph["fused_outside"] = decode_kernels.fused_outside(matmuls, bucket(name))
         reused = [name for name, g in graphs.items() if g["reused"]]
 
         engine = {
@@ -291,15 +309,44 @@ class TorchAOTIBackend:
         return weights_preload.start_for(entry)
 
 
-def _compile_forked(graph: dict[str, Any], name: str, configs: dict[str, Any], tactics: Path, workdir: Path,
-                    tuned: list[dict[str, Any]]) -> dict[str, Any]:
-    """A forked child's work (compile_workers.Forks): compile one graph into the tactic cache, where the build
-    finds it; its seconds and its GEMM selections (`tuned`, the child's copy of the build's list) for the report."""
-    del tuned[:]  # the selections the build made before the fork are its own to report
-    t = time.perf_counter()
-    graph_cache.compile_or_reuse(graph, name, configs, graph["digest"], tactics, workdir)
-    return {"compile_s": time.perf_counter() - t, "tuned": list(tuned),
-            **{k: graph[k] for k in ("compile_inductor_s", "compile_cxx_s") if k in graph}}
+def _assembled(units: dict[str, dict[str, Any]], where: dict[str, tuple[str, int | None, list[int] | None]],
+               names: list[str], embed_scale: float) -> dict[str, dict[str, Any]]:
+    """The engine spec's graphs from the compiled units: a whole graph as it is; a regional one as its first
+    unit's description with "regions", each region's compiled .so and the layers it runs, the embeddings'
+    scale (the runtime gathers them), and the units' compile seconds summed ("reused" only where every region
+    was)."""
+    graphs: dict[str, dict[str, Any]] = {}
+    for name in names:
+        parts = [(units[u], where[u][2]) for u in units if where[u][0] == name]
+        if len(parts) == 1 and parts[0][1] is None:
+            graphs[name] = parts[0][0]
+            continue
+        kept = ("so", "digest", "reused", "compile_s", "compile_inductor_s", "compile_cxx_s", "worker")
+        graphs[name] = {k: v for k, v in parts[0][0].items() if k not in kept} | {
+            "regions": [{"layers": layers, **{k: g[k] for k in kept if k in g}} for g, layers in parts],
+            "embed_scale": embed_scale,
+            "reused": all(g["reused"] for g, _ in parts),
+            "compile_s": sum(g["compile_s"] for g, _ in parts),
+            "digest": hashlib.sha256("".join(g["digest"] for g, _ in parts).encode()).hexdigest()}
+        for part in ("compile_inductor_s", "compile_cxx_s"):
+            if any(part in g for g, _ in parts):
+                graphs[name][part] = sum(g.get(part, 0.0) for g, _ in parts)
+    return graphs
+
+
+def _compile_forked(work: list[tuple[dict[str, Any], str, dict[str, Any], Path]], tactics: Path,
+                    tuned: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A forked child's work (compile_workers.Forks): compile its units (graph, unit name, Inductor options,
+    folder) in turn into the tactic cache, where the build finds them; each one's seconds and its GEMM
+    selections (`tuned`, the child's copy of the build's list) for the report, by unit."""
+    reports: dict[str, dict[str, Any]] = {}
+    for graph, unit, configs, workdir in work:
+        del tuned[:]  # the selections made before (the build's, or this child's last unit's) are not this one's
+        t = time.perf_counter()
+        graph_cache.compile_or_reuse(graph, unit, configs, graph["digest"], tactics, workdir)
+        reports[unit] = {"compile_s": time.perf_counter() - t, "tuned": list(tuned),
+                         **{k: graph[k] for k in ("compile_inductor_s", "compile_cxx_s") if k in graph}}
+    return reports
 
 
 def save_weights(tensors: dict[str, Any], path: Path) -> None:

@@ -56,8 +56,12 @@ def worker_count(missing: int, model_bytes: int, device: str) -> int:
                                 f"got {wanted!r}") from None
         return min(cap, max(missing - 1, 0))
     cpus = os.cpu_count() or 1
-    if device == "cpu":  # forks: no set-up to pay again, no second copy of the model
-        return max(0, min(missing - 1, cpus - 1))
+    if device == "cpu":
+        # Forks: no set-up to pay again, no second copy of the model. Up to twice the cores: each compile is
+        # partly waiting on its C++ compiler's process, and a build that hands a fork only the next graph
+        # leaves cores idle while it waits for that one (SmolLM2 by regions, 4 programs on 2 cores: 60.8 s
+        # with one fork, 40.5 s with three, 2026-12-06).
+        return max(0, min(missing - 1, 2 * cpus - 1))
     if cpus < 4 or missing < 2:  # on 2 cores a second Inductor only takes turns with the first
         return 0
     # Each worker holds the model again; leave a fifth of what is free for compiling and tuning.
@@ -81,49 +85,52 @@ def _free_device_bytes(device: str) -> int | None:
 
 
 class Workers:
-    """The build's worker processes, one per graph; every one still running is ended on exit."""
+    """The build's worker processes, each compiling the units it is handed in turn (its set-up paid once); every
+    one still running is ended on exit."""
 
     def __init__(self, folder: Path, threads_each: int) -> None:
         self.folder = folder
         self.threads_each = threads_each
-        self.running: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+        self.running: dict[str, subprocess.Popen[bytes]] = {}  # unit -> the process compiling it
+        self.logs: dict[subprocess.Popen[bytes], Path] = {}  # process -> its output
 
     def __enter__(self) -> "Workers":
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        for proc, _ in self.running.values():
+        for proc in set(self.running.values()):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         self.running.clear()
 
     def start(self, spec: dict[str, Any]) -> None:
-        """Start compiling `spec["graph"]` (the spec is described at `run`) in a new process."""
+        """Start compiling `spec["units"]` (the spec is described at `run`) in a new process."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        name = spec["graph"]
+        name = spec["units"][0]["unit"]
         path = self.folder / f"{name}.json"
-        path.write_text(json.dumps(spec | {"result": str(self.folder / f"{name}.result.json"), "parent": os.getpid()}))
+        path.write_text(json.dumps(spec | {"results": str(self.folder), "parent": os.getpid()}))
         env = dict(os.environ)
         # Inductor sizes its own compile pool by the CPU count; split the cores between the processes.
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(self.threads_each))
         with open(self.folder / f"{name}.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "trtbuild.backends.torch.compile_workers", str(path)],
                                     stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.running[name] = (proc, path)
+        self.running.update({u["unit"]: proc for u in spec["units"]})
+        self.logs[proc] = self.folder / f"{name}.log"
 
     def wait(self, name: str) -> dict[str, Any] | None:
-        """The worker's report for `name` once it has ended: {"ok": True, "compile_s", "total_s" (its whole
-        life: start-up, model, export, compile), "tuned"} or {"ok": False, "error"}; None if no worker had
-        that graph."""
+        """The worker's report for unit `name` once its process has ended: {"ok": True, "compile_s", "total_s"
+        (the process's whole life: start-up, model, export, compiles), "tuned"} or {"ok": False, "error"};
+        None if no worker had that unit."""
         if name not in self.running:
             return None
-        proc, path = self.running.pop(name)
+        proc = self.running.pop(name)
         rc = proc.wait()
-        result = path.with_name(f"{name}.result.json")
-        if rc == 0 and result.is_file():
+        result = self.folder / f"{name}.result.json"
+        if result.is_file():
             return json.loads(result.read_text()) | {"ok": True}
-        log = path.with_name(f"{name}.log")
+        log = self.logs[proc]
         tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else []
         return {"ok": False, "error": f"exit status {rc}: " + " | ".join(tail)}
 
@@ -135,31 +142,36 @@ def forks_for(device: str) -> bool:
 
 
 class Forks:
-    """Graphs compiled in forked children of the build process, one a graph; every child still running is
-    ended on exit (`forks_for` says where)."""
+    """Graphs compiled in forked children of the build process, each child compiling the units it is handed in
+    turn; every child still running is ended on exit (`forks_for` says where)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.running: dict[str, int] = {}  # graph -> the child's process id
+        self.running: dict[str, int] = {}  # unit -> the process id of the child compiling it
+        self.ended: dict[int, int] = {}  # process id -> its exit status, once reaped
+        self.logs: dict[int, Path] = {}  # process id -> its output
 
     def __enter__(self) -> "Forks":
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        for pid in self.running.values():
+        for pid in set(self.running.values()) - set(self.ended):
             with contextlib.suppress(OSError):
                 os.kill(pid, 9)
                 os.waitpid(pid, 0)
         self.running.clear()
 
-    def start(self, name: str, work: Callable[[], dict[str, Any]]) -> None:
-        """Call `work` in a forked child; its result (JSON) comes back through `wait(name)`."""
+    def start(self, names: str | list[str], work: Callable[[], dict[str, Any]]) -> None:
+        """Call `work` in a forked child; its result (JSON) comes back through `wait(name)`. With a list of
+        names, `work` returns each one's result by name."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        result, log = self.folder / f"{name}.result.json", self.folder / f"{name}.log"
+        group = [names] if isinstance(names, str) else names
+        log = self.folder / f"{group[0]}.log"
         parent = os.getpid()
         pid = os.fork()
         if pid:
-            self.running[name] = pid
+            self.running.update({n: pid for n in group})
+            self.logs[pid] = log
             return
         # The child: never returns into the build's own code, and never runs its exit handlers.
         status = 1
@@ -177,7 +189,9 @@ class Forks:
             # no parallel region. The child only compiles: its tensor work is small copies.
             torch.set_num_threads(1)
             out = work()
-            result.write_text(json.dumps(out | {"total_s": time.perf_counter() - started}))
+            for name, report in ({names: out} if isinstance(names, str) else out).items():
+                (self.folder / f"{name}.result.json").write_text(
+                    json.dumps(report | {"total_s": time.perf_counter() - started}))
             status = 0
         except BaseException:  # reported through the log; the build then compiles the graph itself
             import traceback
@@ -193,12 +207,15 @@ class Forks:
         """The child's report for `name` once it has ended (as `Workers.wait`); None if no child had it."""
         if name not in self.running:
             return None
-        _, status = os.waitpid(self.running.pop(name), 0)
-        result, log = self.folder / f"{name}.result.json", self.folder / f"{name}.log"
-        if os.waitstatus_to_exitcode(status) == 0 and result.is_file():
+        pid = self.running.pop(name)
+        if pid not in self.ended:
+            self.ended[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        result = self.folder / f"{name}.result.json"
+        if self.ended[pid] == 0 and result.is_file():
             return json.loads(result.read_text()) | {"ok": True}
+        log = self.logs[pid]
         tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else []
-        return {"ok": False, "error": f"exit status {os.waitstatus_to_exitcode(status)}: " + " | ".join(tail)}
+        return {"ok": False, "error": f"exit status {self.ended[pid]}: " + " | ".join(tail)}
 
 
 @contextlib.contextmanager
@@ -251,24 +268,28 @@ def _end_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
-    """Export and compile one graph as `spec` describes; publish it into the tactic cache.
+def run(spec: dict[str, Any]) -> None:
+    """Export and compile each unit `spec` hands this worker; publish each into the tactic cache, and its report
+    into `spec["results"]/<unit>.result.json`. A unit that fails is reported on stderr and left to the build.
 
     spec: folder (the model folder, for config.json), precision, device, max_batch_size, max_input_len,
-    max_seq_len, level (tactics level), graph ("prefill" or "decode_b<N>"), matmuls ({"<out>x<in>[+fusion]":
-    configuration name} for trtbuild's decode matmul), attention (Attention.decode_kernel), prefill_attention
+    max_seq_len, level (tactics level), attention (Attention.decode_kernel), prefill_attention
     (Attention.prefill_kernel, for a prefill graph), shared_rows (export.shared_decode_rows), tactics (the
-    tactic cache folder), workdir (a folder of its own), digest (the cache key the build computed for this graph).
+    tactic cache folder), and units: each {"graph" ("prefill" or "decode_b<N>"), "unit" (the compiled unit's
+    name: the graph's, or "<graph>.r<k>" for a region), "layer" (the layer whose region is compiled, or null),
+    "matmuls" ({"<out>x<in>[+fusion]": configuration name} for trtbuild's decode matmul), "workdir" (a folder
+    of its own), "digest" (the cache key the build computed for it)}.
     """
     import torch
 
-    from trtbuild.backends.torch import decode_kernels, export, graph_cache, inductor, moe_plan
+    from trtbuild.backends.torch import export, moe_plan
+    from trtbuild.backends.torch.inductor import DTYPE_NAMES
     from trtbuild.models.calibrate import empty_quantized
     from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes, read_config
     from trtbuild.models.quantize import FORMATS
 
     _, cfg = read_config(Path(spec["folder"]))
-    dtype = getattr(torch, inductor.DTYPE_NAMES[spec["precision"]])
+    dtype = getattr(torch, DTYPE_NAMES[spec["precision"]])
     shapes = SimpleNamespace(max_batch_size=spec["max_batch_size"], max_input_len=spec["max_input_len"],
                              max_seq_len=spec["max_seq_len"])
     # Uninitialized weights, on the CPU like the build's own, through the same placement: what a graph
@@ -282,39 +303,49 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     moe_plan.route_prefill(model, spec.get("moe_prefill", "dense"))
     del state
     del hf
+    for unit in spec["units"]:
+        t = time.perf_counter()
+        try:
+            report = _compile_unit(model, shapes, spec, unit)
+        except TrtbuildError as e:
+            print(f"trtbuild compile worker: {e}", file=sys.stderr)
+            continue
+        report["total_s"] = time.perf_counter() - t
+        (Path(spec["results"]) / f"{unit['unit']}.result.json").write_text(json.dumps(report))
+
+
+def _compile_unit(model: Any, shapes: Any, spec: dict[str, Any], unit: dict[str, Any]) -> dict[str, Any]:
+    """One unit of `run`: export it, check its cache key against the build's, compile and publish it."""
+    from trtbuild.backends.torch import decode_kernels, export, graph_cache, inductor
+
     matmuls: dict[decode_kernels.MatmulKey, Any] = {}
-    if spec["matmuls"]:
+    if unit["matmuls"]:
         from trtbuild.kernels.matmul_configs import MatmulConfig
 
-        for key, name in spec["matmuls"].items():
+        for key, name in unit["matmuls"].items():
             matmuls[decode_kernels.parse_key(key)] = MatmulConfig.parse(name)
-    graph = export.export_graph(model, spec["graph"], shapes, spec["device"], matmuls, spec["attention"],
-                                    spec.get("prefill_attention", "sdpa"), spec.get("shared_rows", 0))
-    configs = inductor.inductor_configs(spec["level"], spec["device"], spec["graph"])
+    graph = export.export_graph(model, unit["graph"], shapes, spec["device"], matmuls, spec["attention"],
+                                spec.get("prefill_attention", "sdpa"), spec.get("shared_rows", 0), unit["layer"])
+    configs = inductor.inductor_configs(spec["level"], spec["device"], unit["graph"])
     digest = graph_cache.graph_digest(graph["program"], configs)
-    if digest != spec["digest"]:
-        raise TrtbuildError(f"{spec['graph']}: the worker's export has cache key {digest[:12]}, the build's "
-                            f"{spec['digest'][:12]}; not compiled here")
+    if digest != unit["digest"]:
+        raise TrtbuildError(f"{unit['unit']}: the worker's export has cache key {digest[:12]}, the build's "
+                            f"{unit['digest'][:12]}; not compiled here")
     tuned: list[dict[str, Any]] = []
     t = time.perf_counter()
     with inductor.inductor_caches(Path(spec["tactics"])), inductor.record_autotuning(tuned), \
             timing_alone(Path(spec["tactics"]) / TIMING_LOCK):
-        graph_cache.compile_or_reuse(graph, spec["graph"], configs, digest, Path(spec["tactics"]),
-                                     Path(spec["workdir"]))
+        graph_cache.compile_or_reuse(graph, unit["unit"], configs, digest, Path(spec["tactics"]),
+                                     Path(unit["workdir"]))
     return {"compile_s": time.perf_counter() - t, "tuned": tuned}
 
 
 def main(argv: list[str]) -> int:
-    started = time.perf_counter()
     spec = json.loads(Path(argv[0]).read_text())
     _end_with_parent(spec["parent"])
-    Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
-    try:
-        result = run(spec)
-    except TrtbuildError as e:
-        print(f"trtbuild compile worker: {e}", file=sys.stderr)
-        return 2
-    Path(spec["result"]).write_text(json.dumps(result | {"total_s": time.perf_counter() - started}))
+    for unit in spec["units"]:
+        Path(unit["workdir"]).mkdir(parents=True, exist_ok=True)
+    run(spec)
     return 0
 
 

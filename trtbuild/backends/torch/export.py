@@ -16,7 +16,9 @@ from trtbuild.errors import TrtbuildError
 
 # options.kv_cache: "paged" adds the paged graph (models/paged.py), which `trtbuild serve` runs over a block pool;
 # run and bench keep the row cache's graphs either way.
-OPTIONS = {"kv_cache": ("rows", "paged")}
+# options.compile: "regional" exports and compiles a layer of each kind once and runs it for every layer of that
+# kind (models/regions.py), where that saves most of the work; "whole" compiles the unrolled model.
+OPTIONS = {"kv_cache": ("rows", "paged"), "compile": ("regional", "whole")}
 PAGED = "paged"
 PAGED_ROWS = 256  # the most sequences one paged step serves
 
@@ -48,6 +50,13 @@ def place_model(cfg: Any, shapes: Any, dtype: Any, device: str, state: dict[str,
     return model.eval().requires_grad_(False)
 
 
+def regions(model: Any, mode: str) -> list[list[int]]:
+    """The layers of each region program (models/regions.plan) for options.compile `mode`; empty: whole graphs."""
+    from trtbuild.models.regions import plan
+
+    return plan(model) if mode == "regional" else []
+
+
 def shared_decode_rows(device: str, buckets: tuple[int, ...] | list[int]) -> int:
     """The batch up to which one decode graph with a dynamic batch serves every bucket, or 0 for a graph per
     bucket. On the CPU a graph is a whole Inductor and C++ compile (tiny-llama: 11-12 CPU s a decode graph on
@@ -58,21 +67,24 @@ def shared_decode_rows(device: str, buckets: tuple[int, ...] | list[int]) -> int
 
 
 def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[decode_kernels.MatmulKey, Any],
-                 attention: str, prefill_kernel: str = "sdpa", shared_rows: int = 0) -> dict[str, Any]:
+                 attention: str, prefill_kernel: str = "sdpa", shared_rows: int = 0,
+                 layer: int | None = None) -> dict[str, Any]:
     """Export one graph: "prefill" with its attention through `prefill_kernel`, or "decode_b<N>" with
     the decode kernels routed as planned; with `shared_rows` (`shared_decode_rows`), a decode graph of any
-    batch up to it, the same program for every bucket."""
+    batch up to it, the same program for every bucket. With `layer`, only that layer's region of the graph
+    (models/regions.py)."""
     t = time.perf_counter()
     if name == PAGED:
-        return {"batch": "dynamic", "program": export_paged(model, shapes.max_input_len, shapes.max_seq_len, device),
+        return {"batch": "dynamic", "program": export_paged(model, shapes.max_input_len, shapes.max_seq_len, device,
+                                                            layer),
                 "attention": "aten", "export_s": time.perf_counter() - t}
     if name == "prefill":
         with prefill_attention.routed(model, prefill_kernel), fp8_prefill(model, device):
-            ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device)
+            ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device, layer=layer)
         return {"batch": "dynamic", "program": ep, "prefill_attention": prefill_kernel,
                 "export_s": time.perf_counter() - t}
     with decode_kernels.routed(model, matmuls, attention), quantized_decode(model, device, matmuls, bucket(name)):
-        ep = export_decode(model, bucket(name), shapes.max_seq_len, device, shared_rows)
+        ep = export_decode(model, bucket(name), shapes.max_seq_len, device, shared_rows, layer)
     return {"batch": "dynamic" if shared_rows else bucket(name), "program": ep, "window": "dynamic",
             "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
             "attention": attention, "export_s": time.perf_counter() - t}
@@ -127,72 +139,93 @@ def model_bytes(model: Any) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: str, example_len: int = 2) -> Any:
+def step_module(model: Any, from_start: bool, layer: int | None, paged: bool = False) -> Any:
+    """What a graph exports: the whole step, or with `layer` that layer's region (models/regions.py)."""
+    from trtbuild.models.llama import Step
+    from trtbuild.models.paged import PagedStep
+    from trtbuild.models.regions import Region
+
+    if layer is not None:
+        return Region(model, layer, from_start, paged)
+    return PagedStep(model) if paged else Step(model, from_start)
+
+
+def first_input(model: Any, layer: int | None, rows: int, tokens: int, device: str) -> Any:
+    """A graph's example first input: token ids, or a region's hidden states."""
+    import torch
+
+    if layer is None:
+        return torch.zeros(rows, tokens, dtype=torch.long, device=device)
+    weight = model.tok_embeddings.weight
+    return torch.zeros(rows, tokens, weight.shape[1], dtype=weight.dtype, device=device)
+
+
+def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: str, example_len: int = 2,
+                   layer: int | None = None) -> Any:
     """The prompt step: batch and prompt length dynamic; inputs tokens (B, T), positions (T,) and the cache
     row of each prompt (B,). Example sizes of 2 avoid export's 0/1 specialization (a dimension with max 1
     stays static). Inductor tunes the graph's kernels at the example sizes; `example_len` lets
-    benchmarks/probes/probe.py compare other lengths."""
+    benchmarks/probes/probe.py compare other lengths. With `layer`, that layer's region."""
     import torch
     from torch.export import Dim
-
-    from trtbuild.models.llama import Step
 
     # Dim.STATIC, not None, for a size that cannot vary: torch deprecates None and logs a warning for each
     batch = Dim("batch", min=1, max=max_batch_size) if max_batch_size > 1 else Dim.STATIC
     seq = Dim("seq", min=1, max=max_input_len) if max_input_len > 1 else Dim.STATIC
     ex_b, ex_t = min(2, max_batch_size), min(max(2, example_len), max_input_len)
     with torch.no_grad():
-        return torch.export.export(Step(model, from_start=True),
-                                   (torch.zeros(ex_b, ex_t, dtype=torch.long, device=device),
+        return torch.export.export(step_module(model, True, layer),
+                                   (first_input(model, layer, ex_b, ex_t, device),
                                     torch.arange(ex_t, device=device), torch.arange(ex_b, device=device)),
                                    dynamic_shapes=({0: batch, 1: seq}, {0: seq}, {0: batch}),
                                    # guards export cannot prove become runtime asserts, not failures
                                    prefer_deferred_runtime_asserts_over_guards=True)
 
 
-def export_decode(model: Any, batch: int, max_seq_len: int, device: str, rows_max: int = 0) -> Any:
+def export_decode(model: Any, batch: int, max_seq_len: int, device: str, rows_max: int = 0,
+                  layer: int | None = None) -> Any:
     """The decode step at one batch size: inputs the tokens (B, 1), each row's position (B, 1), each row's
     cache row (B,) and the span of cache slots attended over. Static batch, and one dynamic dimension, the
     span (the runtime picks the smallest window that covers every row's position); with `rows_max` > 1 the
     batch is dynamic too, 1 to `rows_max`, exported at 2 rows whatever `batch` is (every bucket the same
-    program)."""
+    program). With `layer`, that layer's region."""
     import torch
     from torch.export import Dim
-
-    from trtbuild.models.llama import Step
 
     window = {0: Dim("window", min=2, max=max_seq_len)} if max_seq_len > 2 else None
     rows = {0: Dim("rows", min=1, max=rows_max)} if rows_max > 1 else None
     if rows is not None:
         batch = 2  # an example of 1 row would specialize the dimension to 1
     with torch.no_grad():
-        return torch.export.export(Step(model, from_start=False),
-                                   (torch.zeros(batch, 1, dtype=torch.long, device=device),
+        return torch.export.export(step_module(model, False, layer),
+                                   (first_input(model, layer, batch, 1, device),
                                     torch.ones(batch, 1, dtype=torch.long, device=device),
                                     torch.arange(batch, device=device),
                                     torch.arange(max_seq_len, device=device)),
-                                   dynamic_shapes=(rows, rows, rows, window),
+                                   # a region takes the span among its *rest
+                                   dynamic_shapes=(rows, rows, rows, window if layer is None else (window,)),
                                    prefer_deferred_runtime_asserts_over_guards=True)
 
 
-def export_paged(model: Any, max_input_len: int, max_seq_len: int, device: str) -> Any:
+def export_paged(model: Any, max_input_len: int, max_seq_len: int, device: str, layer: int | None = None) -> Any:
     """The paged step (models/paged.PagedStep): rows, tokens a row (a prompt chunk or one decode token), blocks
     a table and the pools' blocks all dynamic. Inputs: tokens (B, T), positions (B, T), block tables (B, N),
-    then each layer's K and V pool, written in place."""
+    then each layer's K and V pool, written in place; with `layer`, that layer's region and its two pools."""
     import torch
     from torch.export import Dim
 
-    from trtbuild.models.paged import BLOCK, PagedStep, pool_shape
+    from trtbuild.models.paged import BLOCK, pool_shape
 
     rows, seq = Dim("rows", min=1, max=PAGED_ROWS), Dim("tokens", min=1, max=max(2, max_input_len))
     width = Dim("table", min=2, max=max(3, -(-max_seq_len // BLOCK)))  # 2+: paged_runtime pads a table of 1
     pool = Dim("pool", min=2, max=2**24)
     dtype = model.tok_embeddings.weight.dtype
-    pools = [torch.zeros(pool_shape(model.cfg, 4), dtype=dtype, device=device) for _ in range(2 * model.cfg.num_layers)]
-    example = (torch.zeros(2, 2, dtype=torch.long, device=device), torch.arange(2, device=device).expand(2, 2).contiguous(),
+    layers = model.cfg.num_layers if layer is None else 1
+    pools = [torch.zeros(pool_shape(model.cfg, 4), dtype=dtype, device=device) for _ in range(2 * layers)]
+    example = (first_input(model, layer, 2, 2, device), torch.arange(2, device=device).expand(2, 2).contiguous(),
                torch.tensor([[0, 1], [2, 3]], device=device), *pools)
     with torch.no_grad():
-        return torch.export.export(PagedStep(model), example,
+        return torch.export.export(step_module(model, False, layer, paged=True), example,
                                    # the pools are the step's *args: one entry holding each pool's spec
                                    dynamic_shapes=({0: rows, 1: seq}, {0: rows, 1: seq}, {0: rows, 1: width},
                                                    tuple({0: pool} for _ in pools)),

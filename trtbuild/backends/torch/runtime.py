@@ -70,7 +70,7 @@ class TorchEngine:
         t0 = time.perf_counter()
         # The graphs' runners first: they need no weights, a preload still reading from a cold disk goes on
         # meanwhile, and a graph that cannot load fails before 15 GB are read.
-        models = {name: _Model(self.entry / graph["so"], self.device) for name, graph in self.spec["graphs"].items()}
+        models = {name: graph_runner(self.entry, name, graph, self.device) for name, graph in self.spec["graphs"].items()}
         path = self.entry / "weights.safetensors"
         t1 = time.perf_counter()
         preloaded = weights_preload.take(path, self.device) if threads else None
@@ -103,7 +103,7 @@ class TorchEngine:
         for name, model in models.items():
             missing = [n for n in model.fqns() if n not in consts]
             if missing:
-                raise TrtbuildError(f"{self.entry / self.spec['graphs'][name]['so']}: the compiled graph expects constants "
+                raise TrtbuildError(f"{self.entry / name}: the compiled graph expects constants "
                                     f"trtbuild does not have: {', '.join(missing[:3])}",
                                     hint="rebuild the engine (`trtbuild cache rm`)")
             model.load_constants(consts)
@@ -489,6 +489,71 @@ class _Model:
     def __call__(self, *inputs: Any) -> Any:
         """The graph's outputs: (greedy token ids (B, 1), logits (B, V))."""
         return tuple(self.runner.run([t.contiguous() for t in inputs]))
+
+
+class Regional:
+    """One graph compiled by regions (models/regions.py), called as one: the embedding gathered, then each
+    layer's region, loaded once a layer it runs with that layer's weights and KV cache as its constants, each
+    on the hidden states the one before returned; the last returns the graph's outputs. Inside a CUDA graph the
+    whole chain is one replay, as a whole graph's step is. `runner` is the chain (`.run(inputs)`), which the
+    CPU profile swaps for an eager one as it does a whole graph's."""
+
+    def __init__(self, entry: Path, graph: dict[str, Any], device: str, paged: bool) -> None:
+        self.device, self.paged, self.scale = device, paged, float(graph["embed_scale"])
+        self.regions = [(entry / r["so"], list(r["layers"])) for r in graph["regions"]]
+        self.first = [_Model(so, device) for so, _ in self.regions]  # each region's first copy: fails early
+        self.graph_safe = all(m.graph_safe for m in self.first)
+        self.runner: Any = None
+
+    def fqns(self) -> list[str]:
+        from trtbuild.models.regions import constant_name
+
+        return sorted({"model.tok_embeddings.weight"} | {constant_name(f, layer) for model, (_, layers) in
+                                                          zip(self.first, self.regions) for layer in layers
+                                                          for f in model.fqns()})
+
+    def load_constants(self, consts: dict[str, Any]) -> None:
+        from trtbuild.models.regions import constant_name
+
+        by_layer: dict[int, _Model] = {}
+        for model, (so, layers) in zip(self.first, self.regions):
+            for i, layer in enumerate(layers):
+                copy = model if i == 0 else _Model(so, self.device)
+                copy.runner.update_constant_buffer({k: consts[constant_name(f, layer)] for k, f in copy.names.items()},
+                                                   False, True, True)
+                by_layer[layer] = copy
+        self.runner = _Chain(consts["model.tok_embeddings.weight"], self.scale,
+                             [by_layer[i].runner for i in range(len(by_layer))], self.paged)
+
+    def __call__(self, *inputs: Any) -> Any:
+        return tuple(self.runner.run([t.contiguous() for t in inputs]))
+
+
+class _Chain:
+    """The embedding and the layers' runners in order, as one runner: `run(inputs)` with a whole graph's inputs
+    (tokens, positions, cache rows or block tables, then a decode step's span or every layer's two pools) and
+    its outputs."""
+
+    def __init__(self, table: Any, scale: float, runners: list[Any], paged: bool) -> None:
+        self.table, self.scale, self.runners, self.paged = table, scale, runners, paged
+
+    def run(self, inputs: list[Any]) -> list[Any]:
+        from trtbuild.models.llama import embed
+
+        x, rest = embed(self.table, self.scale, inputs[0]), inputs[1:]
+        pools = rest[2:] if self.paged else []
+        rest = rest[:2] if self.paged else rest
+        out: list[Any] = []
+        for i, runner in enumerate(self.runners):
+            out = runner.run([x, *rest, *pools[2 * i:2 * i + 2]])
+            x = out[0]
+        return out
+
+
+def graph_runner(entry: Path, name: str, graph: dict[str, Any], device: str) -> "_Model | Regional":
+    """The runner of the entry's graph `name`: its one .so, or its regions'."""
+    paged = name == "paged"  # export.PAGED, not imported: the export module is the build's
+    return Regional(entry, graph, device, paged) if "regions" in graph else _Model(entry / graph["so"], device)
 
 
 def pdl_mode(graph: dict[str, Any], device: str, allowed: bool = True) -> dict[str, Any]:
