@@ -141,12 +141,16 @@ class TorchAOTIBackend:
         del state, stored
 
         t = time.perf_counter()
+        selection: dict[str, float] = {}
         with inductor_caches(job.tactics.path):
             plan, matmuls = decode_kernels.matmul_plan(model, shapes.batch_buckets, recipe.tactics_level,
                                                        _option(recipe, "decode_matmul"), device, job,
                                                        _option(recipe, "decode_fusion"),
-                                                       _option(recipe, "decode_split_k"))
+                                                       _option(recipe, "decode_split_k"), selection)
         phases["select_matmuls_s"] = time.perf_counter() - t
+        # of which: the candidates compiled ahead, and the timings (each fused call site's unfused reference
+        # compiled by torch.compile among them): a cold GPU build's largest phase, to be taken apart
+        phases.update({f"select_matmuls_{k}": v for k, v in selection.items()})
         attention = decode_kernels.attention_plan(windows_within(cfg, shapes.max_seq_len), dtype,
                                                   _option(recipe, "decode_attention"), device)
         # a mixture of experts' decode path, timed on the model's own experts where asked (moe_plan.py)

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import importlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,8 @@ KERNEL_MODULES = {"trtbuild.decode_matmul": "trtbuild.kernels.decode_matmul",
 
 def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, device: str, job: BuildJob,
                 fusion_mode: str = DECODE_FUSION_MODES[0],
-                split_mode: str = DECODE_SPLIT_K_MODES[0]) -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
+                split_mode: str = DECODE_SPLIT_K_MODES[0],
+                seconds: dict[str, float] | None = None) -> tuple[dict[int, dict[MatmulKey, Any]], dict[str, Any]]:
     """Which decode matmuls go through trtbuild's Triton kernel, measured per batch bucket and weight shape.
 
     For every weight shape of the model (QKV, output, gate/up, down, LM head) `decode_matmul.select`
@@ -96,7 +98,8 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     `split_mode` options.decode_split_k (timed: split-K configurations among the candidates).
     A quantized engine's quantized Linears are timed the same way per (out, in, format) and batch, among the
     quantized kernel's candidates only (it has no cuBLAS rival: ATen would dequantize every weight every step);
-    their plan keys carry the format where the others carry a fusion (`quant_choice`).
+    their plan keys carry the format where the others carry a fusion (`quant_choice`). `seconds`, where given,
+    gets where the selection's time went: "ahead_s" (the candidates compiled ahead) and "timing_s" (the rest).
     """
     if mode == "kernel" and not device.startswith("cuda"):
         raise TrtbuildError("options.decode_matmul: 'kernel' is a CUDA kernel, and this build is for the CPU")
@@ -125,7 +128,8 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     plan: dict[int, dict[MatmulKey, Any]] = {}
     record: dict[str, Any] = {}
     split = split_mode == "timed"
-    _compile_ahead(dm, job, by_shape, buckets, mode, split, device, quantized)
+    ahead = _compile_ahead(dm, job, by_shape, buckets, mode, split, device, quantized)
+    t = time.perf_counter()
     for rows in buckets:
         if rows > dm.MAX_ROWS:
             if mode == "kernel":
@@ -152,6 +156,8 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             record.setdefault(f"decode_b{rows}", {})[key_name(key)] = entry
             if config is not None:
                 plan.setdefault(rows, {})[key] = config
+    if seconds is not None:  # the timings after the compile ahead (torch.compile of the unfused references in it)
+        seconds.update({"ahead_s": float(ahead.get("seconds", 0.0)), "timing_s": time.perf_counter() - t})
     return plan, record
 
 
@@ -240,7 +246,9 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
         return result
     job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
                  f"cuBLAS and {len(configs)} kernel configurations")
+    t = time.perf_counter()
     result = dm.select(weights, rows, fusion, split=split)
+    result["seconds"] = round(time.perf_counter() - t, 2)  # where a cold build's selection time goes
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
     return result
 
@@ -269,9 +277,10 @@ def _quant_timing_file(qm: Any, job: BuildJob, layers: list[Any], rows: int, key
 
 def _compile_ahead(dm: Any, job: BuildJob, by_shape: dict[MatmulKey, list[Any]], buckets: tuple[int, ...],
                    mode: str, split: bool, device: str,
-                   quantized: dict[MatmulKey, list[Any]]) -> None:
+                   quantized: dict[MatmulKey, list[Any]]) -> dict[str, Any]:
     """Compile, in parallel worker processes, the candidates that `matmul_plan` is about to time and has no
-    timing of yet (kernel_warmup.py): its timings then load the kernels instead of compiling each in turn."""
+    timing of yet (kernel_warmup.py): its timings then load the kernels instead of compiling each in turn.
+    Returns what was done (kernels, workers, seconds), for the build's phases."""
     from trtbuild.backends.torch import kernel_warmup
 
     work: list[kernel_warmup.Work] = []
@@ -293,11 +302,13 @@ def _compile_ahead(dm: Any, job: BuildJob, by_shape: dict[MatmulKey, list[Any]],
                 path, configs = _timing_file(dm, job, weights, rows, (n, k, f), split)
                 if not path.is_file():
                     work.append((rows, n, k, f, str(weights[0].dtype), tuple(c.name for c in configs)))
-    if work:
-        done = kernel_warmup.precompile(work, device, job.progress)
-        if done.get("workers"):
-            job.progress(f"compiled {done['kernels']} candidates ahead in {done['workers']} processes "
-                         f"({done.get('seconds', 0)} s, {done.get('failed', 0)} did not compile)")
+    if not work:
+        return {"kernels": 0, "workers": 0, "seconds": 0.0}
+    done = kernel_warmup.precompile(work, device, job.progress)
+    if done.get("workers"):
+        job.progress(f"compiled {done['kernels']} candidates ahead in {done['workers']} processes "
+                     f"({done.get('seconds', 0)} s, {done.get('failed', 0)} did not compile)")
+    return done
 
 
 def _quant_timings(qm: Any, job: BuildJob, layers: list[Any], rows: int, key: MatmulKey) -> dict[str, Any]:
