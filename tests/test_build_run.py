@@ -54,30 +54,19 @@ def test_first_build_is_a_miss_and_publishes_a_complete_entry(built: dict[str, A
     assert not any((built["store"] / "v1" / ".tmp").iterdir()), "the build folder must be gone after publish"
 
 
-def test_on_the_cpu_the_decode_buckets_share_one_graph_compiled_once(built: dict[str, Any]) -> None:
-    """A CPU engine's decode buckets run one graph with a dynamic batch: one compiled-graph key, compiled for
-    the first bucket and copied for the other (its tokens at every batch: test_engine_tokens_match_the_eager_model)."""
+def test_on_the_cpu_the_prefill_and_the_decode_buckets_share_one_step_program_compiled_once(
+        built: dict[str, Any]) -> None:
+    """A CPU engine runs its prompts and every decode bucket through one step program of dynamic batch and
+    tokens (export.shared_step): one compiled-graph key, compiled for the prefill and copied for the buckets
+    (its tokens at every batch: test_engine_tokens_match_the_eager_model)."""
     entry = Path(built["build"]["engine"]["path"])
     graphs = json.loads((entry / "engine.json").read_text())["graphs"]
-    assert graphs["decode_b1"]["digest"] == graphs["decode_b2"]["digest"] != graphs["prefill"]["digest"]
-    assert graphs["decode_b1"]["batch"] == graphs["decode_b2"]["batch"] == "dynamic"
-    assert graphs["decode_b1"]["reused"] is False and graphs["decode_b2"]["reused"] is True
-    assert graphs["decode_b2"]["compile_s"] < graphs["decode_b1"]["compile_s"]
-
-
-def test_on_the_cpu_the_second_graph_compiles_in_a_fork_beside_the_first(built: dict[str, Any]) -> None:
-    """On a host of 2 cores or more the build forks after export: the child compiles the decode graph while the
-    build compiles the prefill graph, and the build copies the child's graph from the tactic cache."""
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("one core: nothing to fork for")
-    entry = Path(built["build"]["engine"]["path"])
-    graphs = json.loads((entry / "engine.json").read_text())["graphs"]
-    assert "worker" not in graphs["prefill"] and "worker" not in graphs["decode_b2"]
-    assert graphs["decode_b1"]["worker"]["ok"] is True, graphs["decode_b1"]["worker"]
-    assert 0 < graphs["decode_b1"]["worker"]["compile_s"] < graphs["decode_b1"]["worker"]["total_s"]
+    assert graphs["prefill"]["digest"] == graphs["decode_b1"]["digest"] == graphs["decode_b2"]["digest"]
+    assert graphs["prefill"]["step"] is True and graphs["decode_b1"]["batch"] == "dynamic"
+    assert graphs["prefill"]["reused"] is False and graphs["decode_b1"]["reused"] is graphs["decode_b2"]["reused"] is True
+    assert graphs["decode_b2"]["compile_s"] < graphs["prefill"]["compile_s"]
     manifest = json.loads((entry / "manifest.json").read_text())
-    assert manifest["tactics"]["compile_workers"] == 1
-    assert not any(".workers" in f for f in manifest["files"])
+    assert manifest["tactics"]["compile_workers"] == 0  # one program: nothing to hand a fork
 
 
 def test_the_build_reports_how_each_graphs_compile_divides_between_inductor_and_the_cxx_compiler(
@@ -483,26 +472,28 @@ def test_compiled_graph_key_ignores_source_locations_but_not_shapes() -> None:
 
 def test_graphs_compiled_in_worker_processes_are_the_serial_builds_graphs(
         built: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With workers, the build compiles the prefill graph while a worker process compiles the decode graph
-    (the CPU buckets' one graph: a second worker would have nothing to do) from a model of its own with
-    uninitialized weights. Its export must be the build's (same compiled-graph keys as the serial build of
-    this recipe in `built`), it is recorded as compiled, not reused, the other bucket copies it, nothing of
-    the worker's is published with the engine, and the tokens are right."""
+    """With workers, the build compiles the step program while a worker process compiles the paged graph
+    from a model of its own with uninitialized weights (a second worker would have nothing to do). Its export
+    must be the build's (the worker checks the key the build computed; the step program's key is the serial
+    build's of the same shapes in `built`), it is recorded as compiled, not reused, nothing of the worker's is
+    published with the engine, and the tokens are right."""
     from trtbuild.backends.torch import compile_workers
 
     monkeypatch.setattr(compile_workers, "forks_for", lambda device: False)  # the new processes a CUDA build uses
     monkeypatch.setenv("TRTBUILD_COMPILE_WORKERS", "2")
-    recipe = load_recipe(built["recipe"])
+    doc = tiny_recipe_doc(options={"kv_cache": "paged"}, shapes={"max_batch_size": 2, "max_input_len": 16,
+                                                                 "max_seq_len": 48, "batch_buckets": [1, 2]})
+    recipe = load_recipe(write_recipe(tmp_path, doc))
     outcome = build(recipe, tmp_path / "store")
     entry = outcome.entry
     assert entry.manifest["tactics"]["compile_workers"] == 1
-    assert entry.manifest["tactics"]["compiled_graphs_reused"] == ["decode_b2"]
+    assert entry.manifest["tactics"]["compiled_graphs_reused"] == ["decode_b1", "decode_b2"]
     graphs = json.loads((entry.path / "engine.json").read_text())["graphs"]
     assert "worker" not in graphs["prefill"] and "worker" not in graphs["decode_b2"]
-    assert graphs["decode_b1"]["worker"]["ok"] is True, graphs["decode_b1"]["worker"]
-    assert 0 < graphs["decode_b1"]["worker"]["compile_s"] < graphs["decode_b1"]["worker"]["total_s"]
+    assert graphs["paged"]["worker"]["ok"] is True, graphs["paged"]["worker"]
+    assert 0 < graphs["paged"]["worker"]["compile_s"] < graphs["paged"]["worker"]["total_s"]
     serial = json.loads((Store(built["store"]).find("tiny").path / "engine.json").read_text())["graphs"]
-    assert {n: g["digest"] for n, g in graphs.items()} == {n: g["digest"] for n, g in serial.items()}
+    assert {n: graphs[n]["digest"] for n in serial} == {n: g["digest"] for n, g in serial.items()}
     assert not any(".workers" in f for f in entry.manifest["files"])
     prompts = [[4, 8, 15, 16, 23, 42]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
@@ -522,13 +513,14 @@ def test_a_worker_whose_export_differs_is_not_trusted_and_the_build_compiles_tha
     monkeypatch.setattr(graph_cache, "graph_digest", lambda program, configs: real(program, configs)[::-1])
     monkeypatch.setattr(compile_workers, "forks_for", lambda device: False)  # a fork has the build's export
     monkeypatch.setenv("TRTBUILD_COMPILE_WORKERS", "1")
-    doc = tiny_recipe_doc(shapes={"max_batch_size": 1, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1]})
+    doc = tiny_recipe_doc(options={"kv_cache": "paged"},
+                          shapes={"max_batch_size": 1, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1]})
     recipe = load_recipe(write_recipe(tmp_path, doc))
     outcome = build(recipe, tmp_path / "store")
     graphs = json.loads((outcome.entry.path / "engine.json").read_text())["graphs"]
-    report = graphs["decode_b1"]["worker"]
+    report = graphs["paged"]["worker"]
     assert report["ok"] is False and "cache key" in report["error"], report
-    assert graphs["decode_b1"]["reused"] is False
+    assert graphs["paged"]["reused"] is False
     prompts = [[1, 2, 3, 5, 8]]
     with open_session(recipe, tmp_path / "store", build=False) as session:
         assert session.greedy(prompts, 6) == eager_greedy(outcome.model.materialize(), prompts, 6, 48)

@@ -32,11 +32,13 @@ def test_an_export_record_is_used_only_while_its_compiled_graph_is_complete(tmp_
     assert graph_cache.known_export(tmp_path, "ef" * 32) is None
 
 
-def test_a_cpu_engines_decode_buckets_share_one_graph_and_a_gpu_engines_keep_one_each() -> None:
-    from trtbuild.backends.torch.export import shared_decode_rows
+def test_a_cpu_engine_runs_one_step_program_and_a_gpu_engine_keeps_a_graph_each() -> None:
+    from types import SimpleNamespace
 
-    assert shared_decode_rows("cpu", (1, 4)) == 4
-    assert shared_decode_rows("cpu", (4,)) == 0  # one bucket: its static graph, nothing to share
-    assert shared_decode_rows("cuda", (1, 4)) == 0 and shared_decode_rows("cuda:0", (1, 8)) == 0
-    assert graph_cache.architecture_key("decode_b1", {}, MATERIAL | {"shared_rows": 4}) != \
-        graph_cache.architecture_key("decode_b1", {}, MATERIAL | {"shared_rows": 0})
+    from trtbuild.backends.torch.export import shared_step
+
+    shapes = SimpleNamespace(max_batch_size=4, max_input_len=64)
+    assert shared_step("cpu", shapes) == (4, 64)  # the prefill and every bucket: any batch, any tokens
+    assert shared_step("cuda", shapes) == shared_step("cuda:0", shapes) == (0, 0)
+    assert graph_cache.architecture_key("decode_b1", {}, MATERIAL | {"step": [4, 64]}) != \
+        graph_cache.architecture_key("decode_b1", {}, MATERIAL | {"step": [0, 0]})

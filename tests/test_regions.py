@@ -80,9 +80,12 @@ def test_regions_chained_by_hand_are_the_whole_model() -> None:
 
 @pytest.mark.slow
 def test_an_engine_built_by_regions_gives_the_eager_tokens_through_rows_and_pages(tmp_path: Path) -> None:
-    """Four layers: one program for layers 0-2 and one for the last, a unit each for the prefill, the decode
-    buckets' shared graph and the paged graph. The row cache's greedy tokens and the paged cache's (prompts
-    prefilled together through scattered block tables, then decode steps) are the eager model's."""
+    """Four layers: one program for layers 0-2 and one for the last, for the step program the prefill and the
+    decode buckets share and for the paged graph: four programs, dealt out to the build and its forks. The row
+    cache's greedy tokens and the paged cache's (prompts prefilled together through scattered block tables,
+    then decode steps) are the eager model's."""
+    import os
+
     from trtbuild.backends.sampling import GREEDY
     from trtbuild.models.paged import BLOCK
 
@@ -96,6 +99,9 @@ def test_an_engine_built_by_regions_gives_the_eager_tokens_through_rows_and_page
         assert [r["layers"] for r in regions] == [[0, 1, 2], [3]]
         assert all(r["so"] in outcome.entry.manifest["files"] for r in regions)
     assert "so" not in spec["graphs"]["prefill"]
+    if (os.cpu_count() or 1) >= 2:  # three programs compiled in forks beside the build's own
+        forked = [r for name in ("prefill", "paged") for r in spec["graphs"][name]["regions"] if "worker" in r]
+        assert len(forked) == 3 and all(r["worker"]["ok"] for r in forked), forked
     folder = outcome.model.materialize()
     prompts = [[4, 8, 15, 16, 23, 42], [1, 2, 3, 5, 8, 13]]
     tables = [[5, 1, 7], [2, 6, 0]]

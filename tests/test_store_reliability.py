@@ -324,7 +324,8 @@ def test_compile_workers_end_with_a_killed_build_and_publish_nothing_half_writte
     stop, no entry appears, and the next build (workers again) compiles and publishes normally."""
     import time
 
-    recipe = write_recipe(tmp_path, tiny_recipe_doc(name="workers", shapes={
+    # the paged graph beside the step program: two programs, so the build forks one
+    recipe = write_recipe(tmp_path, tiny_recipe_doc(name="workers", options={"kv_cache": "paged"}, shapes={
         "max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]}))
     store = tmp_path / "engines"
     env = {"TRTBUILD_COMPILE_WORKERS": "2"}

@@ -301,7 +301,9 @@ def _eager_runners(engine: Any, shapes: Any) -> dict[str, _EagerRunner]:
     weights = {k.removeprefix("model."): v for k, v in engine._consts.items()}
     dtype = weights["tok_embeddings.weight"].dtype
     model = place_model(engine.cfg, shapes, dtype, engine.device, weights)  # new caches; the norms as stored
-    return {name: _EagerRunner(Step(model, from_start=name == "prefill")) for name in engine._packages}
+    # a prefill that runs through the step program (export.shared_step) hands it a decode step's inputs
+    return {name: _EagerRunner(Step(model, from_start=name == "prefill" and not engine.spec["graphs"][name].get("step")))
+            for name in engine._packages}
 
 
 def profile_engine(session: Any, phases: tuple[str, ...], batch_size: int, input_len: int,

@@ -2,7 +2,7 @@
 
 An entry holds one prefill graph (dynamic batch and prompt length, attention through SDPA's fused causal
 kernels), one decode graph per batch bucket (static batch; dynamic in how many cache slots attention
-reads; on the CPU the buckets share one graph of dynamic batch, `export.shared_decode_rows`), and the
+reads; on the CPU the prefill and the buckets share one step program, `export.shared_step`), and the
 weights as one safetensors file in the engine's own fused layout and dtype. Each graph is compiled by
 `aoti_compile_and_package` without its weights inside (`package_constants_in_so=False`) and unpacked from
 the .pt2 into a folder holding the compiled .so (and, on CUDA, its cubins). At load the weights and a KV
@@ -164,7 +164,7 @@ class TorchAOTIBackend:
         phases["select_prefill_attention_s"] = time.perf_counter() - t
 
         paged = [export.PAGED] if _option(recipe, "kv_cache") == "paged" else []
-        shared_rows = export.shared_decode_rows(device, shapes.batch_buckets)
+        step = export.shared_step(device, shapes)
         names = ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets), *paged]
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in names}
         # Each graph is one program, or with regional compilation one program a region (models/regions.py): the
@@ -181,23 +181,23 @@ class TorchAOTIBackend:
                     "plan": {str(b): {decode_kernels.key_name(k): c.name for k, c in sorted(p.items())}
                              for b, p in plan.items()},
                     "attention": attention["used"], "prefill_attention": prompt["used"],
-                    "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "shared_rows": shared_rows,
+                    "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "step": list(step),
                     "regions": regions}
         graphs: dict[str, dict[str, Any]] = {}  # by unit
         records: dict[str, tuple[str, dict[str, Any]]] = {}  # unit -> (architecture key, export record)
         for unit, (name, layer, _) in units.items():
             architecture = graph_cache.architecture_key(unit, configs[name], material)
             known = graph_cache.known_export(job.tactics.path, architecture)
-            # the buckets' one decode program (a region of it), exported already; a decode bucket only: the paged
-            # graph is a program of its own
-            shared = next((g for u, g in graphs.items() if shared_rows and bucket(units[u][0]) and units[u][1] == layer
-                           and "program" in g), None)
-            if known is None and shared is not None and bucket(name):
+            # the one step program (a region of it) that the prefill and the decode buckets share, exported
+            # already; the paged graph is a program of its own
+            shared = next((g for u, g in graphs.items() if step[1] and units[u][0] != export.PAGED
+                           and units[u][1] == layer and "program" in g), None)
+            if known is None and shared is not None and name != export.PAGED:
                 graphs[unit] = shared | {"export_s": 0.0}
             elif known is None:
                 job.progress(f"exporting {unit}")
                 graphs[unit] = export_graph(model, name, shapes, device, plan.get(bucket(name), {}),
-                                            attention["used"], prompt["used"], shared_rows, layer)
+                                            attention["used"], prompt["used"], step, layer)
                 graphs[unit]["digest"] = graph_cache.graph_digest(graphs[unit]["program"], configs[name])
             else:
                 graphs[unit] = known | {"export_s": 0.0}
@@ -219,7 +219,7 @@ class TorchAOTIBackend:
                   "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
                   "attention": attention["used"], "prefill_attention": prompt["used"],
-                  "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "shared_rows": shared_rows}
+                  "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "step": list(step)}
         forking = compile_workers.forks_for(device)
         if forking and missing:
             prepare_cpu(configs[units[missing[0]][0]])

@@ -274,7 +274,7 @@ def run(spec: dict[str, Any]) -> None:
 
     spec: folder (the model folder, for config.json), precision, device, max_batch_size, max_input_len,
     max_seq_len, level (tactics level), attention (Attention.decode_kernel), prefill_attention
-    (Attention.prefill_kernel, for a prefill graph), shared_rows (export.shared_decode_rows), tactics (the
+    (Attention.prefill_kernel, for a prefill graph), step (export.shared_step), tactics (the
     tactic cache folder), and units: each {"graph" ("prefill" or "decode_b<N>"), "unit" (the compiled unit's
     name: the graph's, or "<graph>.r<k>" for a region), "layer" (the layer whose region is compiled, or null),
     "matmuls" ({"<out>x<in>[+fusion]": configuration name} for trtbuild's decode matmul), "workdir" (a folder
@@ -325,7 +325,7 @@ def _compile_unit(model: Any, shapes: Any, spec: dict[str, Any], unit: dict[str,
         for key, name in unit["matmuls"].items():
             matmuls[decode_kernels.parse_key(key)] = MatmulConfig.parse(name)
     graph = export.export_graph(model, unit["graph"], shapes, spec["device"], matmuls, spec["attention"],
-                                spec.get("prefill_attention", "sdpa"), spec.get("shared_rows", 0), unit["layer"])
+                                spec.get("prefill_attention", "sdpa"), tuple(spec.get("step", (0, 0))), unit["layer"])
     configs = inductor.inductor_configs(spec["level"], spec["device"], unit["graph"])
     digest = graph_cache.graph_digest(graph["program"], configs)
     if digest != unit["digest"]:

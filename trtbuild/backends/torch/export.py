@@ -57,37 +57,39 @@ def regions(model: Any, mode: str) -> list[list[int]]:
     return plan(model) if mode == "regional" else []
 
 
-def shared_decode_rows(device: str, buckets: tuple[int, ...] | list[int]) -> int:
-    """The batch up to which one decode graph with a dynamic batch serves every bucket, or 0 for a graph per
-    bucket. On the CPU a graph is a whole Inductor and C++ compile (tiny-llama: 11-12 CPU s a decode graph on
-    2 cores, 2026-12-06) and nothing is captured per bucket, so the buckets share one graph and the build
-    compiles it once. On CUDA each bucket keeps its static graph: its kernels are tuned and its CUDA graphs
-    captured at that batch."""
-    return max(buckets) if device == "cpu" and len(buckets) > 1 else 0
+def shared_step(device: str, shapes: Any) -> tuple[int, int]:
+    """(rows, tokens) of the one step program that serves the prefill and every decode bucket, or (0, 0) for a
+    program per graph. On the CPU a graph is a whole Inductor and C++ compile, ~7-9 s of it for its C++
+    wrapper alone whatever its size (2 cores, 2026-12-06), and nothing is captured per shape: so one decode
+    step of any batch up to max_batch_size and any tokens a row up to max_input_len serves them all, a prompt
+    being a step over its own positions (`runtime.PromptStep`), and the build compiles it once. On CUDA each
+    bucket keeps its static graph (its kernels are tuned and its CUDA graphs captured at that batch) and the
+    prefill its own (causal fused attention over the prompt, not a masked pass over the cache)."""
+    return (shapes.max_batch_size, shapes.max_input_len) if device == "cpu" else (0, 0)
 
 
 def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[decode_kernels.MatmulKey, Any],
-                 attention: str, prefill_kernel: str = "sdpa", shared_rows: int = 0,
+                 attention: str, prefill_kernel: str = "sdpa", step: tuple[int, int] | list[int] = (0, 0),
                  layer: int | None = None) -> dict[str, Any]:
     """Export one graph: "prefill" with its attention through `prefill_kernel`, or "decode_b<N>" with
-    the decode kernels routed as planned; with `shared_rows` (`shared_decode_rows`), a decode graph of any
-    batch up to it, the same program for every bucket. With `layer`, only that layer's region of the graph
-    (models/regions.py)."""
+    the decode kernels routed as planned; with `step` (`shared_step`), any of them as the one step program.
+    With `layer`, only that layer's region of the graph (models/regions.py)."""
     t = time.perf_counter()
+    rows, tokens = step
     if name == PAGED:
         return {"batch": "dynamic", "program": export_paged(model, shapes.max_input_len, shapes.max_seq_len, device,
                                                             layer),
                 "attention": "aten", "export_s": time.perf_counter() - t}
-    if name == "prefill":
+    if name == "prefill" and not tokens:
         with prefill_attention.routed(model, prefill_kernel), fp8_prefill(model, device):
             ep = export_prefill(model, shapes.max_batch_size, shapes.max_input_len, device, layer=layer)
         return {"batch": "dynamic", "program": ep, "prefill_attention": prefill_kernel,
                 "export_s": time.perf_counter() - t}
     with decode_kernels.routed(model, matmuls, attention), quantized_decode(model, device, matmuls, bucket(name)):
-        ep = export_decode(model, bucket(name), shapes.max_seq_len, device, shared_rows, layer)
-    return {"batch": "dynamic" if shared_rows else bucket(name), "program": ep, "window": "dynamic",
+        ep = export_decode(model, bucket(name) or rows, shapes.max_seq_len, device, rows, layer, tokens)
+    return {"batch": "dynamic" if rows > 1 else bucket(name) or rows, "program": ep, "window": "dynamic",
             "matmuls": {decode_kernels.key_name(key): c.name for key, c in sorted(matmuls.items())},
-            "attention": attention, "export_s": time.perf_counter() - t}
+            "attention": attention, "export_s": time.perf_counter() - t} | ({"step": True} if tokens else {})
 
 
 @contextlib.contextmanager
@@ -183,27 +185,31 @@ def export_prefill(model: Any, max_batch_size: int, max_input_len: int, device: 
 
 
 def export_decode(model: Any, batch: int, max_seq_len: int, device: str, rows_max: int = 0,
-                  layer: int | None = None) -> Any:
+                  layer: int | None = None, tokens_max: int = 0) -> Any:
     """The decode step at one batch size: inputs the tokens (B, 1), each row's position (B, 1), each row's
     cache row (B,) and the span of cache slots attended over. Static batch, and one dynamic dimension, the
     span (the runtime picks the smallest window that covers every row's position); with `rows_max` > 1 the
     batch is dynamic too, 1 to `rows_max`, exported at 2 rows whatever `batch` is (every bucket the same
-    program). With `layer`, that layer's region."""
+    program); with `tokens_max` > 1 the tokens a row too (`shared_step`: the step a prompt runs through as well).
+    With `layer`, that layer's region."""
     import torch
     from torch.export import Dim
 
     window = {0: Dim("window", min=2, max=max_seq_len)} if max_seq_len > 2 else None
-    rows = {0: Dim("rows", min=1, max=rows_max)} if rows_max > 1 else None
-    if rows is not None:
+    rows = {0: Dim("rows", min=1, max=rows_max)} if rows_max > 1 else {}
+    grid = rows | ({1: Dim("tokens", min=1, max=tokens_max)} if tokens_max > 1 else {})
+    if rows:
         batch = 2  # an example of 1 row would specialize the dimension to 1
+    t = 2 if tokens_max > 1 else 1  # likewise
     with torch.no_grad():
         return torch.export.export(step_module(model, False, layer),
-                                   (first_input(model, layer, batch, 1, device),
-                                    torch.ones(batch, 1, dtype=torch.long, device=device),
+                                   (first_input(model, layer, batch, t, device),
+                                    torch.ones(batch, t, dtype=torch.long, device=device),
                                     torch.arange(batch, device=device),
                                     torch.arange(max_seq_len, device=device)),
                                    # a region takes the span among its *rest
-                                   dynamic_shapes=(rows, rows, rows, window if layer is None else (window,)),
+                                   dynamic_shapes=(grid or None, grid or None, rows or None,
+                                                   window if layer is None else (window,)),
                                    prefer_deferred_runtime_asserts_over_guards=True)
 
 

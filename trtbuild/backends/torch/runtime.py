@@ -107,7 +107,9 @@ class TorchEngine:
                                     f"trtbuild does not have: {', '.join(missing[:3])}",
                                     hint="rebuild the engine (`trtbuild cache rm`)")
             model.load_constants(consts)
-            self._packages[name] = model
+            # on the CPU the prefill runs through the decode buckets' one step program (export.shared_step)
+            self._packages[name] = PromptStep(model) if self.spec["graphs"][name].get("step") and \
+                name == "prefill" else model
         sync(self.device)  # the caches' zeros
         self.load_parts = {"graphs_s": t1 - t0, "weights_s": t2 - t1, "constants_s": time.perf_counter() - t2}
         return self
@@ -548,6 +550,32 @@ class _Chain:
             out = runner.run([x, *rest, *pools[2 * i:2 * i + 2]])
             x = out[0]
         return out
+
+
+class PromptStep:
+    """A prompt through the one step program of a CPU engine (export.shared_step), called as a prefill graph is:
+    (tokens (B, T), positions (T,), cache rows (B,)), each row at the prompt's positions, attending over slots
+    0..T-1 of its cache row as it writes them (the step's causal mask, from the positions). `runner` is the
+    step's, which the CPU profile swaps for an eager one."""
+
+    def __init__(self, step: "_Model | Regional") -> None:
+        self.step = step
+        self.graph_safe = False  # a CPU program: nothing is captured
+
+    @property
+    def runner(self) -> Any:
+        return self.step.runner
+
+    @runner.setter
+    def runner(self, value: Any) -> None:
+        self.step.runner = value
+
+    def __call__(self, tokens: Any, positions: Any, slots: Any) -> Any:
+        import torch
+
+        b, t = tokens.shape
+        span = torch.arange(max(t, 2), device=tokens.device)  # the step's span has at least two slots (export)
+        return self.step(tokens, positions.expand(b, t), slots, span)
 
 
 def graph_runner(entry: Path, name: str, graph: dict[str, Any], device: str) -> "_Model | Regional":
