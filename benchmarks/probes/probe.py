@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import peers  # noqa: E402
 from trtbuild.backends.torch import export, graph_cache, inductor  # noqa: E402
 from trtbuild.backends.torch.decode_graphs import DecodeGraphs  # noqa: E402
-from trtbuild.backends.torch.runtime import _Model  # noqa: E402
+from trtbuild.backends.torch.graph_runners import Package  # noqa: E402
 from trtbuild.models.source import resolve  # noqa: E402
 from trtbuild.recipe import load_recipe  # noqa: E402
 from trtbuild.store.local import Store  # noqa: E402
@@ -115,7 +115,7 @@ def compile_graph(program: Any, options: str, work: Path, device: str, consts: d
     base = inductor.inductor_configs("default", device)  # the backend's base options
     torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=base | OPTIONS[options])
     so = work / options / graph_cache.extract_model(package, work / options).split("/", 1)[1]
-    graph = _Model(so, device)
+    graph = Package(so, device)
     graph.load_constants(consts)
     return graph, time.perf_counter() - t
 

@@ -66,7 +66,7 @@ class PrefillGraphs:
         self.package, self.device, self.limit = package, device, limit
         self.longest = min(max_input_len, max_seq_len - 1)  # padding rows' indices stay below their position
         self.pad_position = max_seq_len - 1
-        # run_single_threaded packages only (torch_runtime._Model.graph_safe): others fail capture
+        # run_single_threaded packages only (graph_runners.Package.graph_safe): others fail capture
         self.capturable = limit > 0 and device.startswith("cuda") and getattr(package, "graph_safe", True)
         self.graphs: OrderedDict[tuple[int, int], _Captured] = OrderedDict()
         # One memory pool for every prefill graph: they never run at the same time, and what a replay leaves
