@@ -261,3 +261,6 @@ def test_a_failing_rank_is_reported_and_the_others_are_stopped() -> None:
     with ranks, pytest.raises(parallel.TrtbuildError, match="(?s)tensor-parallel rank 1 failed.*a bug in rank 1"):
         ranks.call("collective_then_fail")
     assert not ranks._procs  # stopped, rank 0 too, though it was waiting in the all-reduce
+    # a later call (an engine closing after the failure) is refused at once, not left waiting for no rank
+    with pytest.raises(parallel.TrtbuildError, match="ranks have ended"):
+        ranks.call("collective_then_fail")

@@ -256,6 +256,8 @@ class Ranks:
     def call(self, method: str, *args: Any) -> list[Any]:
         """`method(*args)` on every rank's object; the results in rank order. A rank's TrtbuildError is
         raised as it is; any other failure as a TrtbuildError carrying the rank's traceback."""
+        if not self._conns:  # ended (a failed call ends every rank): waiting for answers would wait for nothing
+            raise TrtbuildError(f"the tensor-parallel ranks have ended; '{method}' cannot run")
         for conn in self._conns:
             conn.send((method, args))
         return self._gather()

@@ -600,7 +600,7 @@ class Transformer(nn.Module):
         if slots is None:
             slots = torch.arange(tokens.shape[0], device=tokens.device)
         table = self.rope[pos]
-        x = embed(self.tok_embeddings.weight, self.embed_scale, tokens)
+        x = embed(self.tok_embeddings, self.embed_scale, tokens)
         for i, layer in enumerate(self.layers):
             # `pools` (models/paged.py): each layer's K and V block pools, with `slots` the block tables (B, N)
             k_cache, v_cache = (pools[2 * i], pools[2 * i + 1]) if pools is not None else \
@@ -616,9 +616,11 @@ def positions(input_pos: Tensor) -> Tensor:
     return input_pos if input_pos.dim() == 2 else input_pos[None, :]
 
 
-def embed(table: Tensor, scale: float, tokens: Tensor) -> Tensor:
-    """The tokens' embeddings, times the family's scale (`embed_scale`)."""
-    x = F.embedding(tokens, table)
+def embed(table: nn.Module | Tensor, scale: float, tokens: Tensor) -> Tensor:
+    """The tokens' embeddings, times the family's scale (`embed_scale`): through the embedding module (a
+    tensor-parallel rank's looks up its shard of the vocabulary), or its weight alone (a regional graph's
+    runtime, which holds the weight)."""
+    x = F.embedding(tokens, table) if isinstance(table, Tensor) else table(tokens)
     return x * scale if scale != 1.0 else x
 
 
