@@ -35,6 +35,7 @@ def test_auto_on_cuda_needs_four_cores_and_memory_for_each_workers_copy_of_the_m
     assert compile_workers.worker_count(3, 1 << 30, "cuda") == 2
     assert compile_workers.worker_count(3, 60 << 30, "cuda") == 1  # 80 GiB usable holds one 60 GiB copy
     assert compile_workers.worker_count(3, 90 << 30, "cuda") == 0
+    assert compile_workers.worker_count(12, 1 << 30, "cuda") == 8  # a worker for two cores
 
 
 def test_auto_on_the_cpu_forks_up_to_twice_the_cores_with_the_build_itself(monkeypatch: pytest.MonkeyPatch) -> None:

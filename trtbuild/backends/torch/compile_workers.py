@@ -64,10 +64,13 @@ def worker_count(missing: int, model_bytes: int, device: str) -> int:
         return max(0, min(missing - 1, 2 * cpus - 1))
     if cpus < 4 or missing < 2:  # on 2 cores a second Inductor only takes turns with the first
         return 0
-    # Each worker holds the model again; leave a fifth of what is free for compiling and tuning.
+    # Each worker holds the model again; leave a fifth of what is free for compiling and tuning. Up to a worker
+    # for two cores: a program compiled by regions is mostly its C++ compile, one thread (a 1B bf16 build on an
+    # H100 spent 50 of its 67 s of compiling in the C++ compiler, the build's own two programs of six, with
+    # four workers, 2026-12-06).
     free = _free_device_bytes(device)
     by_memory = int(free * 0.8 // max(model_bytes, 1)) if free is not None else missing - 1
-    return max(0, min(missing - 1, cpus // 4, by_memory))
+    return max(0, min(missing - 1, cpus // 2, by_memory))
 
 
 def _free_device_bytes(device: str) -> int | None:
