@@ -170,8 +170,12 @@ class TorchAOTIBackend:
         # Each graph is one program, or with regional compilation one program a region (models/regions.py): the
         # units exported and compiled below, each named "<graph>" or "<graph>.r<k>".
         regions = export.regions(model, _option(recipe, "compile"))
-        units = {name: (name, None, None) for name in names} if not regions else \
-            {f"{name}.r{k}": (name, layers[0], layers) for name in names for k, layers in enumerate(regions)}
+        units: dict[str, tuple[str, int | None, list[int] | None]] = {}
+        for name in names:
+            if regions and export.regional(name, _option(recipe, "compile")):
+                units |= {f"{name}.r{k}": (name, layers[0], layers) for k, layers in enumerate(regions)}
+            else:
+                units[name] = (name, None, None)
         # Everything an export reads but the weights' values: a graph an earlier build exported from the same
         # material (another checkpoint of this architecture, or this one after `cache rm`) is copied from the
         # tactic cache without exporting again.
