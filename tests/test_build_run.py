@@ -234,21 +234,28 @@ def test_batch_padded_to_a_bucket_and_sliced_prompts_stay_correct(built: dict[st
     assert got == eager_greedy(_folder(built["recipe"], built["store"]), prompts, 12, 48)
 
 
-def test_the_compiled_prefill_gives_a_padded_prompt_its_own_first_token(built: dict[str, Any]) -> None:
-    """What a captured prefill graph hands the package (prefill_graphs.py): the prompt padded to 16 rows,
-    the padding at position max_seq_len - 1. The compiled graph answers the unpadded prompt's token."""
+def test_a_padded_prompt_gets_its_own_first_token_from_the_prefill_step(built: dict[str, Any]) -> None:
+    """What a captured prefill graph hands its package on CUDA (prefill_graphs.py; compiled: test_gpu.py): the
+    prompt padded to 16 rows, the padding at position max_seq_len - 1. The prefill step (the model code every
+    prefill graph is exported from) answers the unpadded prompt's token. A CPU engine has no prefill graph to
+    pad (its prompts run through the step program, unpadded)."""
     import torch
 
+    from trtbuild.models.llama import Step
+
+    from .engine_helpers import _eager_model
+
     recipe = load_recipe(built["recipe"])
-    with open_session(recipe, built["store"], build=False) as session:
-        package = session.engine._packages["prefill"]
-        rows = torch.tensor([0, 1])  # each prompt's cache row
+    folder = build(recipe, built["store"], allow_build=False).model.materialize()
+    step = Step(_eager_model(folder, 2, 48, torch.float32, "cpu"), from_start=True)
+    rows = torch.tensor([0, 1])  # each prompt's cache row
+    with torch.no_grad():
         for t in (5, 11):
             prompt = torch.tensor([[(7 * i + 3) % 128 for i in range(t)], [(5 * i + 1) % 128 for i in range(t)]])
-            want = package(prompt, torch.arange(t), rows)[0].clone()  # the greedy tokens (logits beside them)
+            want = step(prompt, torch.arange(t), rows)[0].clone()  # the greedy tokens (logits beside them)
             padded = torch.cat([prompt, torch.full((2, 16 - t), 9)], dim=1)
             positions = torch.cat([torch.arange(t), torch.full((16 - t,), 47)])
-            assert torch.equal(package(padded, positions, rows)[0], want)
+            assert torch.equal(step(padded, positions, rows)[0], want)
 
 
 def test_python_api_opens_a_prebuilt_engine_without_building(built: dict[str, Any]) -> None:

@@ -348,7 +348,7 @@ def test_compile_workers_end_with_a_killed_build_and_publish_nothing_half_writte
     assert proc.returncode == 0, proc.stderr[-800:]
     entry = Path(read_json_line(proc.stdout)["engine"]["path"])
     engine = json.loads((entry / "engine.json").read_text())
-    # the CPU's buckets share one decode graph: a worker compiles it once, and decode_b2 is its copy
+    # the CPU's prefill and buckets share one step program, which the build compiles; a fork the paged graph
     assert {n: g.get("worker", {}).get("ok") for n, g in engine["graphs"].items()} == {
-        "prefill": None, "decode_b1": True, "decode_b2": None}
+        "prefill": None, "decode_b1": None, "decode_b2": None, "paged": True}
     assert not half.exists()
