@@ -302,7 +302,7 @@ def _eager_runners(engine: Any, shapes: Any) -> dict[str, _EagerRunner]:
     dtype = weights["tok_embeddings.weight"].dtype
     model = place_model(engine.cfg, shapes, dtype, engine.device, weights)  # new caches; the norms as stored
     # a prefill that runs through the step program (export.shared_step) hands it a decode step's inputs
-    return {name: _EagerRunner(Step(model, from_start=name == "prefill" and not engine.spec["graphs"][name].get("step")))
+    return {name: _EagerRunner(Step(model, from_start=name == "prefill" and not engine.spec["graphs"].get(name, {}).get("step")))
             for name in engine._packages}
 
 

@@ -208,7 +208,7 @@ class TorchAOTIBackend:
             records[unit] = (architecture, graph_cache.export_record(graphs[unit]))
         phases["export_s"] = sum(g.pop("export_s") for g in graphs.values())
         graph_cache.sweep_half_copied(job.tactics.path)
-        missing: list[str] = []  # one unit a digest: buckets sharing one decode graph compile it once, then copy it
+        missing: list[str] = []  # one unit a digest: graphs sharing one program compile it once, then copy it
         for unit, graph in graphs.items():
             if not graph_cache.cached(job.tactics.path, graph["digest"]).is_file() and \
                     all(graphs[n]["digest"] != graph["digest"] for n in missing):

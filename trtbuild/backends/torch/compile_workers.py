@@ -124,7 +124,7 @@ class Workers:
 
     def wait(self, name: str) -> dict[str, Any] | None:
         """The worker's report for unit `name` once its process has ended: {"ok": True, "compile_s", "total_s"
-        (the process's whole life: start-up, model, export, compiles), "tuned"} or {"ok": False, "error"};
+        (the unit's export and compile), "tuned"} or {"ok": False, "error"};
         None if no worker had that unit."""
         if name not in self.running:
             return None

@@ -246,9 +246,7 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
         return result
     job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
                  f"cuBLAS and {len(configs)} kernel configurations")
-    t = time.perf_counter()
     result = dm.select(weights, rows, fusion, split=split)
-    result["seconds"] = round(time.perf_counter() - t, 2)  # where a cold build's selection time goes
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
     return result
 

@@ -72,7 +72,7 @@ def shared_step(device: str, shapes: Any) -> tuple[int, int]:
     program per graph. On the CPU a graph is a whole Inductor and C++ compile, ~7-9 s of it for its C++
     wrapper alone whatever its size (2 cores, 2026-12-06), and nothing is captured per shape: so one decode
     step of any batch up to max_batch_size and any tokens a row up to max_input_len serves them all, a prompt
-    being a step over its own positions (`runtime.PromptStep`), and the build compiles it once. On CUDA each
+    being a step over its own positions (`graph_runners.PromptStep`), and the build compiles it once. On CUDA each
     bucket keeps its static graph (its kernels are tuned and its CUDA graphs captured at that batch) and the
     prefill its own (causal fused attention over the prompt, not a masked pass over the cache)."""
     return (shapes.max_batch_size, shapes.max_input_len) if device == "cpu" else (0, 0)

@@ -5,6 +5,7 @@ caches as user-managed constants and is called with the graph's inputs; `runtime
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,11 @@ class Package:
     def fqns(self) -> list[str]:
         return list(self.names.values())
 
-    def load_constants(self, consts: dict[str, Any]) -> None:
+    def load_constants(self, consts: dict[str, Any], named: Callable[[str], str] = lambda fqn: fqn) -> None:
+        """The graph's constants from `consts`, each found under `named(its FQN)` (a region's: the layer's)."""
         # user_managed: the runner uses these very tensors (no copy), so every graph shares one
         # KV cache and one set of weights.
-        self.runner.update_constant_buffer({k: consts[f] for k, f in self.names.items()}, False, True, True)
+        self.runner.update_constant_buffer({k: consts[named(f)] for k, f in self.names.items()}, False, True, True)
 
     def __call__(self, *inputs: Any) -> Any:
         """The graph's outputs: (greedy token ids (B, 1), logits (B, V))."""
@@ -80,8 +82,7 @@ class Regional:
         for model, (so, layers) in zip(self.first, self.regions):
             for i, layer in enumerate(layers):
                 copy = model if i == 0 else Package(so, self.device)
-                copy.runner.update_constant_buffer({k: consts[constant_name(f, layer)] for k, f in copy.names.items()},
-                                                   False, True, True)
+                copy.load_constants(consts, lambda fqn, layer=layer: constant_name(fqn, layer))
                 by_layer[layer] = copy
         self.runner = _Chain(consts["model.tok_embeddings.weight"], self.scale,
                              [by_layer[i].runner for i in range(len(by_layer))], self.paged)
@@ -121,6 +122,12 @@ class PromptStep:
         self.step = step
         self.graph_safe = False  # a CPU program: nothing is captured
 
+    def fqns(self) -> list[str]:
+        return self.step.fqns()
+
+    def load_constants(self, consts: dict[str, Any]) -> None:
+        self.step.load_constants(consts)
+
     @property
     def runner(self) -> Any:
         return self.step.runner
@@ -137,7 +144,9 @@ class PromptStep:
         return self.step(tokens, positions.expand(b, t), slots, span)
 
 
-def graph_runner(entry: Path, name: str, graph: dict[str, Any], device: str) -> "Package | Regional":
-    """The runner of the entry's graph `name`: its one .so, or its regions'."""
+def graph_runner(entry: Path, name: str, graph: dict[str, Any], device: str) -> "Package | Regional | PromptStep":
+    """The runner of the entry's graph `name`: its one .so, or its regions'; on the CPU, the prefill through the
+    decode buckets' one step program (export.shared_step)."""
     paged = name == "paged"  # export.PAGED, not imported: the export module is the build's
-    return Regional(entry, graph, device, paged) if "regions" in graph else Package(entry / graph["so"], device)
+    runner = Regional(entry, graph, device, paged) if "regions" in graph else Package(entry / graph["so"], device)
+    return PromptStep(runner) if name == "prefill" and graph.get("step") else runner

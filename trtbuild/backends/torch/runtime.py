@@ -21,7 +21,7 @@ from typing import Any
 
 from trtbuild.backends import Generation
 from trtbuild.backends.torch.decode_graphs import DecodeGraphs
-from trtbuild.backends.torch.graph_runners import Package, PromptStep, graph_runner
+from trtbuild.backends.torch.graph_runners import Package, graph_runner
 from trtbuild.backends.torch.prefill_graphs import PrefillGraphs, prefill_graph_limit
 from trtbuild.errors import InputError, TrtbuildError
 from trtbuild.backends.sampling import GREEDY, Sampling, sample
@@ -104,13 +104,11 @@ class TorchEngine:
         for name, model in models.items():
             missing = [n for n in model.fqns() if n not in consts]
             if missing:
-                raise TrtbuildError(f"{self.entry / name}: the compiled graph expects constants "
+                raise TrtbuildError(f"{self.entry}: the compiled graph '{name}' expects constants "
                                     f"trtbuild does not have: {', '.join(missing[:3])}",
                                     hint="rebuild the engine (`trtbuild cache rm`)")
             model.load_constants(consts)
-            # on the CPU the prefill runs through the decode buckets' one step program (export.shared_step)
-            self._packages[name] = PromptStep(model) if self.spec["graphs"][name].get("step") and \
-                name == "prefill" else model
+            self._packages[name] = model
         sync(self.device)  # the caches' zeros
         self.load_parts = {"graphs_s": t1 - t0, "weights_s": t2 - t1, "constants_s": time.perf_counter() - t2}
         return self
