@@ -122,24 +122,28 @@ def prepare_cpu(configs: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def compile_parts(out: dict[str, float]) -> Iterator[None]:
+def compile_parts(out: dict[str, Any]) -> Iterator[None]:
     """Where one AOTInductor compile's seconds went, read from Inductor's own timers
     (`torch._dynamo.utils.compilation_time_metrics`): `cxx_s` the C++ compile and link of the graph's
     wrapper and kernels (AotCodeCompiler.compile), `inductor_s` the rest (tracing, lowering, code
-    generation, packaging; the first graph of a process also probes the CPU's vector ISAs there). Only
-    the total where this torch keeps no such timer."""
+    generation, packaging; the first graph of a process also probes the CPU's vector ISAs there), and
+    `timers`: every one of Inductor's timers that ran for a tenth of a second or more, nested ones
+    included (so they overlap), to say what inside those two parts took the time. Only the total where
+    this torch keeps no such timer."""
     try:
         from torch._dynamo.utils import compilation_time_metrics as metrics
     except ImportError:
         metrics = {}
-    before = sum(metrics.get("AotCodeCompiler.compile", []))
+    before = {k: sum(v) for k, v in metrics.items()}
     t = time.perf_counter()
     try:
         yield
     finally:
         total = time.perf_counter() - t
-        cxx = sum(metrics.get("AotCodeCompiler.compile", [])) - before
-        out.update({"cxx_s": cxx, "inductor_s": total - cxx})
+        spent = {k: sum(v) - before.get(k, 0.0) for k, v in metrics.items()}
+        cxx = spent.get("AotCodeCompiler.compile", 0.0)
+        out.update({"cxx_s": cxx, "inductor_s": total - cxx,
+                    "timers": {k: round(s, 3) for k, s in sorted(spent.items(), key=lambda x: -x[1]) if s >= 0.1}})
 
 
 @contextlib.contextmanager
