@@ -17,9 +17,11 @@ no repacking. Each byte's group scale s and zero z are gathered beside it. The n
 no int-to-float conversion (a quarter-rate instruction on the GPU, which would cap the kernel below the
 memory's rate): a nibble q shifted into the mantissa of 1.0 (bits 19-22 of 0x3F800000) is the fp32
 1 + q/16, exactly, with a shift and a mask-and-or, and (q - z) s = (1 + q/16) 16s - (16 + z) s is then
-one multiply-add. The step's products are summed once a step, as the dense kernel does. That is the one-row
-path: a form that summed each group apart and applied its scale and zero once per group measured slower there
-(a 1B int4 decode step 1.890 -> 2.420 ms on an H100, 2026-12-06; it sums across threads once a group). Several
+one multiply-add. On one row the step is taken a group at a time, the group's scale and zero loaded once per
+weight row and broadcast over its bytes, and the products are added lane by lane into a tile summed across
+threads once, after the loop. (Earlier forms gathered a scale and zero beside every byte and summed across
+threads every step: 9.5-17x the bytes floor at batch 1 on an H100; one that summed across threads once a group
+was slower still, a 1B int4 decode step 1.890 -> 2.420 ms, 2026-12-06.) Several
 rows take the tensor cores a group at a time in that factored form, 1 + q/16 being exact in bf16 and the
 group's scale and zero applied once per group and row: there the one-load step, dequantizing every weight to
 bf16 before the dot, measured slower (1B int4 decode at batch 8, 1.496 -> 2.766 ms, H100, 2026-12-06).
@@ -92,32 +94,32 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
     q_rows = q_ptr + offs_n[:, None] * stride_qn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INT4 and not USE_DOT:
-        # A step of BLOCK_K columns is one load of its BLOCK_K / 2 bytes a row: BLOCK_K / GROUP groups' bytes back
-        # to back, byte j of group g holding columns g * GROUP + j (low nibble) and g * GROUP + GROUP / 2 + j
-        # (high). Each byte's group scale and zero are gathered beside it (the same few addresses per row: L1).
+        # One row, a group at a time: the group's bytes for BLOCK_N rows of the weight, byte j holding columns
+        # j (low nibble) and j + GROUP / 2 (high); its scale and zero loaded once per weight row and broadcast.
+        # Products are added into a [BLOCK_N, GROUP / 2] fp32 tile, each thread to its own lanes, and summed
+        # across threads once, after the loop.
         HALF: tl.constexpr = GROUP // 2
-        offs_b = tl.arange(0, BLOCK_K // 2)
-        grp = offs_b // HALF
-        col_lo = offs_b + grp * HALF  # the column of each byte's low nibble within the step
+        offs_h = tl.arange(0, HALF)
+        tile = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            # K is whole groups and k_end a group boundary, so a byte's group is in or out with its low column
-            live = (k0 + col_lo) < k_end
-            w_mask = n_mask[:, None] & live[None, :]
-            packed = tl.load(q_rows + k0 // 2 + offs_b[None, :], mask=w_mask, other=0).to(tl.int32)
-            g_at = offs_n[:, None] * stride_sn + (k0 // GROUP + grp)[None, :]
-            scale = tl.load(s_ptr + g_at, mask=w_mask, other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + g_at, mask=w_mask, other=0.0).to(tl.float32)
-            # (q - z) s = (1 + q/16) * 16 s - (16 + z) s: one multiply-add a weight after the bit trick
-            mul = 16.0 * scale
-            add = -(16.0 + zero) * scale
-            x_mask = m_mask[:, None] & live[None, :]
-            x_lo = tl.load(x_rows + k0 + col_lo[None, :], mask=x_mask, other=0.0)
-            x_hi = tl.load(x_rows + k0 + HALF + col_lo[None, :], mask=x_mask, other=0.0)
-            # 1 + q/16 as fp32: the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
-            w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
-            w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
-            acc = dot_acc(acc, x_lo, w_lo, False)
-            acc = dot_acc(acc, x_hi, w_hi, False)
+            for g in tl.static_range(BLOCK_K // GROUP):
+                col = k0 + g * GROUP  # the group's first column; K is whole groups, so a group is in or out
+                live_g = (col + offs_h) < k_end  # (as vectors: Triton's interpreter takes no scalar in a mask)
+                packed = tl.load(q_rows + col // 2 + offs_h[None, :], mask=n_mask[:, None] & live_g[None, :],
+                                 other=0).to(tl.int32)
+                s_mask = n_mask & ((offs_n * 0 + col) < k_end)
+                scale = tl.load(s_ptr + offs_n * stride_sn + col // GROUP, mask=s_mask, other=0.0).to(tl.float32)
+                zero = tl.load(z_ptr + offs_n * stride_sn + col // GROUP, mask=s_mask, other=0.0).to(tl.float32)
+                # (q - z) s = (1 + q/16) * 16 s - (16 + z) s: one multiply-add a weight after the bit trick
+                mul = (16.0 * scale)[:, None]
+                add = (-(16.0 + zero) * scale)[:, None]
+                x_lo = tl.load(x_ptr + col + offs_h, mask=live_g, other=0.0).to(tl.float32)
+                x_hi = tl.load(x_ptr + col + HALF + offs_h, mask=live_g, other=0.0).to(tl.float32)
+                # 1 + q/16 as fp32: the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
+                w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
+                w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
+                tile += x_lo[None, :] * w_lo + x_hi[None, :] * w_hi
+        acc += tl.sum(tile, axis=1)[None, :]
     elif INT4:
         # Several rows, on the tensor cores: a group at a time, its dequantization factored out of the dot
         # (1 + q/16 is exact in bf16, the dot's operand) and applied once per group and row:
