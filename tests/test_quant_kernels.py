@@ -102,12 +102,15 @@ def test_every_candidate_matches_the_dequantized_matmul(fmt: str, rows: int, nam
 def test_candidates_are_pruned_by_what_cannot_win_at_the_shape() -> None:
     """Llama 1B's down projection (2048 x 8192) at batch 1 keeps split-K, where 4-row blocks give 512 programs
     for 132 SMs; 8B's gate/up (28672 x 4096) has programs enough and keeps none. Narrow matrices drop the steps
-    and blocks more than twice their size; int4 keeps only whole groups, at most 16 a step."""
+    and blocks more than twice their size; int4 keeps only whole groups, at most 16 a step, and on one row tiles
+    whose partial sums fit the registers."""
     from trtbuild.kernels.matmul_configs import QUANT_ONE_ROW, quant_candidates
 
     down = quant_candidates("int4", 1, 2048, 8192, 128)
     assert {c.name for c in down if c.split > 1} >= {"n4k512w4s1p2", "n4k512w4s1p4", "n8k1024w4s1p4"}
-    assert [c for c in down if c.split == 1] == QUANT_ONE_ROW["int4"]
+    # every unsplit one-row candidate but the 16 x 2048 tile, whose partial sums would not fit the registers
+    assert [c for c in down if c.split == 1] == [c for c in QUANT_ONE_ROW["int4"] if c.block_n * c.block_k < 32768]
+    assert any(c.block_n * c.block_k >= 32768 for c in QUANT_ONE_ROW["int4"])
     assert not any(c.split > 1 for c in quant_candidates("int4", 1, 28672, 4096, 128))
     assert not any(c.split > 1 for c in quant_candidates("fp8", 1, 2048, 8192, 0, sms=16))  # a small GPU is full
     small = quant_candidates("int4", 1, 6, 576, 64)

@@ -119,7 +119,8 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, 
         q = _rotate(q_rows, cos[None, :], sin[None, :], d[None, :], D // 2, r_mask[:, None])
         new_k = _rotate(q_ptr + b * stride_qb + (KV * REP + kv) * D, cos, sin, d, D // 2, d < D)
         new_v = tl.load(q_ptr + b * stride_qb + (KV * REP + KV + kv) * D + d)
-        owner = (start <= pos) & (pos < end)
+        at = d * 0 + pos  # (a vector: Triton's interpreter takes no scalar in a mask)
+        owner = (start <= at) & (at < end)
         tl.store(k_base + pos * stride_ks + d, new_k, mask=(d < D) & owner)
         tl.store(v_base + pos * stride_vs + d, new_v, mask=(d < D) & owner)
         # The loop reads only slots before pos. Selecting the register copy for slot pos inside it
@@ -164,7 +165,7 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, 
     # 129 slots) and the padding rows would otherwise write, and the merge read, about 2 MB a layer on
     # Llama-3-8B shapes that it then weighs by exp(-inf) = 0.
     row = (bkv * SPLITS + split) * BLOCK_R + r
-    keep = r_mask & (start < end)
+    keep = r_mask & ((r * 0 + start) < end)  # (as a vector, for the same reason)
     if PDL:  # the cache is read: the merge may be scheduled (it waits for this kernel to complete)
         acc = release_successor(acc)
     tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=keep[:, None])

@@ -17,9 +17,9 @@ no repacking. Each byte's group scale s and zero z are gathered beside it. The n
 no int-to-float conversion (a quarter-rate instruction on the GPU, which would cap the kernel below the
 memory's rate): a nibble q shifted into the mantissa of 1.0 (bits 19-22 of 0x3F800000) is the fp32
 1 + q/16, exactly, with a shift and a mask-and-or, and (q - z) s = (1 + q/16) 16s - (16 + z) s is then
-one multiply-add. On one row the step is taken a group at a time, the group's scale and zero loaded once per
-weight row and broadcast over its bytes, and the products are added lane by lane into a tile summed across
-threads once, after the loop. (Earlier forms gathered a scale and zero beside every byte and summed across
+one multiply-add. On one row each group's scale and zero are loaded once per weight row and broadcast over its
+bytes (the step's bytes seen as [rows, groups, bytes of a group]), and the products are added lane by lane
+into a tile summed across threads once, after the loop. (Earlier forms gathered a scale and zero beside every byte and summed across
 threads every step: 9.5-17x the bytes floor at batch 1 on an H100; one that summed across threads once a group
 was slower still, a 1B int4 decode step 1.890 -> 2.420 ms, 2026-12-06.) Several
 rows take the tensor cores a group at a time in that factored form, 1 + q/16 being exact in bf16 and the
@@ -94,32 +94,38 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
     q_rows = q_ptr + offs_n[:, None] * stride_qn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INT4 and not USE_DOT:
-        # One row, a group at a time: the group's bytes for BLOCK_N rows of the weight, byte j holding columns
-        # j (low nibble) and j + GROUP / 2 (high); its scale and zero loaded once per weight row and broadcast.
-        # Products are added into a [BLOCK_N, GROUP / 2] fp32 tile, each thread to its own lanes, and summed
-        # across threads once, after the loop.
+        # One row. A step of BLOCK_K columns is one load of its BLOCK_K / 2 bytes a weight row, seen as
+        # [BLOCK_N, NG groups, GROUP / 2 bytes]: byte j of group g holds columns g * GROUP + j (low nibble) and
+        # g * GROUP + GROUP / 2 + j (high). Each group's scale and zero are loaded once per weight row
+        # ([BLOCK_N, NG]) and broadcast over its bytes. Products are added lane by lane into a tile of the
+        # step's shape, summed across threads once, after the loop.
         HALF: tl.constexpr = GROUP // 2
+        NG: tl.constexpr = BLOCK_K // GROUP
+        offs_g = tl.arange(0, NG)
         offs_h = tl.arange(0, HALF)
-        tile = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+        byte = offs_g[:, None] * HALF + offs_h[None, :]  # [NG, HALF]: the byte within the step
+        col = offs_g[:, None] * GROUP + offs_h[None, :]  # [NG, HALF]: its low nibble's column within the step
+        q3 = q_ptr + offs_n[:, None, None] * stride_qn + byte[None, :, :]
+        s3 = offs_n[:, None] * stride_sn + offs_g[None, :]  # [BLOCK_N, NG]
+        tile = tl.zeros((BLOCK_N, NG, HALF), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            for g in tl.static_range(BLOCK_K // GROUP):
-                col = k0 + g * GROUP  # the group's first column; K is whole groups, so a group is in or out
-                live_g = (col + offs_h) < k_end  # (as vectors: Triton's interpreter takes no scalar in a mask)
-                packed = tl.load(q_rows + col // 2 + offs_h[None, :], mask=n_mask[:, None] & live_g[None, :],
-                                 other=0).to(tl.int32)
-                s_mask = n_mask & ((offs_n * 0 + col) < k_end)
-                scale = tl.load(s_ptr + offs_n * stride_sn + col // GROUP, mask=s_mask, other=0.0).to(tl.float32)
-                zero = tl.load(z_ptr + offs_n * stride_sn + col // GROUP, mask=s_mask, other=0.0).to(tl.float32)
-                # (q - z) s = (1 + q/16) * 16 s - (16 + z) s: one multiply-add a weight after the bit trick
-                mul = (16.0 * scale)[:, None]
-                add = (-(16.0 + zero) * scale)[:, None]
-                x_lo = tl.load(x_ptr + col + offs_h, mask=live_g, other=0.0).to(tl.float32)
-                x_hi = tl.load(x_ptr + col + HALF + offs_h, mask=live_g, other=0.0).to(tl.float32)
-                # 1 + q/16 as fp32: the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
-                w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
-                w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
-                tile += x_lo[None, :] * w_lo + x_hi[None, :] * w_hi
-        acc += tl.sum(tile, axis=1)[None, :]
+            # K is whole groups and k_end a group boundary, so a group is in or out
+            live = (k0 + offs_g * GROUP) < k_end  # [NG]
+            g_mask = n_mask[:, None] & live[None, :]
+            packed = tl.load(q3 + k0 // 2, mask=g_mask[:, :, None], other=0).to(tl.int32)
+            scale = tl.load(s_ptr + s3 + k0 // GROUP, mask=g_mask, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + s3 + k0 // GROUP, mask=g_mask, other=0.0).to(tl.float32)
+            # (q - z) s = (1 + q/16) * 16 s - (16 + z) s: one multiply-add a weight after the bit trick
+            mul = (16.0 * scale)[:, :, None]
+            add = (-(16.0 + zero) * scale)[:, :, None]
+            x_mask = live[:, None] & (offs_h < HALF)[None, :]
+            x_lo = tl.load(x_ptr + k0 + col, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
+            x_hi = tl.load(x_ptr + k0 + HALF + col, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
+            # 1 + q/16 as fp32: the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
+            w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
+            w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
+            tile += x_lo * w_lo + x_hi * w_hi
+        acc += tl.sum(tl.sum(tile, axis=2), axis=1)[None, :]
     elif INT4:
         # Several rows, on the tensor cores: a group at a time, its dequantization factored out of the dot
         # (1 + q/16 is exact in bf16, the dot's operand) and applied once per group and row:
