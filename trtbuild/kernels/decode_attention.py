@@ -119,10 +119,11 @@ def _decode_attention_partial(q_ptr, rope_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, 
         q = _rotate(q_rows, cos[None, :], sin[None, :], d[None, :], D // 2, r_mask[:, None])
         new_k = _rotate(q_ptr + b * stride_qb + (KV * REP + kv) * D, cos, sin, d, D // 2, d < D)
         new_v = tl.load(q_ptr + b * stride_qb + (KV * REP + KV + kv) * D + d)
-        at = d * 0 + pos  # (a vector: Triton's interpreter takes no scalar in a mask)
-        owner = (start <= at) & (at < end)
-        tl.store(k_base + pos * stride_ks + d, new_k, mask=(d < D) & owner)
-        tl.store(v_base + pos * stride_vs + d, new_v, mask=(d < D) & owner)
+        owner = (start <= pos) & (pos < end)
+        at = d * 0 + pos  # the store's mask as a vector: Triton's interpreter takes no scalar in a mask
+        stores = (start <= at) & (at < end)
+        tl.store(k_base + pos * stride_ks + d, new_k, mask=stores)
+        tl.store(v_base + pos * stride_vs + d, new_v, mask=stores)
         # The loop reads only slots before pos. Selecting the register copy for slot pos inside it
         # (a where on every loaded tile of K and V, an earlier design) made the loop
         # stream the cache slower: on the H200 (RESULTS.md) 52.6 against 39.4 us a
