@@ -106,9 +106,9 @@ QUANT_ROWS_SPLIT = [MatmulConfig(n, 256, 4, 3, p) for n in (16, 32) for p in (2,
 # an int4 step is unrolled into one block of code per group: more than this many groups a step is not a
 # candidate (and the launcher shortens a fixed configuration's step to it)
 MAX_GROUPS_A_STEP = 16
-# int4's one-row path keeps an fp32 partial sum per byte of its step (block_n x block_k / 2): at most this many
-# for four warps (64 registers a thread), so that a larger tile does not spill
-ONE_ROW_INT4_TILE = 8192
+# int4 dequantizes a step's bytes into fp32 tiles of block_n x block_k / 2 (and on one row keeps a partial sum
+# for each): at most this many for four warps (64 registers a thread), so that a larger step does not spill
+INT4_TILE = 8192
 H100_SMS = 132  # the pruning's multiprocessor count where no device is there to ask
 
 
@@ -117,8 +117,8 @@ def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: i
     groups of `group` columns), `n` x `k`, at `rows` rows, pruned of those that cannot win at that shape:
     - a step or a block of columns at least twice the matrix's (half of every step masked: the half-size
       candidate reads the same bytes in fewer, fuller steps), the list's smallest excepted;
-    - int4 steps that are not whole groups, or more than MAX_GROUPS_A_STEP of them; on one row, int4 tiles
-      larger than ONE_ROW_INT4_TILE partial sums for four warps;
+    - int4 steps that are not whole groups, or more than MAX_GROUPS_A_STEP of them; int4 steps
+      whose dequantized tile is larger than INT4_TILE for four warps;
     - split-K where the unsplit launch already gives every one of `sms` multiprocessors 4 programs or more (the
       split only adds a reduction), or where a slice of k would be shorter than one step.
     The lists' order is kept: the selection's first of equals is the earlier."""
@@ -134,7 +134,7 @@ def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: i
             return False
         if family == "int4" and (c.block_k % group or c.block_k // group > MAX_GROUPS_A_STEP):
             return False
-        if family == "int4" and rows == 1 and c.block_n * c.block_k // 2 > ONE_ROW_INT4_TILE * c.warps // 4:
+        if family == "int4" and c.block_n * c.block_k // 2 > INT4_TILE * c.warps // 4:
             return False
         return c.split == 1 or (-(-n // c.block_n) < 4 * sms and k // c.split >= c.block_k)
 

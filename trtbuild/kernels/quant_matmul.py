@@ -13,20 +13,19 @@ loop.
 int4 reads the stored layout as it is: it is already the order the kernel loads (quantize.py's "split
 halves": byte j of a group holds columns j and j + G/2), so a step of BLOCK_K columns is one contiguous
 BLOCK_K/2-byte load per row, whose low nibbles meet one set of x's columns and whose high nibbles another;
-no repacking. Each byte's group scale s and zero z are gathered beside it. The nibbles become numbers with
+no repacking. The nibbles become numbers with
 no int-to-float conversion (a quarter-rate instruction on the GPU, which would cap the kernel below the
 memory's rate): a nibble q shifted into the mantissa of 1.0 (bits 19-22 of 0x3F800000) is the fp32
 1 + q/16, exactly, with a shift and a mask-and-or, and (q - z) s = (1 + q/16) 16s - (16 + z) s is then
-one multiply-add. On one row each group's scale and zero are loaded once per weight row and broadcast over its
-bytes (the step's bytes seen as [rows, groups, bytes of a group]), and the products are added lane by lane
-into a tile summed across threads once, after the loop. (Earlier forms gathered a scale and zero beside every byte and summed across
-threads every step: 9.5-17x the bytes floor at batch 1 on an H100; one that summed across threads once a group
-was slower still, a 1B int4 decode step 1.890 -> 2.420 ms, 2026-12-06.) Several
-rows take the tensor cores a group at a time in that factored form, 1 + q/16 being exact in bf16 and the
-group's scale and zero applied once per group and row: there the one-load step, dequantizing every weight to
-bf16 before the dot, measured slower (1B int4 decode at batch 8, 1.496 -> 2.766 ms, H100, 2026-12-06).
-(The reference dequantization rounds each weight to bf16 first; the factored sum does not, a difference
-within bf16's rounding of the result.)
+one multiply-add. Each group's scale and zero are loaded once per weight row and broadcast over its bytes (the
+step's bytes seen as [rows, groups, bytes of a group]), so every weight is dequantized once with no gather. One
+row adds the products lane by lane into a tile summed across threads once, after the loop; several rows round
+the dequantized weights to the activations' dtype and take the tensor cores. (Earlier forms gathered a scale
+and zero beside every byte and summed across threads every step: 9.5-17x the bytes floor at batch 1 on an
+H100, 2.1-5.4x in this form, 2026-12-06; summing each group apart was slower still. Several rows took the
+tensor cores a group at a time, the dequantization factored out of each group's dot.) One row's fp32 sum does
+not round each weight to bf16 as the reference dequantization does: a difference within bf16's rounding of
+the result.
 
 Registered as the custom op `trtbuild::quant_matmul`, which the decode graphs of a quantized CUDA engine
 call for every quantized Linear (`Linear.decode_config`); the configuration is timed per format, weight
@@ -93,12 +92,11 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     q_rows = q_ptr + offs_n[:, None] * stride_qn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if INT4 and not USE_DOT:
-        # One row. A step of BLOCK_K columns is one load of its BLOCK_K / 2 bytes a weight row, seen as
-        # [BLOCK_N, NG groups, GROUP / 2 bytes]: byte j of group g holds columns g * GROUP + j (low nibble) and
-        # g * GROUP + GROUP / 2 + j (high). Each group's scale and zero are loaded once per weight row
-        # ([BLOCK_N, NG]) and broadcast over its bytes. Products are added lane by lane into a tile of the
-        # step's shape, summed across threads once, after the loop.
+    if INT4:
+        # A step of BLOCK_K columns is one load of its BLOCK_K / 2 bytes a weight row, seen as [BLOCK_N, NG groups,
+        # GROUP / 2 bytes]: byte j of group g holds columns g * GROUP + j (low nibble) and g * GROUP + GROUP / 2 + j
+        # (high). Each group's scale and zero are loaded once per weight row ([BLOCK_N, NG]) and broadcast over its
+        # bytes; every weight is dequantized once, whatever the rows.
         HALF: tl.constexpr = GROUP // 2
         NG: tl.constexpr = BLOCK_K // GROUP
         offs_g = tl.arange(0, NG)
@@ -107,6 +105,9 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
         col = offs_g[:, None] * GROUP + offs_h[None, :]  # [NG, HALF]: its low nibble's column within the step
         q3 = q_ptr + offs_n[:, None, None] * stride_qn + byte[None, :, :]
         s3 = offs_n[:, None] * stride_sn + offs_g[None, :]  # [BLOCK_N, NG]
+        # the same columns flattened, for the rows of x that the tensor cores take
+        offs_b = tl.arange(0, BLOCK_K // 2)
+        col_b = offs_b // HALF * GROUP + offs_b % HALF
         tile = tl.zeros((BLOCK_N, NG, HALF), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             # K is whole groups and k_end a group boundary, so a group is in or out
@@ -118,39 +119,26 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
             # (q - z) s = (1 + q/16) * 16 s - (16 + z) s: one multiply-add a weight after the bit trick
             mul = (16.0 * scale)[:, :, None]
             add = (-(16.0 + zero) * scale)[:, :, None]
-            x_mask = live[:, None] & (offs_h < HALF)[None, :]
-            x_lo = tl.load(x_ptr + k0 + col, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
-            x_hi = tl.load(x_ptr + k0 + HALF + col, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
             # 1 + q/16 as fp32: the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
             w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
             w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
-            tile += x_lo * w_lo + x_hi * w_hi
-        acc += tl.sum(tl.sum(tile, axis=2), axis=1)[None, :]
-    elif INT4:
-        # Several rows, on the tensor cores: a group at a time, its dequantization factored out of the dot
-        # (1 + q/16 is exact in bf16, the dot's operand) and applied once per group and row:
-        # sum_k x_k (q_k - z) s = s (16 sum_k x_k (1 + q_k/16) - (16 + z) sum_k x_k)
-        HALF_G: tl.constexpr = GROUP // 2
-        offs_h = tl.arange(0, HALF_G)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            for g in tl.static_range(BLOCK_K // GROUP):
-                col = k0 + g * GROUP  # the group's first column; K is whole groups, so a group is in or out
-                # (as vectors: Triton's interpreter takes no scalar in a mask)
-                live_g = (col + offs_h) < k_end
-                g_mask = n_mask[:, None] & live_g[None, :]
-                packed = tl.load(q_rows + col // 2 + offs_h[None, :], mask=g_mask, other=0).to(tl.int32)
-                s_mask = n_mask & ((offs_n * 0 + col) < k_end)
-                scale = tl.load(s_ptr + offs_n * stride_sn + col // GROUP, mask=s_mask, other=0.0).to(tl.float32)
-                zero = tl.load(z_ptr + offs_n * stride_sn + col // GROUP, mask=s_mask, other=0.0).to(tl.float32)
-                xg_mask = m_mask[:, None] & live_g[None, :]
-                x_lo = tl.load(x_rows + col + offs_h[None, :], mask=xg_mask, other=0.0)
-                x_hi = tl.load(x_rows + col + HALF_G + offs_h[None, :], mask=xg_mask, other=0.0)
-                w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True).to(x_lo.dtype)
-                w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True).to(x_lo.dtype)
-                part = dot_acc(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_lo, w_lo, True)
-                part = dot_acc(part, x_hi, w_hi, True)
-                x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
-                acc += scale[None, :] * (16.0 * part - (16.0 + zero)[None, :] * x_sum[:, None])
+            if USE_DOT:
+                # Several rows: the dequantized weights, rounded to x's dtype as the reference rounds them, into
+                # the tensor cores, the step's low nibbles' columns in one dot and the high ones' in another
+                x_mask = m_mask[:, None] & ((k0 + offs_b // HALF * GROUP) < k_end)[None, :]
+                x_lo = tl.load(x_rows + k0 + col_b[None, :], mask=x_mask, other=0.0)
+                x_hi = tl.load(x_rows + k0 + HALF + col_b[None, :], mask=x_mask, other=0.0)
+                acc += tl.dot(x_lo, tl.trans(tl.reshape(w_lo, (BLOCK_N, BLOCK_K // 2)).to(x_lo.dtype)))
+                acc += tl.dot(x_hi, tl.trans(tl.reshape(w_hi, (BLOCK_N, BLOCK_K // 2)).to(x_lo.dtype)))
+            else:
+                # One row: the products added lane by lane into a tile of the step's shape, summed across threads
+                # once, after the loop
+                x_mask = live[:, None] & (offs_h < HALF)[None, :]
+                x_lo = tl.load(x_ptr + k0 + col, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
+                x_hi = tl.load(x_ptr + k0 + HALF + col, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
+                tile += x_lo * w_lo + x_hi * w_hi
+        if not USE_DOT:
+            acc += tl.sum(tl.sum(tile, axis=2), axis=1)[None, :]
     else:
         offs_k = tl.arange(0, BLOCK_K)
         for k0 in range(k_start, k_end, BLOCK_K):
