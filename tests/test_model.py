@@ -317,6 +317,22 @@ def test_a_k_step_of_4096_is_a_candidate_only_where_the_rows_are_that_wide() -> 
     assert candidates(8, k=4096) == ROWS  # the tensor-core path keeps its list
 
 
+def test_tactics_default_times_the_likely_configurations_and_max_every_one() -> None:
+    """`full=False` (tactics default) keeps, of each list, the configurations in LIKELY: every winner the H100
+    gate's timings recorded at the 1B call sites, and the 8B's wide steps; under half of each list. The
+    split-K lists are kept whole."""
+    from trtbuild.kernels.matmul_configs import (LIKELY, ONE_ROW, ONE_ROW_SPLIT, ONE_ROW_WIDE_K, ROWS,
+                                                 candidates)
+
+    one, rows = candidates(1, "gate", k=4096, full=False), candidates(8, k=4096, full=False)
+    assert all(c in ONE_ROW + ONE_ROW_WIDE_K for c in one) and all(c in ROWS for c in rows)
+    assert len(one) < len(ONE_ROW + ONE_ROW_WIDE_K) / 2 and len(rows) < len(ROWS) / 2
+    winners = {"n2k2048w4s1", "n2k2048w4s3", "n4k2048w4s3", "n16k512w4s4", "n32k128w4s3", "n64k128w4s3"}
+    assert winners <= {c.name for c in one + rows} and {c.name for c in one + rows} <= LIKELY
+    assert candidates(1, "none", True, k=8192, n=2048, full=False)[-len(ONE_ROW_SPLIT):] == ONE_ROW_SPLIT
+    assert candidates(1, "gate", k=4096) == ONE_ROW + ONE_ROW_WIDE_K  # max: the whole list
+
+
 def test_blocks_larger_than_a_small_matrix_are_timed_once() -> None:
     """A 64 x 128 weight: every k step past 128 and every block of rows past 64 covers the same work as a
     smaller one, so only the first of each such group is timed; the 1B and 8B shapes keep every candidate
@@ -356,7 +372,10 @@ def test_an_epilogue_plan_routes_each_call_site_the_way_its_timings_say(monkeypa
 
     timed: list[tuple[int, int, str]] = []
 
-    def select(weights: list[Tensor], rows: int, fusion: str, split: bool = False) -> dict[str, Any]:
+    def select(weights: list[Tensor], rows: int, fusion: str, split: bool = False,
+               configs: list[Config] | None = None) -> dict[str, Any]:
+        assert configs == candidates(rows, fusion, split, weights[0].shape[1], weights[0].shape[0], False)
+        widths.pop()
         n, k = weights[0].shape
         timed.append((n, k, fusion) + (("split",) if split else ()))
         fused = fusion != "none"
@@ -366,9 +385,12 @@ def test_an_epilogue_plan_routes_each_call_site_the_way_its_timings_say(monkeypa
                 {"k": 20.0 if slow else (8.0 if fused else 9.5)}, **({"unfused_us": 12.0} if fused else {})}
 
     widths: list[int] = []  # the row width each candidate list was asked for (lists may differ by width)
+    fulls: set[bool] = set()  # whether each list asked for was the full one
 
-    def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0, n: int = 0) -> list[Config]:
+    def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0, n: int = 0,
+                   full: bool = True) -> list[Config]:
         widths.append(k)
+        fulls.add(full)
         return [Config("k")] + [Config("k-split")] * split
 
     fake = types.SimpleNamespace(MAX_ROWS=16, MatmulConfig=Config, select=select, source_digest=lambda: "src",
@@ -413,6 +435,7 @@ def test_an_epilogue_plan_routes_each_call_site_the_way_its_timings_say(monkeypa
     assert sorted(timed) == sorted([(n, k, fusion) for (n, k), fusion in zip(shapes, fusions, strict=True)]
                                    + [(n, k, "none") for (n, k), fusion in zip(shapes, fusions) if fusion != "none"])
     assert sorted(set(widths)) == sorted({k for _, k in shapes})  # each call site's own row width
+    assert fulls == {False}  # tactics `default`: the likely configurations only (matmul_configs.LIKELY)
     # compiled ahead, in parallel (kernel_warmup.py): exactly the timings then taken, each with its candidates
     assert len(ahead) == 1 and sorted((n, k, fusion) for _, n, k, fusion, _, _ in ahead[0]) == sorted(timed)
     assert all(rows == 1 and configs == ("k",) and dtype == "torch.float32" for rows, _, _, _, dtype, configs in ahead[0])

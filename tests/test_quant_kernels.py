@@ -240,7 +240,7 @@ def test_the_build_times_each_quantized_shape_once_per_batch_and_plans_the_faste
         return {"format": "int4", "choice": configs[-1].name, "candidates": us | {configs[-1].name: 1.0}}
 
     monkeypatch.setattr(qm, "select", select)
-    monkeypatch.setattr(dm, "select", lambda weights, rows, fusion="none", split=False: {
+    monkeypatch.setattr(dm, "select", lambda weights, rows, fusion="none", split=False, configs=None: {
         "fusion": fusion, "cublas_us": 5.0, "choice": "cublas", "candidates": {}})
     cfg = LlamaConfig.from_hf(TINY_CONFIG)
     hf = {k: torch.randn(s) * 0.2 for k, s in hf_parameter_shapes(cfg).items()}

@@ -242,7 +242,7 @@ def reference(x: Tensor, w: Tensor, fusion: str, norm: Tensor | None = None, eps
 
 
 def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int = 15,
-           split: bool = False) -> dict[str, Any]:
+           split: bool = False, configs: Sequence[MatmulConfig] | None = None) -> dict[str, Any]:
     """Time cuBLAS and every candidate for `rows` x weight^T over `weights` (all of one shape, e.g.
     every layer's QKV matrix: distinct tensors, so none is served from L2 as in a real step).
 
@@ -250,8 +250,8 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
     timed the way the graph would run it without them: for a fused call site, `reference` (the norm,
     the cuBLAS matmul, the gating or the add) compiled by Inductor, as `unfused_us`; for a plain one,
     cuBLAS alone. Returns {"choice": "cublas" | config name, "cublas_us", ["unfused_us",] "fusion",
-    "candidates": {name: us | error}}, per call. A candidate whose result differs from the ATen
-    reference beyond bf16 rounding is refused, never chosen."""
+    "candidates": {name: us | error}}, per call; `configs` replaces the full candidate list. A candidate
+    whose result differs from the ATen reference beyond bf16 rounding is refused, never chosen."""
     w0 = weights[0]
     x = torch.randn(rows, w0.shape[1], device=w0.device, dtype=w0.dtype)
     # a folded norm's gain is ones: the model still multiplies by it outside the kernel, the kernel reads none
@@ -287,7 +287,7 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
                 result["unfused_us"] = best_us = graph_seconds(inductor, reps) / per_call * 1e6
         except Exception as e:  # then the fused kernel must beat cuBLAS's matmul alone
             result["unfused_us"] = _failure(e)
-    for config in candidates(rows, fusion, split, w0.shape[1], w0.shape[0]):
+    for config in configs if configs is not None else candidates(rows, fusion, split, w0.shape[1], w0.shape[0]):
         try:
             y0 = launch(w0, ys[0], config)
             err = ((y0.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()

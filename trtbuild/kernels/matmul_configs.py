@@ -61,14 +61,29 @@ ONE_ROW_SPLIT = [MatmulConfig(n, k, 4, 3, p) for n in (8, 16, 32) for k in (512,
 ROWS_SPLIT = [MatmulConfig(n, k, 4, 4, p) for n in (16, 32) for k in (256, 512) for p in (2, 4)]
 
 
-def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0, n: int = 0) -> list[MatmulConfig]:
+# What tactics `default` times (`candidates(..., full=False)`): the configurations that came within a few per
+# cent of the best at some 1B or 8B call site on the H100 or the H200 (RESULTS.md; the H100 gate's timings of
+# 2026-12-06: at one row n2k2048 and n4k2048 led at every 1B site, n4k2048s3 and n8k1024 at the LM head; at
+# eight rows n16k512w4s4, n32k512w4s4, n32k128w4s3 and n64k128 led). A cold build compiles and times a third
+# of the kernels; `max` times every list in full.
+LIKELY = frozenset({
+    "n2k2048w4s1", "n2k2048w4s3", "n4k2048w4s1", "n4k2048w4s3", "n4k1024w4s3", "n8k1024w4s1", "n8k1024w4s3",
+    "n8k512w4s1", "n2k4096w4s1", "n2k4096w4s3",
+    "n16k512w4s3", "n16k512w4s4", "n32k512w4s3", "n32k512w4s4", "n32k256w4s4", "n32k128w4s3", "n32k128w4s4",
+    "n64k128w4s3", "n64k128w4s4", "n64k256w4s3"})
+
+
+def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0, n: int = 0,
+               full: bool = True) -> list[MatmulConfig]:
     """The configurations timed for `rows` at a call site with `fusion` whose rows are `k` wide; with
-    `split`, split-K ones too. Given the weight's `n` output columns and `k`, a configuration whose block
+    `split`, split-K ones too; without `full`, only the unsplit ones in LIKELY (the split-K lists are kept). Given the weight's `n` output columns and `k`, a configuration whose block
     covers more than the whole matrix is dropped where one before it in the list covers the same (the
     masked rest of a block is never read, so the two do the same work): a small model's tactic selection
     then compiles and times a handful of kernels instead of every one (a 2-layer test model's bf16 build
     spent most of 330 s there on an H100). Weights of a thousand columns and rows or more drop none."""
     plain = ONE_ROW + [c for c in ONE_ROW_WIDE_K if k >= c.block_k] if rows == 1 else ROWS
+    if not full:
+        plain = [c for c in plain if c.name in LIKELY]
     listed = plain + (ONE_ROW_SPLIT if rows == 1 else ROWS_SPLIT) if split and fusion == "none" else plain
     if not (n and k):
         return listed

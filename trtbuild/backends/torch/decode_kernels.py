@@ -128,7 +128,8 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     plan: dict[int, dict[MatmulKey, Any]] = {}
     record: dict[str, Any] = {}
     split = split_mode == "timed"
-    ahead = _compile_ahead(dm, job, by_shape, buckets, mode, split, device, quantized)
+    full = level == "max"  # `default` times the likely configurations only (matmul_configs.LIKELY)
+    ahead = _compile_ahead(dm, job, by_shape, buckets, mode, split, device, quantized, full)
     t = time.perf_counter()
     for rows in buckets:
         if rows > dm.MAX_ROWS:
@@ -138,9 +139,9 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
             continue
         for (n, k, fusion), weights in by_shape.items():
-            result = _timings(dm, job, weights, rows, (n, k, fusion), split)
+            result = _timings(dm, job, weights, rows, (n, k, fusion), split, full)
             # a fused call site may still be best served by the kernel alone, with Inductor's ops around it
-            plain = (_timings(dm, job, weights, rows, (n, k, "none"), split)
+            plain = (_timings(dm, job, weights, rows, (n, k, "none"), split, full)
                      if fusion != "none" and mode == "auto" else None)
             choice, does, us = pick(result, plain, mode)
             if choice is None:
@@ -233,29 +234,30 @@ def fused_outside(record: dict[str, Any], rows: int) -> list[str]:
 
 
 def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey,
-             split: bool = False) -> dict[str, Any]:
+             split: bool = False, full: bool = True) -> dict[str, Any]:
     """`decode_matmul.select` for one weight shape and fusion, kept in the tactic cache under the shape,
     fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or another recipe of
     the same shapes) measures nothing. `dm` is the decode_matmul module (it needs Triton)."""
     from trtbuild.store.tactics import write_atomic
 
-    cached, configs = _timing_file(dm, job, weights, rows, key, split)
+    cached, configs = _timing_file(dm, job, weights, rows, key, split, full)
     fusion = key[2]
     if cached.is_file():
         result: dict[str, Any] = json.loads(cached.read_text()) | {"reused": True}
         return result
     job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
                  f"cuBLAS and {len(configs)} kernel configurations")
-    result = dm.select(weights, rows, fusion, split=split)
+    result = dm.select(weights, rows, fusion, split=split, configs=configs)
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
     return result
 
 
 def _timing_file(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey,
-                 split: bool) -> tuple[Path, list[Any]]:
-    """Where `_timings` keeps the timing of one shape, fusion and batch, and the candidates it times."""
+                 split: bool, full: bool = True) -> tuple[Path, list[Any]]:
+    """Where `_timings` keeps the timing of one shape, fusion and batch, and the candidates it times (the
+    list's names are in the file's key, so a timing of the short list is not taken for one of the full)."""
     n, k, fusion = key
-    configs = dm.candidates(rows, fusion, split, k, n)
+    configs = dm.candidates(rows, fusion, split, k, n, full)
     identity = {"n": n, "k": k, "rows": rows, "dtype": str(weights[0].dtype), "weights": len(weights),
                 "fusion": fusion, "kernel": dm.source_digest(), "candidates": [c.name for c in configs]}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
@@ -275,7 +277,7 @@ def _quant_timing_file(qm: Any, job: BuildJob, layers: list[Any], rows: int, key
 
 def _compile_ahead(dm: Any, job: BuildJob, by_shape: dict[MatmulKey, list[Any]], buckets: tuple[int, ...],
                    mode: str, split: bool, device: str,
-                   quantized: dict[MatmulKey, list[Any]]) -> dict[str, Any]:
+                   quantized: dict[MatmulKey, list[Any]], full: bool = True) -> dict[str, Any]:
     """Compile, in parallel worker processes, the candidates that `matmul_plan` is about to time and has no
     timing of yet (kernel_warmup.py): its timings then load the kernels instead of compiling each in turn.
     Returns what was done (kernels, workers, seconds), for the build's phases."""
@@ -297,7 +299,7 @@ def _compile_ahead(dm: Any, job: BuildJob, by_shape: dict[MatmulKey, list[Any]],
             if fusion != "none" and mode == "auto":
                 timed.append("none")
             for f in timed:
-                path, configs = _timing_file(dm, job, weights, rows, (n, k, f), split)
+                path, configs = _timing_file(dm, job, weights, rows, (n, k, f), split, full)
                 if not path.is_file():
                     work.append((rows, n, k, f, str(weights[0].dtype), tuple(c.name for c in configs)))
     if not work:
