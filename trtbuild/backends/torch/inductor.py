@@ -127,7 +127,7 @@ def compile_parts(out: dict[str, Any]) -> Iterator[None]:
     (`torch._dynamo.utils.compilation_time_metrics`): `cxx_s` the C++ compile and link of the graph's
     wrapper and kernels (AotCodeCompiler.compile), `inductor_s` the rest (tracing, lowering, code
     generation, packaging; the first graph of a process also probes the CPU's vector ISAs there), and
-    `timers`: every one of Inductor's timers that ran for a tenth of a second or more, nested ones
+    `timers`: every one of Inductor's timers that ran for 0.1 s or more, nested ones
     included (so they overlap), to say what inside those two parts took the time. Only the total where
     this torch keeps no such timer."""
     try:
