@@ -18,3 +18,11 @@ def test_captured_cuda_graphs_compile_their_host_wrapper_quickly(graph: str) -> 
     assert inductor_configs("default", "cuda", graph).items() >= wanted.items()
     for other in (inductor_configs("default", "cuda", "paged"), inductor_configs("default", "cpu", graph)):
         assert not set(wanted) & set(other)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_vector_isa_comes_from_the_cpus_flags_for_every_device(device: str) -> None:
+    """No build process proves the CPU's vector ISAs by loading compiled headers in new Python processes: on the
+    CPU that was most of its ISA probe, and a CUDA build's compiling processes waited on it side by side."""
+    for graph in ("prefill", "decode_b1", "paged"):
+        assert inductor_configs("default", device, graph)["cpp.vec_isa_ok"] is True

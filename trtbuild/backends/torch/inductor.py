@@ -42,14 +42,16 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
     from trtbuild.backends.torch import cxx
 
     base["cpp.cxx"] = (None, cxx.compiler().path)  # exactly the compiler the key records
-    if device == "cpu":
-        # Inductor proves each vector ISA the CPU reports (AVX2, AVX-512, AVX-512 VNNI, AMX) by compiling
-        # ATen's vector headers once per ISA and loading each result in a new Python process: on a cold
-        # tactic cache 10 of 12 CPU seconds of its ISA probe, a fifth of a tiny build's CPU time (2 cores,
-        # 2026-12-06). The CPU's own flags (cpuinfo, which also checks that the OS saves the registers)
-        # decide instead; the compiler's support for the extensions (bf16, VNNI, AMX tiles) is still
-        # compiled and checked, and a compiler that could not build the base ISA fails the build loudly.
-        base["cpp.vec_isa_ok"] = True
+    # Inductor proves each vector ISA the CPU reports (AVX2, AVX-512, AVX-512 VNNI, AMX) by compiling ATen's
+    # vector headers once per ISA and loading each result in a new Python process, once in every process that
+    # compiles, under one file lock per ISA. On the CPU that was 10 of 12 CPU seconds of its ISA probe, a fifth
+    # of a tiny build's CPU time (2 cores, 2026-12-06). A CUDA program asks too (AOTInductor records the ISA
+    # in its metadata): on an H200 (0741706) each compiled program spent 42-61 s in AotCodeCompiler.compile of
+    # which the compiler ran 4-6 s, the rest outside it, in the seven processes compiling side by side that
+    # each import torch per ISA behind those locks. The CPU's own flags (cpuinfo, which also checks that the
+    # OS saves the registers) decide instead; the compiler's support for the extensions (bf16, VNNI, AMX
+    # tiles) is still compiled and checked, and a compiler that could not build the base ISA fails loudly.
+    base["cpp.vec_isa_ok"] = True
     if graph.startswith("decode_b") and pdl_compilable(device):
         # Inductor's kernels wait for their predecessor inside the kernel, so the runtime may let them
         # start early in the captured decode step (trtbuild/backends/torch/pdl.py). The prefill graphs' captures
