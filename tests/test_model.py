@@ -382,7 +382,8 @@ def test_an_epilogue_plan_routes_each_call_site_the_way_its_timings_say(monkeypa
         # gate/up (gate): the fused kernel is slow, the plain one fast; everything else: the fused kernel wins
         slow = fusion == "gate"
         return {"fusion": fusion, "cublas_us": 10.0, "choice": "cublas" if slow else "k", "candidates":
-                {"k": 20.0 if slow else (8.0 if fused else 9.5)}, **({"unfused_us": 12.0} if fused else {})}
+                {"k": 20.0 if slow else (8.0 if fused else 9.5)}, **({"unfused_us": 12.0} if fused else {}),
+                "seconds": {"references_s": 0.5, "candidates_s": 0.25}}
 
     widths: list[int] = []  # the row width each candidate list was asked for (lists may differ by width)
     fulls: set[bool] = set()  # whether each list asked for was the full one
@@ -408,7 +409,9 @@ def test_an_epilogue_plan_routes_each_call_site_the_way_its_timings_say(monkeypa
     cfg = LlamaConfig.from_hf(dict(TINY_CONFIG))
     model = Transformer(cfg, max_batch_size=2, max_seq_len=16, dtype=torch.float32)
     job = types.SimpleNamespace(tactics=types.SimpleNamespace(path=tmp_path), progress=lambda message: None)
-    plan, record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue")  # type: ignore[arg-type]
+    split_s: dict[str, float] = {}
+    plan, record = matmul_plan(model, (1,), "default", "auto", "cuda", job, "epilogue",  # type: ignore[arg-type]
+                               seconds=split_s)
     d, f = cfg.hidden_size, cfg.intermediate_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     shapes = [(qkv, d), (d, d), (2 * f, d), (d, f), (cfg.vocab_size, d)]
@@ -436,6 +439,8 @@ def test_an_epilogue_plan_routes_each_call_site_the_way_its_timings_say(monkeypa
                                    + [(n, k, "none") for (n, k), fusion in zip(shapes, fusions) if fusion != "none"])
     assert sorted(set(widths)) == sorted({k for _, k in shapes})  # each call site's own row width
     assert fulls == {False}  # tactics `default`: the likely configurations only (matmul_configs.LIKELY)
+    # the build's phases: every fresh selection's seconds by part (the stand-in says 0.5 s and 0.25 s each)
+    assert split_s["timing_references_s"] == 0.5 * len(timed) and split_s["timing_candidates_s"] == 0.25 * len(timed)
     # compiled ahead, in parallel (kernel_warmup.py): exactly the timings then taken, each with its candidates
     assert len(ahead) == 1 and sorted((n, k, fusion) for _, n, k, fusion, _, _ in ahead[0]) == sorted(timed)
     assert all(rows == 1 and configs == ("k",) and dtype == "torch.float32" for rows, _, _, _, dtype, configs in ahead[0])

@@ -22,6 +22,7 @@ with the model code because it changes what is built: its source is part of ever
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,7 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
             F.linear(x, w)
 
     per_call = len(weights)
+    t = time.perf_counter()
     result: dict[str, Any] = {"cublas_us": graph_seconds(cublas, reps) / per_call * 1e6, "fusion": fusion,
                               "candidates": {}}
     best, best_us = "cublas", result["cublas_us"]
@@ -287,6 +289,10 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
                 result["unfused_us"] = best_us = graph_seconds(inductor, reps) / per_call * 1e6
         except Exception as e:  # then the fused kernel must beat cuBLAS's matmul alone
             result["unfused_us"] = _failure(e)
+    # where a selection's seconds go: cuBLAS and the unfused reference (its torch.compile included), then the
+    # candidates (each one's load, its check against ATen and its timing)
+    seconds = {"references_s": time.perf_counter() - t}
+    t = time.perf_counter()
     for config in configs if configs is not None else candidates(rows, fusion, split, w0.shape[1], w0.shape[0]):
         try:
             y0 = launch(w0, ys[0], config)
@@ -307,6 +313,7 @@ def select(weights: Sequence[Tensor], rows: int, fusion: str = "none", reps: int
         if us < best_us:
             best, best_us = config.name, us
     result["choice"] = best
+    result["seconds"] = seconds | {"candidates_s": time.perf_counter() - t}
     return result
 
 

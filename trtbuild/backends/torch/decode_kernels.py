@@ -99,7 +99,9 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     A quantized engine's quantized Linears are timed the same way per (out, in, format) and batch, among the
     quantized kernel's candidates only (it has no cuBLAS rival: ATen would dequantize every weight every step);
     their plan keys carry the format where the others carry a fusion (`quant_choice`). `seconds`, where given,
-    gets where the selection's time went: "ahead_s" (the candidates compiled ahead) and "timing_s" (the rest).
+    gets where the selection's time went: "ahead_s" (the candidates compiled ahead), "timing_s" (the rest) and
+    of that, for the dense kernel's fresh selections, "timing_references_s" (cuBLAS and the unfused rivals,
+    their torch.compile included) and "timing_candidates_s".
     """
     if mode == "kernel" and not device.startswith("cuda"):
         raise TrtbuildError("options.decode_matmul: 'kernel' is a CUDA kernel, and this build is for the CPU")
@@ -129,6 +131,7 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     record: dict[str, Any] = {}
     split = split_mode == "timed"
     full = level == "max"  # `default` times the likely configurations only (matmul_configs.LIKELY)
+    spent: dict[str, float] = {}  # the fresh dense selections' seconds, by part (decode_matmul.select)
     ahead = _compile_ahead(dm, job, by_shape, buckets, mode, split, device, quantized, full)
     t = time.perf_counter()
     for rows in buckets:
@@ -139,9 +142,9 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             record[f"decode_b{rows}"] = {"note": f"cuBLAS: the kernel takes at most {dm.MAX_ROWS} rows"}
             continue
         for (n, k, fusion), weights in by_shape.items():
-            result = _timings(dm, job, weights, rows, (n, k, fusion), split, full)
+            result = _timings(dm, job, weights, rows, (n, k, fusion), split, full, spent)
             # a fused call site may still be best served by the kernel alone, with Inductor's ops around it
-            plain = (_timings(dm, job, weights, rows, (n, k, "none"), split, full)
+            plain = (_timings(dm, job, weights, rows, (n, k, "none"), split, full, spent)
                      if fusion != "none" and mode == "auto" else None)
             choice, does, us = pick(result, plain, mode)
             if choice is None:
@@ -157,8 +160,10 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
             record.setdefault(f"decode_b{rows}", {})[key_name(key)] = entry
             if config is not None:
                 plan.setdefault(rows, {})[key] = config
-    if seconds is not None:  # the timings after the compile ahead (torch.compile of the unfused references in it)
-        seconds.update({"ahead_s": float(ahead.get("seconds", 0.0)), "timing_s": time.perf_counter() - t})
+    if seconds is not None:  # the timings after the compile ahead, and of them the dense kernel's fresh selections'
+        # references (cuBLAS, and each fused site's unfused rival through torch.compile) and candidates
+        seconds.update({"ahead_s": float(ahead.get("seconds", 0.0)), "timing_s": time.perf_counter() - t,
+                        **{f"timing_{k}": v for k, v in spent.items()}})
     return plan, record
 
 
@@ -234,10 +239,11 @@ def fused_outside(record: dict[str, Any], rows: int) -> list[str]:
 
 
 def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey,
-             split: bool = False, full: bool = True) -> dict[str, Any]:
+             split: bool = False, full: bool = True, spent: dict[str, float] | None = None) -> dict[str, Any]:
     """`decode_matmul.select` for one weight shape and fusion, kept in the tactic cache under the shape,
     fusion, batch, dtype, layer count, candidate list and kernel source, so a rebuild (or another recipe of
-    the same shapes) measures nothing. `dm` is the decode_matmul module (it needs Triton)."""
+    the same shapes) measures nothing. `dm` is the decode_matmul module (it needs Triton). A fresh selection's
+    seconds, by part, are added into `spent`."""
     from trtbuild.store.tactics import write_atomic
 
     cached, configs = _timing_file(dm, job, weights, rows, key, split, full)
@@ -248,6 +254,9 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
     job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
                  f"cuBLAS and {len(configs)} kernel configurations")
     result = dm.select(weights, rows, fusion, split=split, configs=configs)
+    for part, value in result.get("seconds", {}).items():  # where a fresh selection's seconds went
+        if spent is not None:
+            spent[part] = spent.get(part, 0.0) + float(value)
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
     return result
 
