@@ -79,6 +79,8 @@ STEPS = {
                         "results/2026-12-06-h100-gate-2: 15 s (three cache hits)"),
     # not in a part: `--only` runs it where a change moves int4_wo alone (bench_quant has the same rows)
     "bench_int4": Step("1B int4_wo / bf16 decode", 0, 15, 15, "bench_quant's, without the fp8 engine"),
+    # not in a part: where the int4_wo step's time goes, batch 1 and 8 (profile.json in details.tar.gz)
+    "profile_int4": Step("profile the 1B int4_wo decode step", 0, 25, 25, "profile's, twice: estimated"),
     "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 240, 225,
                         "results/2026-12-06-h100-gate-4: 225 s (the paged graph compiled, 111 s, the others reused; "
                         "three servers' load and bucket captures, ~12 s each; four random levels, 32 s)"),
@@ -313,24 +315,28 @@ def bench_quant_step(g: Gate, keys: tuple[str, ...] = ("fp8", "int4")) -> None:
                           note=f"bf16 {bf16[b]:.3f} ms against {ms:.3f} ms in the same run"))
 
 
-def profile_step(g: Gate) -> None:
-    out = g.work / "profile"
-    name = f"{label(g)} bf16 profile kernels / run TPOT b1"
-    rc, text = g.child("profile", [sys.executable, "benchmarks/profile_check.py", recipes(g)["bf16"], "--engines",
-                                   str(g.store), "--out", str(out), "--batches", "1", "--prefill-len", "0"]
+def profile_step(g: Gate, key: str = "bf16", batches: str = "1") -> None:
+    """`trtbuild profile` of the 1B `key` recipe's decode step at `batches`, against the TPOT `run` measures: a row
+    for batch 1's agreement, noting where the step's time goes (the sites that take the most, and launches)."""
+    out = g.work / f"profile-{key}"
+    name = f"{label(g)} {key} profile kernels / run TPOT b1"
+    rc, text = g.child(f"profile-{key}", [sys.executable, "benchmarks/profile_check.py", recipes(g)[key], "--engines",
+                                          str(g.store), "--out", str(out), "--batches", batches, "--prefill-len", "0"]
                        + (["--prompt-len", "8", "--output-len", "16"] if g.args.tiny else []),
                        reserve=g.args.reserve)
     try:
-        agree = json.loads((out / "profile.json").read_text())["cases"]["decode_b1"]["agreement"]
+        case = json.loads((out / "profile.json").read_text())["cases"]["decode_b1"]
+        agree, decode = case["agreement"], case["profile"]["phases"]["decode"]
     except (OSError, ValueError, KeyError):
         g.add(row(name, None, "x TPOT", g.part, status="error" if rc is not None else "not run",
                   note=text.strip()[-300:]))
         return
     ratio = agree["kernel_ratio"]  # what the profile's rows account for of the step `run` measures
+    top = ", ".join(f"{r['site']} {r['time_s'] * 1e3:.3f} ms" for r in decode["rows"][:4])
     g.add(row(name, ratio, "x TPOT", g.part, target="within 5%", met=abs(ratio - 1) <= 0.05,
               note=f"profile step {agree['profile_step_ms']:.4f} ms ({agree['ratio']:.3f}x TPOT), its kernels "
                    f"{agree['profile_kernels_ms']:.4f} ms, {agree['profiled_wall_ms']:.4f} ms under the profiler; "
-                   f"run TPOT p50 {agree['run_tpot_p50_ms']:.4f} ms"))
+                   f"run TPOT p50 {agree['run_tpot_p50_ms']:.4f} ms; {decode['launches']:.0f} launches; most: {top}"))
 
 
 def serve_step(g: Gate) -> None:
@@ -542,11 +548,12 @@ RUNNERS: dict[str, Callable[[Gate], None]] = {
     "build_bf16": lambda g: build_step(g, "bf16"), "profile": profile_step, "bench_bf16": bench_bf16_step,
     "serve": serve_step, "build_fp8": lambda g: build_step(g, "fp8"), "build_int4": lambda g: build_step(g, "int4"),
     "bench_quant": bench_quant_step, "bench_int4": lambda g: bench_quant_step(g, ("int4",)),
+    "profile_int4": lambda g: profile_step(g, "int4", "1,8"),
     "serve_paged": serve_paged_step, "paged_probe": paged_probe_step, "smollm2": smollm2_step,
 }
 # One call (--part all): part 2's short steps before part 1's torch.compile, whose tail is the longest
-ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "bench_int4", "serve_paged",
-             "paged_probe", "smollm2", "bench_bf16")
+ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "bench_int4", "profile_int4",
+             "serve_paged", "paged_probe", "smollm2", "bench_bf16")
 
 
 # -- seeds ----------------------------------------------------------------------------------------------------------------
