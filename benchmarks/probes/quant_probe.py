@@ -1,7 +1,8 @@
 """Quantized decode matmuls: every candidate of trtbuild's quantized kernel against bf16, per weight shape.
 
-For Llama-3.2-1B's and Llama-3.1-8B's decode weight shapes (QKV, output, gate/up, down; the LM head stays bf16
-in a quantized engine and is timed once for the step's total), at each batch, this times inside CUDA graphs:
+For Llama-3.2-1B's and Llama-3.1-8B's decode weight shapes (QKV, output, gate/up, down; the LM head, bf16 in a
+quantized engine, only with `--head`, and apart: what quantizing it would buy), at each batch, this times inside
+CUDA graphs:
   - torch's bf16 matmul (`F.linear`, cuBLAS) and the dense decode kernel's best of a few of its candidates
     (`DENSE`: its usual winners on the H100/H200, RESULTS.md), the bf16 engine's two ways;
   - every candidate of `trtbuild.kernels.quant_matmul` for int4 (groups of 128) and fp8, exactly as the build's
@@ -71,14 +72,17 @@ def dense_configs(rows: int, k: int) -> list[Any]:
     return [c for c in map(MatmulConfig.parse, names) if c.block_k <= max(k, 1024)]
 
 
-def plan(models: list[str], batches: list[int], formats: list[str], sms: int) -> list[dict[str, Any]]:
+def plan(models: list[str], batches: list[int], formats: list[str], sms: int,
+         head: bool = False) -> list[dict[str, Any]]:
     """Every (model, shape, batch, format or "bf16") to time and its candidates: the build's own lists
-    (`quant_candidates`), so the probe's enumeration is the build's."""
+    (`quant_candidates`), so the probe's enumeration is the build's. With `head`, the LM head's shape too (read
+    once a step): what quantizing it would buy."""
     from trtbuild.kernels.matmul_configs import quant_candidates
 
     work = []
     for model in models:
-        for name, (n, k) in shapes(model).items():
+        d, vocab = MODELS[model][0], MODELS[model][5]
+        for name, (n, k) in (shapes(model) | ({"head": (vocab, d)} if head else {})).items():
             for rows in batches:
                 work.append({"model": model, "shape": name, "n": n, "k": k, "rows": rows, "format": "bf16",
                              "configs": [c.name for c in dense_configs(rows, k)]})
@@ -248,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    work = plan(args.models, args.batches, args.formats, sms)
+    work = plan(args.models, args.batches, args.formats, sms, args.head)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "sms": sms, "torch": torch.__version__,
                               "date": time.strftime("%Y-%m-%d"), "rows": [], "steps": {}}
     keys = compile_keys(work)
@@ -271,7 +275,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      "x_floor": None})
             continue
         fmt, n, k, rows = item["format"], item["n"], item["k"], item["rows"]
-        layers_n = MODELS[item["model"]][6]
+        layers_n = 1 if item["shape"] == "head" else MODELS[item["model"]][6]
         nbytes = n * k * 2 if fmt == "bf16" else quant_bytes(fmt, n, k)
         layers = make_layers(fmt, n, k, copies(nbytes, layers_n))
         t = time.perf_counter()
@@ -308,13 +312,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def steps(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per model, batch and format: the step's quantized matmuls (each shape's fastest way x the layers) and the
-    bf16 step's (the faster of torch and the dense kernel), the LM head left out (bf16 in both engines)."""
+    bf16 step's (the faster of torch and the dense kernel), the LM head left out (bf16 in both engines); the LM
+    head apart where it was timed (`--head`), once a step."""
     out: dict[str, Any] = {}
     for r in rows:
         if r["fastest_us"] is None:
             continue
-        layers = MODELS[r["model"]][6]
-        entry = out.setdefault(f"{r['model']} b{r['rows']}", {}).setdefault(r["format"], {"us": 0.0, "floor_us": 0.0})
+        head = r["shape"] == "head"
+        layers = 1 if head else MODELS[r["model"]][6]
+        step = f"{r['model']} b{r['rows']}" + (" LM head" if head else "")
+        entry = out.setdefault(step, {}).setdefault(r["format"], {"us": 0.0, "floor_us": 0.0})
         entry["us"] += r["fastest_us"] * layers
         entry["floor_us"] += r["floor_us"] * layers
     for entry in out.values():
@@ -335,7 +342,8 @@ def table(result: dict[str, Any]) -> str:
             return f"{v:.2f}" if isinstance(v, float) else "-" if v is None else str(v)[:40]
         lines.append(f"| {r['model']} | {r['shape']} | {r['rows']} | {r['format']} | {r['best']} | {f(r['best_us'])} | "
                      f"{f(r.get('torch_us'))} | {f(r['floor_us'])} | {f(r['x_floor'])} | {f(r.get('torchao_us'))} |")
-    lines += ["", "| step (layers' matmuls, LM head apart) | format | µs | floor µs | vs bf16 |", "|---|---|---|---|---|"]
+    lines += ["", "| step (layers' matmuls, LM head apart; `LM head`: it alone) | format | µs | floor µs | vs bf16 |",
+              "|---|---|---|---|---|"]
     for step, entry in result["steps"].items():
         for fmt, e in entry.items():
             lines.append(f"| {step} | {fmt} | {e['us']:.1f} | {e['floor_us']:.1f} | "
@@ -355,6 +363,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=150.0,
                    help="seconds after which no further shape is timed (the rest are listed as not timed)")
     p.add_argument("--no-torchao", dest="torchao", action="store_false", help="skip torchao's peers")
+    p.add_argument("--head", action="store_true", help="time the LM head's shape in each format too, apart")
     args = p.parse_args(argv)
     if any(not 1 <= b <= 16 for b in args.batches):
         p.error("--batches: 1 to 16 rows (the kernels take at most 16)")
