@@ -76,7 +76,8 @@ LIKELY = frozenset({
 def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0, n: int = 0,
                full: bool = True) -> list[MatmulConfig]:
     """The configurations timed for `rows` at a call site with `fusion` whose rows are `k` wide; with
-    `split`, split-K ones too; without `full`, only the unsplit ones in LIKELY (the split-K lists are kept). Given the weight's `n` output columns and `k`, a configuration whose block
+    `split`, split-K ones too; without `full`, only the unsplit ones in LIKELY (the split-K lists are kept).
+    Given the weight's `n` output columns and `k`, a configuration whose block
     covers more than the whole matrix is dropped where one before it in the list covers the same (the
     masked rest of a block is never read, so the two do the same work): a small model's tactic selection
     then compiles and times a handful of kernels instead of every one (a 2-layer test model's bf16 build

@@ -257,8 +257,7 @@ class TorchAOTIBackend:
                     graph["worker"] = {k: v for k, v in report.items() if k != "tuned"}
                     tuned.extend(report.get("tuned", []))
                     if forking and report["ok"]:  # the same process's work, only forked: counted as the build's
-                        graph.update({k: report[k] for k in ("compile_inductor_s", "compile_cxx_s", "compile_timers")
-                                      if k in report})
+                        graph.update({k: report[k] for k in graph_cache.COMPILE_PARTS if k in report})
                 graph["compile_s"] = time.perf_counter() - g0
                 graph.pop("program", None)
                 graph_cache.remember_export(job.tactics.path, *records[unit])
@@ -330,7 +329,7 @@ def _assembled(units: dict[str, dict[str, Any]], where: dict[str, tuple[str, int
         if len(parts) == 1 and parts[0][1] is None:
             graphs[name] = parts[0][0]
             continue
-        kept = ("so", "digest", "reused", "compile_s", "compile_inductor_s", "compile_cxx_s", "compile_timers", "worker")
+        kept = ("so", "digest", "reused", "compile_s", *graph_cache.COMPILE_PARTS, "worker")
         graphs[name] = {k: v for k, v in parts[0][0].items() if k not in kept} | {
             "regions": [{"layers": layers, **{k: g[k] for k in kept if k in g}} for g, layers in parts],
             "embed_scale": embed_scale,
@@ -354,7 +353,7 @@ def _compile_forked(work: list[tuple[dict[str, Any], str, dict[str, Any], Path]]
         t = time.perf_counter()
         graph_cache.compile_or_reuse(graph, unit, configs, graph["digest"], tactics, workdir)
         reports[unit] = {"compile_s": time.perf_counter() - t, "tuned": list(tuned),
-                         **{k: graph[k] for k in ("compile_inductor_s", "compile_cxx_s", "compile_timers") if k in graph}}
+                         **{k: graph[k] for k in graph_cache.COMPILE_PARTS if k in graph}}
     return reports
 
 

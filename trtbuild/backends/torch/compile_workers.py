@@ -341,7 +341,7 @@ def _compile_unit(model: Any, shapes: Any, spec: dict[str, Any], unit: dict[str,
         graph_cache.compile_or_reuse(graph, unit["unit"], configs, digest, Path(spec["tactics"]),
                                      Path(unit["workdir"]))
     return {"compile_s": time.perf_counter() - t, "tuned": tuned,
-            **{k: graph[k] for k in ("compile_inductor_s", "compile_cxx_s", "compile_timers") if k in graph}}
+            **{k: graph[k] for k in graph_cache.COMPILE_PARTS if k in graph}}
 
 
 def main(argv: list[str]) -> int:

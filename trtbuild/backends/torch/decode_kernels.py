@@ -254,8 +254,8 @@ def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulK
     job.progress(f"timing decode matmuls for batch {rows}, {key_name(key)} ({len(weights)} matrices): "
                  f"cuBLAS and {len(configs)} kernel configurations")
     result = dm.select(weights, rows, fusion, split=split, configs=configs)
-    for part, value in result.get("seconds", {}).items():  # where a fresh selection's seconds went
-        if spent is not None:
+    if spent is not None:  # where a fresh selection's seconds went
+        for part, value in result.get("seconds", {}).items():
             spent[part] = spent.get(part, 0.0) + float(value)
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
     return result

@@ -91,6 +91,9 @@ def remember_export(tactics: Path, architecture: str, record: dict[str, Any]) ->
 
 
 _TMP = ".tmp-"  # <digest>.tmp-<host>-<pid>: a compiled graph being copied into the tactic cache
+# where a compile's seconds went (inductor.compile_parts), as `compile_or_reuse` adds them to a graph's record: a
+# worker's or a fork's report carries them back to the build under the same names
+COMPILE_PARTS = ("compile_inductor_s", "compile_cxx_s", "compile_timers")
 
 
 def sweep_half_copied(tactics: Path) -> None:
