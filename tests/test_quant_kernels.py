@@ -230,9 +230,10 @@ def test_the_build_times_each_quantized_shape_once_per_batch_and_plans_the_faste
     timed: list[tuple[int, int, int, int]] = []
 
     def select(layers: list[tuple[torch.Tensor, ...]], rows: int, reps: int = 15,
-               configs: list[MatmulConfig] | None = None) -> dict[str, Any]:
+               configs: list[MatmulConfig] | None = None, epilogue: str = "none") -> dict[str, Any]:
         n, k = layers[0][0].shape[0], layers[0][0].shape[1] * 2
         timed.append((n, k, rows, len(layers)))
+        assert epilogue == "none"  # options.decode_fusion none: the kernel does the matmul alone
         assert configs  # the build's pruned list, as its cache key names it
         if n == k:  # the output projection: nothing ran
             return {"format": "int4", "choice": None, "candidates": {c.name: "failed: no" for c in configs}}
@@ -269,9 +270,122 @@ def test_the_build_times_each_quantized_shape_once_per_batch_and_plans_the_faste
     assert plan[1] == {(n, k, "int4"): lists[(n, k)][-1] for n, k in quantized if n != k}
     entry = record["decode_b1"][f"{2 * f}x{d}+int4"]
     assert entry["used"] == lists[(2 * f, d)][-1].name and entry["calls"] == layers and entry["chosen_us"] == 1.0
-    assert record["decode_b1"][f"{d}x{d}+int4"]["used"].endswith("(fixed: no candidate ran)")
+    assert record["decode_b1"][f"{d}x{d}+int4"]["used"].endswith("(fixed: no candidate ran, no epilogue)")
     assert decode_kernels.fused_outside(record, 1) == []  # the quantized kernel's fusions are not the dense kind
     assert decode_kernels.timed_step_us(record, 1) == 3 * layers * 1.0 + 5.0  # and cuBLAS's LM head, once
     timed.clear()
     again, _ = decode_kernels.matmul_plan(model, (1,), "default", "auto", "cuda", job, "none")  # type: ignore[arg-type]
     assert again == plan and timed == []  # from the tactic cache
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_kernel_does_the_gating_and_the_residual_add_of_its_call_site(fmt: str, rows: int) -> None:
+    """gate: a [2N, K] weight (gate rows, then up rows, each with its own scales), y = silu(gate) * up; residual:
+    y = r + x @ w^T. Against the reference over the dequantized weight; N not a multiple of the block."""
+    from trtbuild.kernels.quant_matmul import MatmulConfig, quant_matmul, reference
+
+    tol = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
+    for epilogue in ("gate", "residual"):
+        x, stored, _ = _case(fmt, rows, 2 * 21, 256, rows + len(fmt))
+        q, s, z = stored["qweight"], stored["scale"], stored.get("zero")
+        residual = torch.randn(rows, 42, generator=torch.Generator().manual_seed(5)).to(DEVICE, DTYPE)
+        residual = residual if epilogue == "residual" else None
+        want = reference(x, q, s, z, epilogue, residual)
+        assert want.shape == (rows, 21 if epilogue == "gate" else 42)
+        got = quant_matmul(x, q, s, z, MatmulConfig(8, 128, 4, 1), gate=epilogue == "gate", residual=residual)
+        torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
+        # not vacuous: the plain matmul differs from the fused result beyond the tolerance
+        plain = quant_matmul(x, q, s, z, MatmulConfig(8, 128, 4, 1))
+        assert plain.shape != want.shape or (plain.float() - want).abs().max() > 10 * tol * want.abs().max()
+
+
+def test_split_k_is_refused_with_an_epilogue_and_never_a_candidate_for_one() -> None:
+    """The gating and the add need each column's whole sum: a split configuration is refused at launch, and the
+    build's list for a fused site has none (nor, gated, an int4 tile that two weight rows would overflow)."""
+    from trtbuild.kernels.matmul_configs import INT4_TILE, quant_candidates
+    from trtbuild.kernels.quant_matmul import MatmulConfig, quant_matmul
+
+    x, stored, _ = _case("int4", 1, 16, 256, 3)
+    with pytest.raises(ValueError, match="split-K"):
+        quant_matmul(x, stored["qweight"], stored["scale"], stored["zero"], MatmulConfig(8, 128, 4, 1, 2), gate=True)
+    assert any(c.split > 1 for c in quant_candidates("int4", 1, 2048, 8192, 128))
+    for epilogue in ("gate", "residual"):
+        assert not any(c.split > 1 for c in quant_candidates("int4", 1, 2048, 8192, 128, epilogue=epilogue))
+    gated = quant_candidates("int4", 1, 8192, 2048, 128, epilogue="gate")
+    assert gated and all(2 * c.block_n * c.block_k // 2 <= INT4_TILE * c.warps // 4 for c in gated)
+    assert len(gated) < len(quant_candidates("int4", 1, 8192, 2048, 128))
+
+
+def test_the_plan_fuses_each_quantized_call_sites_epilogue_and_routes_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """options.decode_fusion epilogue on a tiny int4 model: gate/up is timed with the gating and the output and
+    down projections with the residual add (QKV, whose norm stays outside, plain); the plan's keys say so, and
+    `export.quantized_decode` routes each Linear with its epilogue, so a decode step through the kernel (the
+    interpreter here) still gives the dequantizing model's logits."""
+    from types import SimpleNamespace
+
+    from trtbuild.backends.torch import decode_kernels, kernel_warmup
+    from trtbuild.backends.torch.export import place_model, quantized_decode
+    from trtbuild.kernels import decode_matmul as dm
+    from trtbuild.kernels import quant_matmul as qm
+    from trtbuild.kernels.matmul_configs import MatmulConfig
+    from trtbuild.models import calibrate
+    from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes
+    from trtbuild.models.llama import LlamaConfig
+
+    from .conftest import TINY_CONFIG
+
+    asked: dict[tuple[int, int], str] = {}
+
+    def select(layers: list[tuple[torch.Tensor, ...]], rows: int, reps: int = 15,
+               configs: list[MatmulConfig] | None = None, epilogue: str = "none") -> dict[str, Any]:
+        asked[(layers[0][0].shape[0], layers[0][0].shape[1] * 2)] = epilogue
+        assert configs and all(c.split == 1 for c in configs) or epilogue == "none"
+        return {"format": "int4", "epilogue": epilogue, "choice": "n8k128w4s1", "candidates": {"n8k128w4s1": 2.0}}
+
+    monkeypatch.setattr(qm, "select", select)
+    monkeypatch.setattr(dm, "select", lambda weights, rows, fusion="none", split=False, configs=None: {
+        "fusion": fusion, "cublas_us": 5.0, "choice": "cublas", "candidates": {}})
+    monkeypatch.setattr(kernel_warmup, "precompile", lambda work, device, progress: {})
+    monkeypatch.setattr(calibrate, "INT4_KEPT_INT8", ())
+    cfg = LlamaConfig.from_hf(TINY_CONFIG)
+    g = torch.Generator().manual_seed(1)
+    hf = {k: torch.randn(s, generator=g) * 0.2 for k, s in hf_parameter_shapes(cfg).items()}
+    state = calibrate.rtn_state(convert_hf_state_dict(hf, cfg), "int4")
+    shapes = SimpleNamespace(max_batch_size=2, max_input_len=8, max_seq_len=16)
+    models = [place_model(cfg, shapes, torch.float32, DEVICE, {k: v.clone() for k, v in state.items()}) for _ in range(2)]
+    job = SimpleNamespace(tactics=SimpleNamespace(path=tmp_path), progress=lambda message: None)
+    plan, record = decode_kernels.matmul_plan(models[1], (1,), "default", "auto", "cuda", job)  # type: ignore[arg-type]
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    assert asked == {(qkv, d): "none", (2 * f, d): "gate", (d, d): "residual", (d, f): "residual"}
+    assert set(plan[1]) >= {(qkv, d, "int4"), (2 * f, d, "int4+gate"), (d, d, "int4+residual"), (d, f, "int4+residual")}
+    assert record["decode_b1"][f"{2 * f}x{d}+int4+gate"]["kernel_does"] == "gate"
+    assert decode_kernels.fused_outside(record, 1) == []
+    with quantized_decode(models[1], "cuda", plan[1], 1):
+        does = {(m.out_features, m.in_features): m.decode_fusion for m in models[1].modules() if getattr(m, "quant", None)}
+        assert does == {(qkv, d): "none", (2 * f, d): "gate", (d, d): "residual", (d, f): "residual"}
+        if DEVICE == "cpu":  # the graphs would route only on CUDA: route by hand for the interpreter
+            tokens = torch.tensor([[3, 9, 1, 4], [7, 2, 8, 5]])
+            with torch.no_grad():
+                logits = []
+                for model in models:
+                    model(tokens, torch.arange(4), from_start=True)  # the prompt, dequantizing (prefill)
+                    logits.append(model(tokens[:, :1], torch.tensor([4])))
+            torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+    assert all(m.decode_fusion == "none" for m in models[1].modules() if getattr(m, "quant", None))
+
+
+def test_a_compile_worker_launches_a_fused_site_as_the_timing_will() -> None:
+    """kernel_warmup: a quantized site's kind is its format and epilogue ("int4+gate"), and the worker launches the
+    kernel gated (half as many output columns) or with a residual, so that the timing finds that variant compiled."""
+    from trtbuild.backends.torch import kernel_warmup
+
+    spec = (((32, 128), "torch.uint8"), ((32, 2), "torch.float32"), ((32, 2), "torch.float32"))
+    inputs: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    for kind, width in (("int4+gate", 16), ("int4+residual", 32), ("int4", 32)):
+        site = (1, 32, 256, kind, spec)
+        kernel_warmup._launch_quantized(inputs, site, "n8k128w4s1", DEVICE)
+        x, q, s, z, y, residual = inputs[site]
+        assert y.shape == (1, width) and (residual is not None) == (kind == "int4+residual")

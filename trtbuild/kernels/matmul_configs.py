@@ -128,15 +128,18 @@ INT4_TILE = 8192
 H100_SMS = 132  # the pruning's multiprocessor count where no device is there to ask
 
 
-def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: int = H100_SMS) -> list[MatmulConfig]:
+def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: int = H100_SMS,
+                     epilogue: str = "none") -> list[MatmulConfig]:
     """The configurations the build times for a quantized weight of format `fmt` (fp8, int8, int4; int4 in
-    groups of `group` columns), `n` x `k`, at `rows` rows, pruned of those that cannot win at that shape:
+    groups of `group` columns), `n` output columns x `k`, at `rows` rows, with `epilogue` (none, gate: two
+    weight rows an output column, residual), pruned of those that cannot win at that shape:
     - a step or a block of columns at least twice the matrix's (half of every step masked: the half-size
       candidate reads the same bytes in fewer, fuller steps), the list's smallest excepted;
     - int4 steps that are not whole groups, or more than MAX_GROUPS_A_STEP of them; int4 steps
       whose dequantized tile is larger than INT4_TILE for four warps;
     - split-K where the unsplit launch already gives every one of `sms` multiprocessors 4 programs or more (the
-      split only adds a reduction), or where a slice of k would be shorter than one step.
+      split only adds a reduction), where a slice of k would be shorter than one step, or with an epilogue
+      (the gating and the add need the whole sum).
     The lists' order is kept: the selection's first of equals is the earlier."""
     family = "int4" if fmt == "int4" else "fp8"
     plain = (QUANT_ONE_ROW if rows == 1 else QUANT_ROWS)[family]
@@ -144,14 +147,15 @@ def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: i
     # (the list's smallest step and block always stay: a matrix narrower than them still needs a candidate)
     width = max(_pow2(k), min(c.block_k for c in plain))
     height = max(_pow2(n), min(c.block_n for c in plain))
+    rows_read = 2 if epilogue == "gate" else 1  # weight rows a column: gating dequantizes two tiles a step
 
     def fits(c: MatmulConfig) -> bool:
         if c.block_k > width or c.block_n > height:
             return False
         if family == "int4" and (c.block_k % group or c.block_k // group > MAX_GROUPS_A_STEP):
             return False
-        if family == "int4" and c.block_n * c.block_k // 2 > INT4_TILE * c.warps // 4:
+        if family == "int4" and rows_read * c.block_n * c.block_k // 2 > INT4_TILE * c.warps // 4:
             return False
-        return c.split == 1 or (-(-n // c.block_n) < 4 * sms and k // c.split >= c.block_k)
+        return c.split == 1 or (epilogue == "none" and -(-n // c.block_n) < 4 * sms and k // c.split >= c.block_k)
 
     return [c for c in plain + split if fits(c)]

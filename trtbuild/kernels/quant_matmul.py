@@ -29,7 +29,11 @@ the result.
 
 Registered as the custom op `trtbuild::quant_matmul`, which the decode graphs of a quantized CUDA engine
 call for every quantized Linear (`Linear.decode_config`); the configuration is timed per format, weight
-shape and batch at build time (`select`, candidates in matmul_configs.py); the fusions stay outside it.
+shape, epilogue and batch at build time (`select`, candidates in matmul_configs.py). Like the dense kernel
+under options.decode_fusion epilogue, it does what follows the matmul at its call site: the SiLU gating of
+gate/up (`gate`: the program reads rows n and N + n with their scales) and the residual add (`residual`),
+which would otherwise be Inductor kernels of their own, three launches a layer; the norm before it stays
+outside.
 Imported only where Triton is present; tested through Triton's interpreter on the CPU and compiled on the GPU.
 """
 
@@ -71,14 +75,32 @@ def source_digest() -> str:
 
 
 @triton.jit
-def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, stride_xm, stride_qn, stride_sn,
-                         stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _int4_weights(q3, s_ptr, z_ptr, s3, k0, g_mask, GROUP: tl.constexpr):
+    """One step's int4 weights of a block of rows, dequantized to fp32: (low nibbles' columns, high nibbles'),
+    each [BLOCK_N, NG groups, GROUP / 2]. `q3` addresses the step's bytes of each row, `s3` each row's groups."""
+    packed = tl.load(q3 + k0 // 2, mask=g_mask[:, :, None], other=0).to(tl.int32)
+    scale = tl.load(s_ptr + s3 + k0 // GROUP, mask=g_mask, other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + s3 + k0 // GROUP, mask=g_mask, other=0.0).to(tl.float32)
+    # (q - z) s = (1 + q/16) * 16 s - (16 + z) s: one multiply-add a weight after the bit trick
+    mul = (16.0 * scale)[:, :, None]
+    add = (-(16.0 + zero) * scale)[:, :, None]
+    # 1 + q/16 as fp32: the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
+    w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
+    w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
+    return w_lo, w_hi
+
+
+@triton.jit
+def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, K_SLICE, stride_xm, stride_qn, stride_sn,
+                         stride_ym, stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          INT4: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-                         PDL: tl.constexpr, SPLIT: tl.constexpr):
+                         GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr):
     # y[m, n] = sum_k x[m, k] * w[n, k]. Program (i, j) owns columns i * BLOCK_N.. of y and reads k from
     # j * K_SLICE to (j + 1) * K_SLICE (all of k without split-K; K_SLICE is then K). With SPLIT > 1 it writes
     # its fp32 partial sums to rows j * M .. j * M + M - 1 of y (a workspace), which the reduction adds up.
     # K_SLICE is a run-time argument: one compiled kernel serves every weight width.
+    # With GATE the weight holds gate and up ([2N, K]): the program also reads rows N + n, with their scales,
+    # and writes silu(gate) * up; with RESIDUAL it adds r[m, n] to the result (neither with split-K).
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -86,12 +108,14 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
     m_mask = offs_m < M
     if PDL:
         z = wait_for_predecessor()
-        x_ptr, q_ptr, s_ptr, z_ptr, y_ptr = x_ptr + z, q_ptr + z, s_ptr + z, z_ptr + z, y_ptr + z
+        x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr = x_ptr + z, q_ptr + z, s_ptr + z, z_ptr + z, y_ptr + z, r_ptr + z
     k_start = tl.program_id(1) * K_SLICE
     k_end = tl.minimum(K, k_start + K_SLICE)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     q_rows = q_ptr + offs_n[:, None] * stride_qn
+    u_rows = q_ptr + (offs_n + N)[:, None] * stride_qn  # the up half's rows (GATE)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INT4:
         # A step of BLOCK_K columns is one load of its BLOCK_K / 2 bytes a weight row, seen as [BLOCK_N, NG groups,
         # GROUP / 2 bytes]: byte j of group g holds columns g * GROUP + j (low nibble) and g * GROUP + GROUP / 2 + j
@@ -109,19 +133,14 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
         offs_b = tl.arange(0, BLOCK_K // 2)
         col_b = offs_b // HALF * GROUP + offs_b % HALF
         tile = tl.zeros((BLOCK_N, NG, HALF), dtype=tl.float32)
+        tile_up = tl.zeros((BLOCK_N, NG, HALF), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             # K is whole groups and k_end a group boundary, so a group is in or out
             live = (k0 + offs_g * GROUP) < k_end  # [NG]
             g_mask = n_mask[:, None] & live[None, :]
-            packed = tl.load(q3 + k0 // 2, mask=g_mask[:, :, None], other=0).to(tl.int32)
-            scale = tl.load(s_ptr + s3 + k0 // GROUP, mask=g_mask, other=0.0).to(tl.float32)
-            zero = tl.load(z_ptr + s3 + k0 // GROUP, mask=g_mask, other=0.0).to(tl.float32)
-            # (q - z) s = (1 + q/16) * 16 s - (16 + z) s: one multiply-add a weight after the bit trick
-            mul = (16.0 * scale)[:, :, None]
-            add = (-(16.0 + zero) * scale)[:, :, None]
-            # 1 + q/16 as fp32: the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
-            w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
-            w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
+            w_lo, w_hi = _int4_weights(q3, s_ptr, z_ptr, s3, k0, g_mask, GROUP)
+            if GATE:
+                u_lo, u_hi = _int4_weights(q3 + N * stride_qn, s_ptr, z_ptr, s3 + N * stride_sn, k0, g_mask, GROUP)
             if USE_DOT:
                 # Several rows: the dequantized weights, rounded to x's dtype as the reference rounds them, into
                 # the tensor cores, the step's low nibbles' columns in one dot and the high ones' in another
@@ -130,6 +149,9 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
                 x_hi = tl.load(x_rows + k0 + HALF + col_b[None, :], mask=x_mask, other=0.0)
                 acc += tl.dot(x_lo, tl.trans(tl.reshape(w_lo, (BLOCK_N, BLOCK_K // 2)).to(x_lo.dtype)))
                 acc += tl.dot(x_hi, tl.trans(tl.reshape(w_hi, (BLOCK_N, BLOCK_K // 2)).to(x_lo.dtype)))
+                if GATE:
+                    acc_up += tl.dot(x_lo, tl.trans(tl.reshape(u_lo, (BLOCK_N, BLOCK_K // 2)).to(x_lo.dtype)))
+                    acc_up += tl.dot(x_hi, tl.trans(tl.reshape(u_hi, (BLOCK_N, BLOCK_K // 2)).to(x_lo.dtype)))
             else:
                 # One row: the products added lane by lane into a tile of the step's shape, summed across threads
                 # once, after the loop
@@ -137,8 +159,12 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
                 x_lo = tl.load(x_ptr + k0 + col, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
                 x_hi = tl.load(x_ptr + k0 + HALF + col, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
                 tile += x_lo * w_lo + x_hi * w_hi
+                if GATE:
+                    tile_up += x_lo * u_lo + x_hi * u_hi
         if not USE_DOT:
             acc += tl.sum(tl.sum(tile, axis=2), axis=1)[None, :]
+            if GATE:
+                acc_up += tl.sum(tl.sum(tile_up, axis=2), axis=1)[None, :]
     else:
         offs_k = tl.arange(0, BLOCK_K)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -152,17 +178,23 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, K_SLICE, st
             x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
             # no `other`: an integer fill does not cast to fp8 (Triton's interpreter refuses it); masked lanes
             # are zeroed after the widening instead. One row: straight to fp32, the sum's dtype.
-            if USE_DOT:
-                w = tl.where(w_mask, tl.load(q_rows + k[None, :], mask=w_mask).to(x.dtype), 0.0)
-            else:
-                w = tl.where(w_mask, tl.load(q_rows + k[None, :], mask=w_mask).to(tl.float32), 0.0)
-            acc = dot_acc(acc, x, w, USE_DOT)
+            wide = x.dtype if USE_DOT else tl.float32
+            acc = dot_acc(acc, x, tl.where(w_mask, tl.load(q_rows + k[None, :], mask=w_mask).to(wide), 0.0), USE_DOT)
+            if GATE:
+                acc_up = dot_acc(acc_up, x, tl.where(w_mask, tl.load(u_rows + k[None, :], mask=w_mask).to(wide), 0.0),
+                                 USE_DOT)
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATE:
+            acc_up = acc_up * tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATE:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if RESIDUAL:
+        acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask, other=0.0).to(tl.float32)
     if PDL:
         acc = release_successor(acc)
     if SPLIT > 1:
         offs_m += tl.program_id(1) * M
-    out_mask = m_mask[:, None] & n_mask[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -180,17 +212,23 @@ def launch_shape(config: MatmulConfig, rows: int, k: int, group: int) -> tuple[i
 
 
 def _launch(kernel: Any, x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor | None, y: Tensor,
-            config: MatmulConfig, reduce: Any = lambda k: k) -> None:
+            config: MatmulConfig, gate: bool = False, residual: Tensor | None = None,
+            reduce: Any = lambda k: k) -> None:
     """Launch `kernel` (wrapped or not) and, for split-K, `reduce(_split_reduce_kernel)` after it: the custom op
-    wraps both for AOTInductor."""
+    wraps both for AOTInductor. `gate`: the weight holds gate and up, y is silu(gate) * up; `residual` is added
+    to y."""
     m, k = x.shape
-    n = qweight.shape[0]
+    n = qweight.shape[0] // (2 if gate else 1)
     int4 = zero is not None
     if m > MAX_ROWS or x.stride(1) != 1 or qweight.stride(1) != 1 or qweight.shape[1] * (2 if int4 else 1) != k:
         raise ValueError(f"quant_matmul takes x [<=16, K] and a quantized weight of K columns with contiguous rows, "
                          f"got {tuple(x.shape)}, {tuple(qweight.shape)} {qweight.dtype}")
+    if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
+        raise ValueError(f"quant_matmul's residual must be [M, N] with contiguous rows, got {tuple(residual.shape)}")
     group = k // scale.shape[1] if int4 else 0
     split = config.split
+    if split > 1 and (gate or residual is not None):
+        raise ValueError(f"quant_matmul: split-K ({config.name}) does the plain matmul only")
     if split > 1 and y.stride(0) != n:
         raise ValueError(f"quant_matmul: split-K writes a contiguous output, got strides {y.stride()}")
     dot = m > 1
@@ -199,33 +237,56 @@ def _launch(kernel: Any, x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor
     # the partial sums' rows: [split * M, N] fp32, every element written (an empty slice writes zeros)
     target = y if split == 1 else torch.empty((split * m, n), dtype=torch.float32, device=x.device)
     k_slice = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    # absent operands still need a pointer: the scale stands in, and the constexpr flags keep it unread
     kernel[(triton.cdiv(n, block_n), split)](
-        x, qweight, scale, scale if zero is None else zero, target, m, n, k, k_slice, x.stride(0), qweight.stride(0),
-        scale.stride(0), target.stride(0), BLOCK_M=16 if dot else triton.next_power_of_2(m), BLOCK_N=block_n,
+        x, qweight, scale, scale if zero is None else zero, target, scale if residual is None else residual,
+        m, n, k, k_slice, x.stride(0), qweight.stride(0), scale.stride(0), target.stride(0),
+        0 if residual is None else residual.stride(0), BLOCK_M=16 if dot else triton.next_power_of_2(m),
         # EVEN_K is read by fp8/int8 only: int4 always passes True, so that it compiles no variant for it
-        BLOCK_K=block_k, INT4=int4, GROUP=max(group, 2), USE_DOT=dot, EVEN_K=int4 or k % block_k == 0, PDL=pdl,
-        SPLIT=split, num_warps=config.warps, num_stages=config.stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, INT4=int4, GROUP=max(group, 2), USE_DOT=dot,
+        EVEN_K=int4 or k % block_k == 0, GATE=gate, RESIDUAL=residual is not None, PDL=pdl, SPLIT=split,
+        num_warps=config.warps, num_stages=config.stages)
     if split > 1:
         reduce(_split_reduce_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, y, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK, PDL=pdl, num_warps=4)
 
 
+def output_columns(qweight: Tensor, gate: bool) -> int:
+    """y's columns: the weight's rows, half of them when it holds gate and up."""
+    return qweight.shape[0] // 2 if gate else qweight.shape[0]
+
+
 def quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor | None, config: MatmulConfig,
-                 out: Tensor | None = None) -> Tensor:
-    """x [M, K] @ dequantize(weight)^T for M <= 16, written into `out` when given (eager launch)."""
-    y = torch.empty((x.shape[0], qweight.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
-    _launch(_quant_matmul_kernel, x, qweight, scale, zero, y, config)
+                 out: Tensor | None = None, gate: bool = False, residual: Tensor | None = None) -> Tensor:
+    """x [M, K] @ dequantize(weight)^T for M <= 16 (gated and with the residual added when asked), written into
+    `out` when given (eager launch)."""
+    y = (torch.empty((x.shape[0], output_columns(qweight, gate)), dtype=x.dtype, device=x.device) if out is None
+         else out)
+    _launch(_quant_matmul_kernel, x, qweight, scale, zero, y, config, gate, residual)
     return y
 
 
 @triton_op("trtbuild::quant_matmul", mutates_args=())
 def quant_matmul_op(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor | None, block_n: int, block_k: int,
-                    warps: int, stages: int, split: int = 1) -> Tensor:
+                    warps: int, stages: int, split: int = 1, gate: bool = False,
+                    residual: Tensor | None = None) -> Tensor:
     """The kernel as a custom op: what a quantized engine's decode graphs call (`Linear._kernel`)."""
-    y = torch.empty((x.shape[0], qweight.shape[0]), dtype=x.dtype, device=x.device)
+    y = torch.empty((x.shape[0], output_columns(qweight, gate)), dtype=x.dtype, device=x.device)
     _launch(wrap_triton(_quant_matmul_kernel), x, qweight, scale, zero, y,
-            MatmulConfig(block_n, block_k, warps, stages, split), reduce=wrap_triton)
+            MatmulConfig(block_n, block_k, warps, stages, split), gate, residual, reduce=wrap_triton)
     return y
+
+
+def reference(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor | None, epilogue: str = "none",
+              residual: Tensor | None = None) -> Tensor:
+    """What the kernel computes with `epilogue` (none, gate, residual), in fp32 over the dequantized weight."""
+    from trtbuild.models.quantize import dequantize
+
+    y = F.linear(x.float(), dequantize(format_of(qweight, zero), qweight, scale, zero, x.dtype).float())
+    if epilogue == "gate":
+        a, b = y.chunk(2, dim=-1)
+        y = F.silu(a) * b
+    return y if residual is None else y + residual.float()
 
 
 def format_of(qweight: Tensor, zero: Tensor | None) -> str:
@@ -233,35 +294,39 @@ def format_of(qweight: Tensor, zero: Tensor | None) -> str:
     return "int4" if zero is not None else "fp8" if qweight.dtype == torch.float8_e4m3fn else "int8"
 
 
-def candidates_for(qweight: Tensor, scale: Tensor, zero: Tensor | None, rows: int) -> list[MatmulConfig]:
-    """The build's candidates for this weight at `rows` rows, pruned for its shape and the device's multiprocessors."""
+def candidates_for(qweight: Tensor, scale: Tensor, zero: Tensor | None, rows: int,
+                   epilogue: str = "none") -> list[MatmulConfig]:
+    """The build's candidates for this weight at `rows` rows with `epilogue` (none, gate, residual), pruned for
+    its shape and the device's multiprocessors."""
     fmt = format_of(qweight, zero)
     k = qweight.shape[1] * (2 if fmt == "int4" else 1)
     sms = (torch.cuda.get_device_properties(qweight.device).multi_processor_count
            if qweight.device.type == "cuda" else H100_SMS)
-    return quant_candidates(fmt, rows, qweight.shape[0], k, k // scale.shape[1] if fmt == "int4" else 0, sms)
+    return quant_candidates(fmt, rows, output_columns(qweight, epilogue == "gate"), k,
+                            k // scale.shape[1] if fmt == "int4" else 0, sms, epilogue)
 
 
 def select(layers: Sequence[tuple[Tensor, Tensor, Tensor | None]], rows: int, reps: int = 15,
-           configs: Sequence[MatmulConfig] | None = None) -> dict[str, Any]:
+           configs: Sequence[MatmulConfig] | None = None, epilogue: str = "none") -> dict[str, Any]:
     """Time every candidate (or `configs`) for `rows` x the weights of `layers` ((qweight, scale, zero) of one
     format and shape, e.g. every layer's QKV: distinct tensors, so none is served from L2 as in a real step)
-    inside a CUDA graph, per call. Returns {"format", "choice": the fastest config name or None, "candidates":
-    {name: us | error}}. A candidate whose result differs from the dequantized matmul beyond bf16 rounding is
-    refused, never chosen."""
-    from trtbuild.models.quantize import dequantize
-
+    inside a CUDA graph, per call, each doing `epilogue` (none; gate: the weight holds gate and up; residual: an
+    add). Returns {"format", "epilogue", "choice": the fastest config name or None, "candidates": {name: us |
+    error}}. A candidate whose result differs from `reference` beyond bf16 rounding is refused, never chosen."""
     q0, s0, z0 = layers[0]
     fmt = format_of(q0, z0)
     k = q0.shape[1] * (2 if fmt == "int4" else 1)
+    gate = epilogue == "gate"
+    width = output_columns(q0, gate)
     x = torch.randn(rows, k, device=q0.device, dtype=torch.bfloat16)
-    ref = F.linear(x.float(), dequantize(fmt, q0, s0, z0, x.dtype).float())
-    ys = [torch.empty(rows, q0.shape[0], device=q0.device, dtype=x.dtype) for _ in layers]
-    result: dict[str, Any] = {"format": fmt, "candidates": {}}
+    residual = torch.randn(rows, width, device=q0.device, dtype=x.dtype) if epilogue == "residual" else None
+    ref = reference(x, q0, s0, z0, epilogue, residual)
+    ys = [torch.empty(rows, width, device=q0.device, dtype=x.dtype) for _ in layers]
+    result: dict[str, Any] = {"format": fmt, "epilogue": epilogue, "candidates": {}}
     best, best_us = None, float("inf")
-    for config in configs if configs is not None else candidates_for(q0, s0, z0, rows):
+    for config in configs if configs is not None else candidates_for(q0, s0, z0, rows, epilogue):
         try:
-            got = quant_matmul(x, q0, s0, z0, config, out=ys[0]).float()
+            got = quant_matmul(x, q0, s0, z0, config, out=ys[0], gate=gate, residual=residual).float()
             err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
             if not err <= TOLERANCE:
                 result["candidates"][config.name] = f"refused: max relative error {err:.3g} against the dequantized matmul"
@@ -269,7 +334,7 @@ def select(layers: Sequence[tuple[Tensor, Tensor, Tensor | None]], rows: int, re
 
             def calls(config: MatmulConfig = config) -> None:
                 for (q, s, z), y in zip(layers, ys, strict=True):
-                    quant_matmul(x, q, s, z, config, out=y)
+                    quant_matmul(x, q, s, z, config, out=y, gate=gate, residual=residual)
 
             us = graph_seconds(calls, reps) / len(layers) * 1e6
         except Exception as e:  # a configuration that does not compile here is a measurement too

@@ -292,19 +292,19 @@ class Linear(nn.Linear):
 
     def _kernel(self, x: Tensor, norm: RMSNorm | None = None, gate: bool = False, residual: Tensor | None = None) -> Tensor:
         """trtbuild's decode matmul with `decode_config`, doing whichever of norm, gate and residual it is given
-        (a quantized Linear: the quantized kernel, which does the matmul alone; its decode_fusion is none)."""
+        (a quantized Linear: the quantized kernel, which does the gating and the residual add, never the norm)."""
         c = self.decode_config
+        flat_residual = None if residual is None else residual.reshape(-1, residual.shape[-1])
         if self.quant is not None:
             from trtbuild.kernels.quant_matmul import quant_matmul_op  # needs Triton: CUDA builds only
 
             y = quant_matmul_op(x.reshape(-1, self.in_features), self.qweight, self.scale, getattr(self, "zero", None),
-                                c.block_n, c.block_k, c.warps, c.stages, c.split)
+                                c.block_n, c.block_k, c.warps, c.stages, c.split, gate, flat_residual)
             return y.view(*x.shape[:-1], y.shape[-1])
         from trtbuild.kernels.decode_matmul import decode_matmul_op  # needs Triton: CUDA builds only
 
         gain = None if norm is None or norm.folded else norm.weight
-        y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, gain,
-                             None if residual is None else residual.reshape(-1, residual.shape[-1]),
+        y = decode_matmul_op(x.reshape(-1, self.in_features), self.weight, gain, flat_residual,
                              0.0 if norm is None else norm.eps, gate, c.block_n, c.block_k, c.warps, c.stages,
                              c.split, norm is not None)
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -57,10 +57,23 @@ DECODE_SPLIT_K_MODES = ("none", "timed")
 OPTIONS = {"decode_matmul": DECODE_MATMUL_MODES, "decode_attention": DECODE_ATTENTION_MODES,
            "decode_fusion": DECODE_FUSION_MODES, "decode_split_k": DECODE_SPLIT_K_MODES}
 
-MatmulKey = tuple[int, int, str]  # (out, in, fusion) of one routed Linear; (out, in, format) of a quantized one
+MatmulKey = tuple[int, int, str]  # (out, in, fusion) of one routed Linear; (out, in, `quant_site`) of a quantized one
 # the stored formats of quantized Linears (models/quantize.py), which take a plan key's fusion place: their kernel
-# (kernels/quant_matmul.py) does the matmul alone, so the format is what tells their timings apart
+# (kernels/quant_matmul.py) has its own timings per format, and does a call site's epilogue (the gating, the
+# residual add) as the dense kernel does under options.decode_fusion epilogue, never its norm
 QUANT_FORMATS = ("fp8", "int8", "int4")
+
+
+def quant_site(fmt: str, epilogue: str) -> str:
+    """A quantized Linear's plan key's last part: its format, and "+<epilogue>" where the kernel also does it."""
+    return fmt if epilogue == "none" else f"{fmt}+{epilogue}"
+
+
+def site_fusion(site: str) -> str:
+    """What the kernel does besides the matmul at a plan key's last part: a dense key's fusion, a quantized
+    key's epilogue."""
+    fmt, _, epilogue = site.partition("+")
+    return (epilogue or "none") if fmt in QUANT_FORMATS else site
 
 
 def key_name(key: MatmulKey) -> str:
@@ -97,8 +110,9 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     fusion): MatmulConfig}) and what to record in the manifest. `mode` is options.decode_matmul;
     `split_mode` options.decode_split_k (timed: split-K configurations among the candidates).
     A quantized engine's quantized Linears are timed the same way per (out, in, format) and batch, among the
-    quantized kernel's candidates only (it has no cuBLAS rival: ATen would dequantize every weight every step);
-    their plan keys carry the format where the others carry a fusion (`quant_choice`). `seconds`, where given,
+    quantized kernel's candidates only (it has no cuBLAS rival: ATen would dequantize every weight every step),
+    each with its call site's epilogue under `epilogue` (the gating, the residual add: one launch fewer, and no
+    split-K there); their plan keys carry the format and epilogue where the others carry a fusion (`quant_site`). `seconds`, where given,
     gets where the selection's time went: "ahead_s" (the candidates compiled ahead), "timing_s" (the rest) and
     of that, for the dense kernel's fresh selections, "timing_references_s" (cuBLAS and the unfused rivals,
     their torch.compile included) and "timing_candidates_s".
@@ -121,7 +135,8 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     quantized: dict[MatmulKey, list[Any]] = {}  # (out, in, format): each layer's (qweight, scale, zero)
     for mod in model.modules():
         if isinstance(mod, Linear) and mod.quant is not None:
-            quantized.setdefault((mod.out_features, mod.in_features, mod.quant), []).append(
+            quantized.setdefault((mod.out_features, mod.in_features, quant_site(mod.quant, fusion_of(mod, fusion_mode))),
+                                 []).append(
                 (mod.qweight, mod.scale, getattr(mod, "zero", None)))
         elif isinstance(mod, Linear):
             same = by_shape.setdefault((mod.out_features, mod.in_features, fusion_of(mod, fusion_mode)), [])
@@ -176,8 +191,10 @@ def quant_choice(job: BuildJob, layers: list[Any], rows: int, key: MatmulKey) ->
 
     result = _quant_timings(qm, job, layers, rows, key)
     choice = result["choice"]
-    entry = result | {"used": choice or f"{qm.CONFIGS[key[2]].name} (fixed: no candidate ran)",
-                      "fused": False, "kernel_does": "none", "calls": len(layers)}
+    fmt, epilogue = key[2].partition("+")[0], site_fusion(key[2])
+    entry = result | {"used": choice or f"{qm.CONFIGS[fmt].name} (fixed: no candidate ran, no epilogue)",
+                      "fused": choice is not None and epilogue != "none",
+                      "kernel_does": epilogue if choice is not None else "none", "calls": len(layers)}
     if choice is None:
         return None, entry
     return qm.MatmulConfig.parse(choice), entry | {"chosen_us": result["candidates"][choice]}
@@ -235,7 +252,7 @@ def fused_outside(record: dict[str, Any], rows: int) -> list[str]:
     one such site put 32 kernels into the 8B step and took it from 1.19x to 1.25x its floor (2026-12-05)."""
     sites = {name: r for name, r in record.get(f"decode_b{rows}", {}).items() if isinstance(r, dict) and "used" in r}
     return sorted(name for name, r in sites.items()
-                  if parse_key(name)[2] not in ("none", r.get("kernel_does", "none"), *QUANT_FORMATS))
+                  if site_fusion(parse_key(name)[2]) not in ("none", r.get("kernel_does", "none")))
 
 
 def _timings(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: MatmulKey,
@@ -274,11 +291,12 @@ def _timing_file(dm: Any, job: BuildJob, weights: list[Any], rows: int, key: Mat
 
 
 def _quant_timing_file(qm: Any, job: BuildJob, layers: list[Any], rows: int, key: MatmulKey) -> tuple[Path, list[Any]]:
-    """Where `_quant_timings` keeps the timing of one quantized shape, format and batch, and its candidates."""
-    n, k, fmt = key
+    """Where `_quant_timings` keeps the timing of one quantized shape, format, epilogue and batch, and its
+    candidates."""
+    n, k, site = key
     q0, s0, z0 = layers[0]
-    configs = qm.candidates_for(q0, s0, z0, rows)
-    identity = {"n": n, "k": k, "rows": rows, "format": fmt, "scales": list(s0.shape), "weights": len(layers),
+    configs = qm.candidates_for(q0, s0, z0, rows, site_fusion(site))
+    identity = {"n": n, "k": k, "rows": rows, "format": site, "scales": list(s0.shape), "weights": len(layers),
                 "kernel": qm.source_digest(), "candidates": [c.name for c in configs]}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
     return job.tactics.path / "quant_matmul" / f"{digest}.json", configs
@@ -332,7 +350,7 @@ def _quant_timings(qm: Any, job: BuildJob, layers: list[Any], rows: int, key: Ma
         return result
     job.progress(f"timing quantized decode matmuls for batch {rows}, {key_name(key)} ({len(layers)} matrices): "
                  f"{len(configs)} kernel configurations")
-    result = qm.select(layers, rows, configs=configs)
+    result = qm.select(layers, rows, configs=configs, epilogue=site_fusion(key[2]))
     write_atomic(cached, json.dumps(result, indent=1, sort_keys=True).encode())
     return result
 

@@ -122,7 +122,8 @@ def quantized_decode(model: Any, device: str, configs: dict[decode_kernels.Matmu
     """While a decode graph of `rows` rows is exported on CUDA, each quantized Linear calls trtbuild's quantized
     decode matmul (`kernels/quant_matmul.py`), which reads the stored bytes; without it the graph would dequantize
     every weight every step. Its configuration is the plan's for its (out, in, format) (`configs`, timed by
-    `decode_kernels.matmul_plan`), else its format's fixed one (a build that times nothing). On the CPU, without
+    `decode_kernels.matmul_plan`), with its call site's gating or residual add where the plan's key has it; else
+    its format's fixed one, the matmul alone (a build that times nothing). On the CPU, without
     Triton, and past the kernel's 16 rows, they dequantize."""
     linears = [m for m in model.modules() if getattr(m, "quant", None)] if device.startswith("cuda") else []
     try:
@@ -133,12 +134,19 @@ def quantized_decode(model: Any, device: str, configs: dict[decode_kernels.Matmu
         linears = linears if rows <= MAX_ROWS else []
     configs = configs or {}
     for m in linears:
-        m.decode_config = configs.get((m.out_features, m.in_features, m.quant), CONFIGS[m.quant])
+        # the plan's key says whether the kernel also does the call site's epilogue (decode_kernels.quant_site)
+        epilogue = decode_kernels.fusion_of(m, "epilogue")
+        fused = (m.out_features, m.in_features, decode_kernels.quant_site(m.quant, epilogue))
+        if epilogue != "none" and fused in configs:
+            m.decode_config, m.decode_fusion = configs[fused], epilogue
+        else:
+            m.decode_config = configs.get((m.out_features, m.in_features, m.quant), CONFIGS[m.quant])
     try:
         yield
     finally:
         for m in linears:
             del m.decode_config
+            m.__dict__.pop("decode_fusion", None)
 
 
 def bucket(graph: str) -> int:

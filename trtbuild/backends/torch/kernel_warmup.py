@@ -27,7 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# (rows, n, k, fusion or stored format, inputs, configuration names): one call site's candidates at one batch.
+# (rows, n, k, fusion or stored format [+epilogue], inputs, configuration names): one call site's candidates at
+# one batch.
 # The inputs: the weights' dtype name for the dense kernel; for the quantized one, `layout` of a layer.
 Work = tuple[int, int, int, str, Any, tuple[str, ...]]
 FORMATS = ("fp8", "int8", "int4")  # the quantized kernel's stored formats (models/quantize.py)
@@ -100,7 +101,7 @@ def _compile_share(share: list[tuple[int, int, int, str, Any, str]], device: str
     for rows, n, k, kind, spec, config in share:
         site = (rows, n, k, kind, spec)
         try:
-            if kind in FORMATS:
+            if kind.partition("+")[0] in FORMATS:  # a quantized site: its format and epilogue
                 _launch_quantized(inputs, site, config, device)
             else:
                 _launch_dense(inputs, rivals, site, config, device)
@@ -153,7 +154,8 @@ def _launch_quantized(inputs: dict[tuple[Any, ...], tuple[Any, ...]], site: tupl
 
     from trtbuild.kernels import quant_matmul as qm
 
-    rows, n, k, _, spec = site
+    rows, n, k, kind, spec = site
+    epilogue = kind.partition("+")[2] or "none"
     if site not in inputs:
         made = []
         for part in spec:  # the values do not matter to the compiler, only shapes, dtypes and alignment
@@ -165,9 +167,11 @@ def _launch_quantized(inputs: dict[tuple[Any, ...], tuple[Any, ...]], site: tupl
                 torch.randint(0, 16, shape, device=device).to(dtype)
             made.append(t)
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-        inputs[site] = (x, *made, torch.empty(rows, n, device=device, dtype=torch.bfloat16))
-    x, q, s, z, y = inputs[site]
-    qm.quant_matmul(x, q, s, z, qm.MatmulConfig.parse(config), out=y)
+        width = qm.output_columns(made[0], epilogue == "gate")
+        y = torch.empty(rows, width, device=device, dtype=torch.bfloat16)
+        inputs[site] = (x, *made, y, torch.randn_like(y) if epilogue == "residual" else None)
+    x, q, s, z, y, residual = inputs[site]
+    qm.quant_matmul(x, q, s, z, qm.MatmulConfig.parse(config), out=y, gate=epilogue == "gate", residual=residual)
 
 
 def _frozen(value: Any) -> Any:
