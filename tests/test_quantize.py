@@ -145,6 +145,8 @@ def test_quantized_precisions_validate_for_the_torch_backend(tmp_path: Path) -> 
     ({"precision": "int3_wo"}, "precision: expected one of"),
     ({"precision": "int4_wo", "options": {"fp8_method": "rtn"}}, "options.fp8_method: only for precision fp8"),
     ({"precision": "fp8", "options": {"fp8_method": "awq"}}, "options.fp8_method: expected one of gptq, rtn"),
+    ({"precision": "bf16", "options": {"lm_head": "int8"}}, "options.lm_head: int8 is for a quantized precision"),
+    ({"precision": "int4_wo", "options": {"lm_head": "int4"}}, "options.lm_head: expected one of dense, int8"),
 ])
 def test_quantization_options_that_cannot_build_are_named(tmp_path: Path, overrides: dict[str, Any],
                                                           message: str) -> None:
@@ -168,6 +170,7 @@ def test_keys_differ_by_precision_and_by_int4_and_fp8_method(tmp_path: Path, eng
     rtn, material = key(precision="int4_wo", options={"int4_method": "rtn"})
     assert rtn != keys["int4_wo"] and material["recipe"]["options"] == {"int4_method": "rtn"}
     assert key(precision="fp8", options={"fp8_method": "rtn"})[0] != keys["fp8"]
+    assert key(precision="int4_wo", options={"lm_head": "int8"})[0] != keys["int4_wo"]
     # the quantization code (formats, GPTQ, the calibration text) is part of the engine-code digest
     from trtbuild.builder import engine_code_files
 
@@ -211,6 +214,64 @@ def test_the_build_step_stores_small_tensors_that_the_placed_model_computes_with
         got = model(tokens, torch.arange(8), all_logits=True, from_start=True)
         want = reference(tokens, torch.arange(8), all_logits=True, from_start=True)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_int8_lm_head_is_stored_beside_an_exact_embedding_and_computes_as_dequantized(tmp_path: Path,
+                                                                                        tied: bool) -> None:
+    """options.lm_head int8: the head is stored int8 with a scale a row (after calibration, which ran the dense
+    head); a tied model's embedding keeps the dense table, so its lookups are exact, and the head no longer is the
+    embedding. The placed model's logits are the dense model's with the head dequantized, and a compile worker's
+    empty state has the same tensors, shapes and dtypes."""
+    from trtbuild.backends.torch.export import place_model
+    from trtbuild.backends.torch.quantized import quantize_weights
+
+    folder = make_hf_folder(tmp_path / "m", TINY_CONFIG | {"tie_word_embeddings": tied})
+    cfg, dense = _tiny_state(folder)
+    recipe = SimpleNamespace(precision="int8_wo", options={"lm_head": "int8"})
+    state, record = quantize_weights(dict(dense), cfg, recipe, None, "cpu", lambda m: None)
+    assert record["lm_head"] == "int8" and "LM head" not in record["not_quantized"]
+    assert "output.weight" not in state and state["output.qweight"].dtype == torch.int8
+    assert state["output.scale"].shape == (cfg.vocab_size,)
+    assert state["tok_embeddings.weight"].dtype == torch.bfloat16  # the table, dense
+    if tied:
+        assert torch.equal(state["tok_embeddings.weight"], dense["tok_embeddings.weight"].to(torch.bfloat16))
+    shapes = SimpleNamespace(max_batch_size=1, max_input_len=8, max_seq_len=16)
+    model = place_model(cfg, shapes, torch.bfloat16, "cpu", state)
+    assert model.output.quant == "int8" and model.tok_embeddings.weight.dtype == torch.bfloat16
+    dq = dict(state)
+    dq["output.weight"] = quantize.dequantize("int8", dq.pop("output.qweight"), dq.pop("output.scale"), None,
+                                              torch.bfloat16)
+    reference = place_model(cfg, shapes, torch.bfloat16, "cpu", dq)
+    tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
+    with torch.no_grad():
+        got = model(tokens, torch.arange(8), all_logits=True, from_start=True)
+        want = reference(tokens, torch.arange(8), all_logits=True, from_start=True)
+    assert torch.equal(got, want)
+    empty = calibrate.empty_quantized(dict(dense), "int8", "int8")
+    assert {k: (v.shape, v.dtype) for k, v in empty.items() if k.startswith("output.")} == {
+        k: (v.shape, v.dtype) for k, v in state.items() if k.startswith("output.")}
+
+
+@pytest.mark.slow
+def test_an_engine_with_an_int8_head_builds_and_runs_untied(tmp_path: Path) -> None:
+    """The whole path on a tied model: the engine stores the head's int8 table beside the embedding, says it is
+    not tied (the runtime must not point the head at the embedding), and runs."""
+    from safetensors import safe_open
+
+    doc = tiny_recipe_doc(name="tiny-head", precision="int8_wo", options={"lm_head": "int8"})
+    doc["model"]["config"]["tie_word_embeddings"] = True
+    recipe = write_recipe(tmp_path, doc, "head.yaml")
+    proc = run_cli("run", str(recipe), "--engines", str(tmp_path / "engines"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = read_json_line(proc.stdout)
+    entry = Path(result["engine"]["path"])
+    spec = json.loads((entry / "engine.json").read_text())
+    assert spec["tied_output"] is False and spec["quantization"]["lm_head"] == "int8"
+    with safe_open(str(entry / "weights.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"output.qweight", "output.scale", "tok_embeddings.weight"} <= names and "output.weight" not in names
+    assert len(result["output_ids"][0]) == 8
 
 
 def test_fp8_is_calibrated_by_gptq_per_channel_unless_the_recipe_asks_for_rtn(tmp_path: Path) -> None:

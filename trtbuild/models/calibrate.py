@@ -32,6 +32,7 @@ from torch import Tensor
 from trtbuild.models import quantize
 
 QUANTIZED = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
+HEAD = "output"  # the LM head's module: quantized only where the recipe asks (options.lm_head)
 METHODS = ("gptq", "rtn")  # int4's; fp8 and int8 are always round to nearest
 GPTQ_BLOCK = 128  # columns updated together (a multiple of every int4 group)
 GPTQ_DAMP = 0.01  # share of H's mean diagonal added to it, for a well-conditioned inverse
@@ -94,15 +95,26 @@ def quantized_names(state: dict[str, Tensor]) -> list[str]:
             if k.startswith("layers.") and k.removesuffix(".weight").endswith(QUANTIZED) and k.endswith(".weight")]
 
 
-def empty_quantized(state: dict[str, Tensor], fmt: str) -> dict[str, Tensor]:
-    """`state` with each quantized Linear's weight replaced by uninitialized buffers of format `fmt`: what a
-    compile worker exports from (a graph does not depend on the weights' values, only their shapes)."""
+def empty_quantized(state: dict[str, Tensor], fmt: str, head: str = "dense") -> dict[str, Tensor]:
+    """`state` with each quantized Linear's weight replaced by uninitialized buffers of format `fmt` (and the LM
+    head's by `head`'s, unless dense): what a compile worker exports from (a graph does not depend on the weights'
+    values, only their shapes)."""
     out = dict(state)
     names = quantized_names(state)
-    for name in names:
+    formats = {name: stored_format(name, fmt, names) for name in names} | ({HEAD: head} if head != "dense" else {})
+    for name, stored in formats.items():
         n, k = out.pop(name + ".weight").shape
-        for buf, (shape, dtype) in quantize.stored_shapes(stored_format(name, fmt, names), n, k).items():
+        for buf, (shape, dtype) in quantize.stored_shapes(stored, n, k).items():
             out[f"{name}.{buf}"] = torch.empty(shape, dtype=dtype)
+    return out
+
+
+def quantize_head(state: dict[str, Tensor], fmt: str) -> dict[str, Tensor]:
+    """`state` with the LM head rounded to nearest in `fmt` (options.lm_head). A tied head's table is the
+    embedding's: the embedding keeps it, dense, and the head gets a quantized copy of its own."""
+    out = dict(state)
+    w = out.pop(HEAD + ".weight")
+    out.update({f"{HEAD}.{k}": v.cpu() for k, v in quantize.quantize(fmt, w).items()})
     return out
 
 

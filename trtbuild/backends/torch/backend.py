@@ -135,7 +135,9 @@ class TorchAOTIBackend:
 
         model = place_model(cfg, shapes, dtype, device, state)
         t = time.perf_counter()
-        stored = {k: v.contiguous() for k, v in state.items() if not (cfg.tie_word_embeddings and k == "output.weight")}
+        # a tied LM head is the embedding table, stored once; a quantized head (options.lm_head) has its own
+        tied = cfg.tie_word_embeddings and "output.weight" in state
+        stored = {k: v.contiguous() for k, v in state.items() if not (tied and k == "output.weight")}
         save_weights(stored, job.workdir / WEIGHTS)
         phases["write_weights_s"] = time.perf_counter() - t
         del state, stored
@@ -223,7 +225,8 @@ class TorchAOTIBackend:
                   "max_batch_size": shapes.max_batch_size, "max_input_len": shapes.max_input_len,
                   "max_seq_len": shapes.max_seq_len, "level": recipe.tactics_level, "tactics": str(job.tactics.path),
                   "attention": attention["used"], "prefill_attention": prompt["used"],
-                  "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "step": list(step)}
+                  "moe_decode": moe["used"], "moe_prefill": moe_prompt["used"], "step": list(step),
+                  "lm_head": _option(recipe, "lm_head")}
         forking = compile_workers.forks_for(device)
         if forking and missing:
             prepare_cpu(configs[units[missing[0]][0]])
@@ -284,7 +287,7 @@ class TorchAOTIBackend:
             "max_input_len": shapes.max_input_len,
             "max_seq_len": shapes.max_seq_len,
             "buckets": list(shapes.batch_buckets),
-            "tied_output": cfg.tie_word_embeddings,
+            "tied_output": tied,
             "quantization": quant,
             "graphs": {name: {k: v for k, v in g.items()} for name, g in graphs.items()},
         }

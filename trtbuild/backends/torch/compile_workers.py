@@ -300,7 +300,7 @@ def run(spec: dict[str, Any]) -> None:
     hf = {k: torch.empty(shape, dtype=dtype) for k, shape in hf_parameter_shapes(cfg).items()}
     state = convert_hf_state_dict(hf, cfg)
     if spec["precision"] in FORMATS:  # quantized: the stored buffers' shapes and dtypes, not the dense weight's
-        state = empty_quantized(state, FORMATS[spec["precision"]])
+        state = empty_quantized(state, FORMATS[spec["precision"]], spec.get("lm_head", "dense"))
     model = export.place_model(cfg, shapes, dtype, spec["device"], state)
     moe_plan.route(model, spec.get("moe_decode", "aten"))  # the build's choices for a mixture of experts
     moe_plan.route_prefill(model, spec.get("moe_prefill", "dense"))

@@ -19,7 +19,13 @@ INT4_METHODS = ("gptq", "rtn")
 # nearest per output channel. On SmolLM2-135M round to nearest missed fp8's +2% budget on documentation
 # (+2.57%) and GPTQ held it on all four kinds of text (worst +0.95%; docs/quantization.md).
 FP8_METHODS = ("gptq", "rtn")
-OPTIONS = {"int4_method": INT4_METHODS, "fp8_method": FP8_METHODS}
+# options.lm_head: dense (the default) = the LM head stays in the compute dtype; int8 = it is stored int8, one
+# scale a row (round to nearest), and read by the quantized decode kernel. On SmolLM2-135M an int8 head alone
+# cost +0.03% to +0.13% of perplexity (docs/quantization.md); Llama-3.2-1B's head is 0.53 GB of the 1.15 GB an
+# int4_wo step reads in bf16, 0.26 GB in int8. A tied head gets a table of its own: the embedding stays exact
+# in the compute dtype (its lookups read a few rows a step), at the cost of the int8 table's memory.
+LM_HEADS = ("dense", "int8")
+OPTIONS = {"int4_method": INT4_METHODS, "fp8_method": FP8_METHODS, "lm_head": LM_HEADS}
 QUANTIZED_PRECISIONS = ("fp8", "int8_wo", "int4_wo")
 CALIBRATION_WINDOW = 512  # tokens a calibration prompt holds; fixed, so that the shapes do not change the weights
 # Data-free calibration: this many sequences of CALIBRATION_WINDOW tokens the model samples itself
@@ -40,6 +46,9 @@ def check(recipe: Any) -> list[str]:
         problems.append(f"options.int4_method: only for precision int4_wo, not {recipe.precision}")
     if "fp8_method" in recipe.options and recipe.precision != "fp8":
         problems.append(f"options.fp8_method: only for precision fp8, not {recipe.precision}")
+    if recipe.options.get("lm_head") in LM_HEADS[1:] and recipe.precision not in QUANTIZED_PRECISIONS:
+        problems.append(f"options.lm_head: {recipe.options['lm_head']} is for a quantized precision "
+                        f"({', '.join(QUANTIZED_PRECISIONS)}), not {recipe.precision}")
     return problems
 
 
@@ -62,8 +71,9 @@ def quantize_weights(state: dict[str, Any], cfg: Any, recipe: Any, tokenizer: An
         "gptq" if fmt in CHANNEL_GPTQ and not stored and recipe.options.get("fp8_method") != "rtn" else "rtn"
     t = time.perf_counter()
     names = calibrate.quantized_names(state)
-    record: dict[str, Any] = {"format": fmt, "method": method, "linears": len(names),
-                              "not_quantized": "embeddings, LM head, norms, biases"}
+    head = recipe.options.get("lm_head", LM_HEADS[0])
+    record: dict[str, Any] = {"format": fmt, "method": method, "linears": len(names), "lm_head": head,
+                              "not_quantized": "embeddings, norms, biases" + (", LM head" if head == "dense" else "")}
     if stored:  # a compressed-tensors FP8 checkpoint's Linears, taken as they are (models/compressed.py)
         record["from_checkpoint"] = {"format": "compressed-tensors fp8", "linears": len(stored)}
     if fmt == "int4" and calibrate.INT4_KEPT_INT8:
@@ -95,6 +105,8 @@ def quantize_weights(state: dict[str, Any], cfg: Any, recipe: Any, tokenizer: An
                                  "tokenizer": "tokenizer.json" if tokenizer is not None else "bytes"}
     else:
         state = calibrate.rtn_state(state, fmt)
+    if head != "dense":  # after calibration, which runs the dense head
+        state = calibrate.quantize_head(state, head)
     state = {k: (v.to(torch.bfloat16) if v.is_floating_point() and v.dtype == torch.float32 and not
                  k.endswith(".scale") else v).cpu() for k, v in state.items()}
     record["seconds"] = round(time.perf_counter() - t, 2)
