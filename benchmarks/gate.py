@@ -81,6 +81,12 @@ STEPS = {
     "bench_int4": Step("1B int4_wo / bf16 decode", 0, 15, 15, "bench_quant's, without the fp8 engine"),
     # not in a part: where the int4_wo step's time goes, batch 1 and 8 (profile.json in details.tar.gz)
     "profile_int4": Step("profile the 1B int4_wo decode step", 0, 25, 25, "profile's, twice: estimated"),
+    # not in a part: the int4_wo recipe with options.lm_head int8, built after it (its regions of the layers
+    # before the last are the int4 engine's, reused), measured beside it and profiled
+    "build_int4_head": Step("build 1B int4_wo, int8 LM head", 0, 90, 60,
+                            "estimated: the head's two timings, the last region and the prefill compiled anew"),
+    "bench_int4_head": Step("1B int4_wo / its int8 head / bf16 decode", 0, 20, 20, "bench_quant's, three engines"),
+    "profile_int4_head": Step("profile the 1B int4_wo int8-head decode step", 0, 25, 25, "profile_int4's"),
     "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 240, 225,
                         "results/2026-12-06-h100-gate-4: 225 s (the paged graph compiled, 111 s, the others reused; "
                         "three servers' load and bucket captures, ~12 s each; four random levels, 32 s)"),
@@ -202,17 +208,25 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
 # -- the steps ----------------------------------------------------------------------------------------------------------
 def recipes(g: Gate) -> dict[str, str]:
     """The recipes of the matrix; on the CPU smoke run the tiny Llama, and its quantized copies."""
-    if not g.args.tiny:
-        return {"bf16": BF16, "fp8": FP8, "int4": INT4}
     import yaml
 
-    out = {"bf16": TINY}
-    doc = yaml.safe_load((REPO / TINY).read_text())
-    for key, precision in (("fp8", "fp8"), ("int4", "int4_wo")):
-        q = doc | {"name": f"{doc['name']}-{key}", "precision": precision}
-        path = g.work / f"{q['name']}.yaml"
-        path.write_text(yaml.safe_dump(q, sort_keys=False))
-        out[key] = str(path)
+    if not g.args.tiny:
+        out = {"bf16": BF16, "fp8": FP8, "int4": INT4}
+    else:
+        out = {"bf16": TINY}
+        doc = yaml.safe_load((REPO / TINY).read_text())
+        for key, precision in (("fp8", "fp8"), ("int4", "int4_wo")):
+            q = doc | {"name": f"{doc['name']}-{key}", "precision": precision}
+            path = g.work / f"{q['name']}.yaml"
+            path.write_text(yaml.safe_dump(q, sort_keys=False))
+            out[key] = str(path)
+    # int4_wo with its LM head in int8 (options.lm_head)
+    doc = yaml.safe_load((REPO / out["int4"]).read_text() if not Path(out["int4"]).is_absolute()
+                         else Path(out["int4"]).read_text())
+    doc = doc | {"name": f"{doc['name']}-head8", "options": (doc.get("options") or {}) | {"lm_head": "int8"}}
+    path = g.work / f"{doc['name']}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    out["int4_head"] = str(path)
     return out
 
 
@@ -549,10 +563,14 @@ RUNNERS: dict[str, Callable[[Gate], None]] = {
     "serve": serve_step, "build_fp8": lambda g: build_step(g, "fp8"), "build_int4": lambda g: build_step(g, "int4"),
     "bench_quant": bench_quant_step, "bench_int4": lambda g: bench_quant_step(g, ("int4",)),
     "profile_int4": lambda g: profile_step(g, "int4", "1,8"),
+    "build_int4_head": lambda g: build_step(g, "int4_head"),
+    "bench_int4_head": lambda g: bench_quant_step(g, ("int4", "int4_head")),
+    "profile_int4_head": lambda g: profile_step(g, "int4_head", "1,8"),
     "serve_paged": serve_paged_step, "paged_probe": paged_probe_step, "smollm2": smollm2_step,
 }
 # One call (--part all): part 2's short steps before part 1's torch.compile, whose tail is the longest
 ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "bench_int4", "profile_int4",
+             "build_int4_head", "bench_int4_head", "profile_int4_head",
              "serve_paged", "paged_probe", "smollm2", "bench_bf16")
 
 
