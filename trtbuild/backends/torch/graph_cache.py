@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trtbuild.backends.torch import decode_kernels
+from trtbuild.backends.torch.cxx import overlapped_objects
 from trtbuild.backends.torch.inductor import compile_parts
 from trtbuild.errors import TrtbuildError
 
@@ -134,7 +135,7 @@ def compile_or_reuse(graph: dict[str, Any], name: str, configs: dict[str, Any], 
     # A copy: aoti_compile_and_package adds its own keys to the dict it is given, which would
     # change the digest of every later graph compiled with the same options.
     parts: dict[str, float] = {}
-    with warnings.catch_warnings(), compile_parts(parts):
+    with warnings.catch_warnings(), compile_parts(parts), overlapped_objects():
         # torch 2.13 warns about its own pickling of the program's tree specs (copyreg calls a deprecated
         # isinstance check) once per graph; nothing a user can act on, so it is kept out of the build's output
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
