@@ -1,5 +1,6 @@
 """One libstdc++ for compiled graphs: the condition that crashed every graph on the H200 image, made
-here with a tiny library that exports two of libstdc++'s locale facet ids (trtbuild/backends/torch/cxx.py)."""
+here with a tiny library that exports two of libstdc++'s locale facet ids (trtbuild/backends/torch/cxx.py); and
+a graph's wrapper object compiled beside its kernels'."""
 
 from __future__ import annotations
 
@@ -63,3 +64,52 @@ def test_importing_trtbuild_first_keeps_libstdcxx_first(shadow_lib: Path) -> Non
     proc = _python(f"import trtbuild, ctypes, os\nctypes.CDLL({str(shadow_lib)!r}, mode=os.RTLD_GLOBAL)\n" + CHECK)
     assert proc.returncode == 0, proc.stderr
     assert "SHADOWS []" in proc.stdout and "ACCEPTED" in proc.stdout
+
+
+class _Builder:
+    """What `overlapped_objects` reads of Inductor's CppBuilder."""
+
+    def __init__(self, name: str, compile_only: bool, out: str) -> None:
+        self._name, self._compile_only, self._use_relative_path, self._output_dir = name, compile_only, False, out
+
+    def get_command_line(self) -> str:
+        return self._name
+
+
+def test_the_wrapper_object_compiles_beside_the_kernels_and_the_link_waits_for_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """AOTInductor's order (wrapper object, kernel object, link) with each compile a sleep: the kernels' compile
+    starts while the wrapper's runs, the link only after it ended, and a failed wrapper is raised at the link."""
+    import threading
+    import time
+
+    from torch._inductor import cpp_builder
+
+    from trtbuild.backends.torch.cxx import overlapped_objects
+
+    log: list[tuple[str, str, float]] = []
+    lock = threading.Lock()
+
+    def compile_cmd(cmd: str, cwd: str) -> None:
+        with lock:
+            log.append((cmd, "start", time.monotonic()))
+        time.sleep(0.3)
+        if "bad" in cmd:
+            raise RuntimeError("wrapper.cpp: error")
+        with lock:
+            log.append((cmd, "end", time.monotonic()))
+
+    monkeypatch.setattr(cpp_builder, "_run_compile_cmd", compile_cmd)
+    monkeypatch.setattr(cpp_builder.CppBuilder, "build", lambda self: compile_cmd(self._name, ""))
+    plain = cpp_builder.CppBuilder.build
+    with overlapped_objects():
+        for b in (_Builder("m.wrapper", True, str(tmp_path)), _Builder("m.kernel", True, str(tmp_path)),
+                  _Builder("m.so", False, str(tmp_path))):
+            cpp_builder.CppBuilder.build(b)  # type: ignore[arg-type]
+    at = {(name, what): t for name, what, t in log}
+    assert at[("m.kernel", "start")] < at[("m.wrapper", "end")]  # side by side
+    assert at[("m.so", "start")] >= at[("m.wrapper", "end")]  # the link waited
+    with pytest.raises(RuntimeError, match="wrapper.cpp"), overlapped_objects():
+        cpp_builder.CppBuilder.build(_Builder("bad.wrapper", True, str(tmp_path)))  # type: ignore[arg-type]
+        cpp_builder.CppBuilder.build(_Builder("bad.so", False, str(tmp_path)))  # type: ignore[arg-type]
+    assert cpp_builder.CppBuilder.build is plain  # Inductor's own again
