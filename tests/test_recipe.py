@@ -231,7 +231,7 @@ def test_unknown_backend() -> None:
 def test_backend_checks_its_own_options() -> None:
     assert ("options.workspace: unknown option for backend torch "
             "(known: decode_matmul, decode_attention, decode_fusion, decode_split_k, prefill_attention, "
-            "int4_method, fp8_method, moe_decode, moe_prefill, kv_cache, compile)"
+            "int4_method, fp8_method, lm_head, moe_decode, moe_prefill, kv_cache, compile)"
             in problems_of(tiny_recipe_doc(options={"workspace": 1})))
     assert ("options.prefill_attention: expected one of auto, sdpa, cudnn, got 'flash'"
             in problems_of(tiny_recipe_doc(options={"prefill_attention": "flash"})))
@@ -267,7 +267,7 @@ def test_a_torch_recipe_without_options_builds_with_each_options_default() -> No
     recipe = parse_recipe(tiny_recipe_doc(), Path("r.yaml"))
     assert {name: _option(recipe, name) for name in OPTIONS} == {
         "decode_matmul": "auto", "decode_attention": "auto", "decode_fusion": "epilogue", "decode_split_k": "none",
-        "prefill_attention": "auto", "int4_method": "gptq", "fp8_method": "gptq", "moe_decode": "aten",
+        "prefill_attention": "auto", "int4_method": "gptq", "fp8_method": "gptq", "lm_head": "dense", "moe_decode": "aten",
         "moe_prefill": "dense", "kv_cache": "rows", "compile": "regional"}
     assert ("options.moe_decode: expected one of aten, auto, kernel, got 'triton'"
             in problems_of(tiny_recipe_doc(options={"moe_decode": "triton"})))
