@@ -176,13 +176,12 @@ def test_fp8_prefill_on_tensor_cores_is_close_to_the_dequantized_matmul() -> Non
     assert rel < 0.05, rel  # activations rounded to fp8 too: a few percent, not more
 
 
-def test_a_decode_step_through_the_quantized_kernel_gives_the_logits_of_the_dequantizing_model() -> None:
-    """Linear._kernel's quantized branch: every quantized Linear of a tiny int4 model routed to the kernel
-    (as `export.quantized_decode` does on CUDA) against the same model dequantizing in ATen."""
+def _int4_pair(seed: int) -> tuple[Any, list[Any]]:
+    """The tiny model's config, and two copies of it in int4 (round to nearest) from seeded weights, placed on
+    DEVICE in fp32: one to route through the kernel, one to dequantize."""
     from types import SimpleNamespace
 
     from trtbuild.backends.torch.export import place_model
-    from trtbuild.kernels.quant_matmul import CONFIGS
     from trtbuild.models import calibrate
     from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes
     from trtbuild.models.llama import LlamaConfig
@@ -190,11 +189,20 @@ def test_a_decode_step_through_the_quantized_kernel_gives_the_logits_of_the_dequ
     from .conftest import TINY_CONFIG
 
     cfg = LlamaConfig.from_hf(TINY_CONFIG)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     hf = {k: torch.randn(s, generator=g) * 0.2 for k, s in hf_parameter_shapes(cfg).items()}
     state = calibrate.rtn_state(convert_hf_state_dict(hf, cfg), "int4")
     shapes = SimpleNamespace(max_batch_size=2, max_input_len=8, max_seq_len=16)
-    models = [place_model(cfg, shapes, torch.float32, DEVICE, {k: v.clone() for k, v in state.items()}) for _ in range(2)]
+    return cfg, [place_model(cfg, shapes, torch.float32, DEVICE, {k: v.clone() for k, v in state.items()})
+                 for _ in range(2)]
+
+
+def test_a_decode_step_through_the_quantized_kernel_gives_the_logits_of_the_dequantizing_model() -> None:
+    """Linear._kernel's quantized branch: every quantized Linear of a tiny int4 model routed to the kernel
+    (as `export.quantized_decode` does on CUDA) against the same model dequantizing in ATen."""
+    from trtbuild.kernels.quant_matmul import CONFIGS
+
+    cfg, models = _int4_pair(0)
     routed = [m for m in models[1].modules() if getattr(m, "quant", None)]
     assert len(routed) == 4 * cfg.num_layers
     for m in routed:
@@ -326,15 +334,11 @@ def test_the_plan_fuses_each_quantized_call_sites_epilogue_and_routes_it(
     from types import SimpleNamespace
 
     from trtbuild.backends.torch import decode_kernels, kernel_warmup
-    from trtbuild.backends.torch.export import place_model, quantized_decode
+    from trtbuild.backends.torch.export import quantized_decode
     from trtbuild.kernels import decode_matmul as dm
     from trtbuild.kernels import quant_matmul as qm
     from trtbuild.kernels.matmul_configs import MatmulConfig
     from trtbuild.models import calibrate
-    from trtbuild.models.checkpoint import convert_hf_state_dict, hf_parameter_shapes
-    from trtbuild.models.llama import LlamaConfig
-
-    from .conftest import TINY_CONFIG
 
     asked: dict[tuple[int, int], str] = {}
 
@@ -349,12 +353,7 @@ def test_the_plan_fuses_each_quantized_call_sites_epilogue_and_routes_it(
         "fusion": fusion, "cublas_us": 5.0, "choice": "cublas", "candidates": {}})
     monkeypatch.setattr(kernel_warmup, "precompile", lambda work, device, progress: {})
     monkeypatch.setattr(calibrate, "INT4_KEPT_INT8", ())
-    cfg = LlamaConfig.from_hf(TINY_CONFIG)
-    g = torch.Generator().manual_seed(1)
-    hf = {k: torch.randn(s, generator=g) * 0.2 for k, s in hf_parameter_shapes(cfg).items()}
-    state = calibrate.rtn_state(convert_hf_state_dict(hf, cfg), "int4")
-    shapes = SimpleNamespace(max_batch_size=2, max_input_len=8, max_seq_len=16)
-    models = [place_model(cfg, shapes, torch.float32, DEVICE, {k: v.clone() for k, v in state.items()}) for _ in range(2)]
+    cfg, models = _int4_pair(1)
     job = SimpleNamespace(tactics=SimpleNamespace(path=tmp_path), progress=lambda message: None)
     plan, record = decode_kernels.matmul_plan(models[1], (1,), "default", "auto", "cuda", job)  # type: ignore[arg-type]
     d, f = cfg.hidden_size, cfg.intermediate_size

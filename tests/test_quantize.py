@@ -185,6 +185,15 @@ def _tiny_state(folder: Path) -> tuple[Any, dict[str, torch.Tensor]]:
     return cfg, convert_hf_state_dict(load_weights(folder, cfg, torch.float32), cfg)
 
 
+def _same_logits(model: Any, reference: Any) -> None:
+    """Both models give exactly the same logits at every position of one prompt."""
+    tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
+    with torch.no_grad():
+        got = model(tokens, torch.arange(8), all_logits=True, from_start=True)
+        want = reference(tokens, torch.arange(8), all_logits=True, from_start=True)
+    assert torch.equal(got, want)
+
+
 def test_the_build_step_stores_small_tensors_that_the_placed_model_computes_with(tmp_path: Path) -> None:
     """quantize_weights (GPTQ for int4) -> place_model: the Linears hold the stored tensors, and the model's
     logits are those of the dense model with the dequantized weights."""
@@ -208,12 +217,7 @@ def test_the_build_step_stores_small_tensors_that_the_placed_model_computes_with
         fmt = quantize.format_of(dq[name + ".qweight"])
         dq[name + ".weight"] = quantize.dequantize(fmt, dq.pop(name + ".qweight"), dq.pop(name + ".scale"),
                                                    dq.pop(name + ".zero", None), torch.bfloat16)
-    reference = place_model(cfg, shapes, torch.bfloat16, "cpu", dq)
-    tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
-    with torch.no_grad():
-        got = model(tokens, torch.arange(8), all_logits=True, from_start=True)
-        want = reference(tokens, torch.arange(8), all_logits=True, from_start=True)
-    assert torch.equal(got, want)
+    _same_logits(model, place_model(cfg, shapes, torch.bfloat16, "cpu", dq))
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -242,12 +246,7 @@ def test_an_int8_lm_head_is_stored_beside_an_exact_embedding_and_computes_as_deq
     dq = dict(state)
     dq["output.weight"] = quantize.dequantize("int8", dq.pop("output.qweight"), dq.pop("output.scale"), None,
                                               torch.bfloat16)
-    reference = place_model(cfg, shapes, torch.bfloat16, "cpu", dq)
-    tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
-    with torch.no_grad():
-        got = model(tokens, torch.arange(8), all_logits=True, from_start=True)
-        want = reference(tokens, torch.arange(8), all_logits=True, from_start=True)
-    assert torch.equal(got, want)
+    _same_logits(model, place_model(cfg, shapes, torch.bfloat16, "cpu", dq))
     empty = calibrate.empty_quantized(dict(dense), "int8", "int8")
     assert {k: (v.shape, v.dtype) for k, v in empty.items() if k.startswith("output.")} == {
         k: (v.shape, v.dtype) for k, v in state.items() if k.startswith("output.")}
