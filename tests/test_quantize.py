@@ -254,12 +254,13 @@ def test_an_int8_lm_head_is_stored_beside_an_exact_embedding_and_computes_as_deq
 
 @pytest.mark.slow
 def test_an_engine_with_an_int8_head_builds_and_runs_untied(tmp_path: Path) -> None:
-    """The whole path on a tied model: the engine stores the head's int8 table beside the embedding, says it is
-    not tied (the runtime must not point the head at the embedding), and runs."""
+    """The whole path on a tied model of four layers (so compiled by regions: the head's int8 buffers are
+    constants of the last region's program): the engine stores the head's int8 table beside the embedding, says
+    it is not tied (the runtime must not point the head at the embedding), and runs."""
     from safetensors import safe_open
 
     doc = tiny_recipe_doc(name="tiny-head", precision="int8_wo", options={"lm_head": "int8"})
-    doc["model"]["config"]["tie_word_embeddings"] = True
+    doc["model"]["config"] |= {"tie_word_embeddings": True, "num_hidden_layers": 4}
     recipe = write_recipe(tmp_path, doc, "head.yaml")
     proc = run_cli("run", str(recipe), "--engines", str(tmp_path / "engines"), "--json")
     assert proc.returncode == 0, proc.stderr
@@ -271,6 +272,7 @@ def test_an_engine_with_an_int8_head_builds_and_runs_untied(tmp_path: Path) -> N
         names = set(f.keys())
     assert {"output.qweight", "output.scale", "tok_embeddings.weight"} <= names and "output.weight" not in names
     assert len(result["output_ids"][0]) == 8
+    assert len(spec["graphs"]["prefill"]["regions"]) == 2  # layers 0-2, then layer 3 with the int8 head
 
 
 def test_fp8_is_calibrated_by_gptq_per_channel_unless_the_recipe_asks_for_rtn(tmp_path: Path) -> None:
