@@ -87,6 +87,7 @@ STEPS = {
                             "estimated: the head's two timings, the last region and the prefill compiled anew"),
     "bench_int4_head": Step("1B int4_wo / its int8 head / bf16 decode", 0, 20, 20, "bench_quant's, three engines"),
     "bench_quant_head": Step("1B fp8 / int4_wo / its int8 head / bf16 decode", 0, 25, 25, "bench_quant's, four engines"),
+    "bench_head": Step("1B int4_wo with the int8 head / bf16 decode", 0, 15, 15, "bench_quant's, two engines"),
     "profile_int4_head": Step("profile the 1B int4_wo int8-head decode step", 0, 25, 25, "profile_int4's"),
     "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 240, 225,
                         "results/2026-12-06-h100-gate-4: 225 s (the paged graph compiled, 111 s, the others reused; "
@@ -567,12 +568,13 @@ RUNNERS: dict[str, Callable[[Gate], None]] = {
     "build_int4_head": lambda g: build_step(g, "int4_head"),
     "bench_int4_head": lambda g: bench_quant_step(g, ("int4", "int4_head")),
     "bench_quant_head": lambda g: bench_quant_step(g, ("fp8", "int4", "int4_head")),
+    "bench_head": lambda g: bench_quant_step(g, ("int4_head",)),
     "profile_int4_head": lambda g: profile_step(g, "int4_head", "1,8"),
     "serve_paged": serve_paged_step, "paged_probe": paged_probe_step, "smollm2": smollm2_step,
 }
 # One call (--part all): part 2's short steps before part 1's torch.compile, whose tail is the longest
 ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "bench_int4", "profile_int4",
-             "build_int4_head", "bench_int4_head", "bench_quant_head", "profile_int4_head",
+             "build_int4_head", "bench_int4_head", "bench_quant_head", "bench_head", "profile_int4_head",
              "serve_paged", "paged_probe", "smollm2", "bench_bf16")
 
 
