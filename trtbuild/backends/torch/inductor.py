@@ -51,7 +51,11 @@ def inductor_configs(level: str, device: str, graph: str = "decode") -> dict[str
     # each import torch per ISA behind those locks. The CPU's own flags (cpuinfo, which also checks that the
     # OS saves the registers) decide instead; the compiler's support for the extensions (bf16, VNNI, AMX
     # tiles) is still compiled and checked, and a compiler that could not build the base ISA fails loudly.
-    base["cpp.vec_isa_ok"] = True
+    # Those extension checks load their test library in a new Python process too, under the same locks: on an
+    # H100 host (f09d588) each CUDA program still spent 26-42 s in AotCodeCompiler.compile where its kernels'
+    # compile and link took 0.6-0.7 s (the wrapper's, beside them, ~5 s). A CUDA program has no CPU kernels
+    # to vectorize, so its builds take no vector ISA at all (False: every check is skipped, none compiled).
+    base["cpp.vec_isa_ok"] = not device.startswith("cuda")
     if graph.startswith("decode_b") and pdl_compilable(device):
         # Inductor's kernels wait for their predecessor inside the kernel, so the runtime may let them
         # start early in the captured decode step (trtbuild/backends/torch/pdl.py). The prefill graphs' captures
