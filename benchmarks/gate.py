@@ -60,8 +60,8 @@ class Step:
 # In the order they run: in each part the longest, least predictable tail last (torch.compile's autotuning in
 # part 1), so a cut-off costs the fewest rows. Estimates on an H100.
 STEPS = {
-    "build_bf16": Step("build 1B bf16", 1, 197, 105,
-                       "results/2026-12-06-h100-gate: 197 s cold on an H100 (matmul selection 64 s, compile 103 s); "
+    "build_bf16": Step("build 1B bf16", 1, 115, 105,
+                       "results/2026-12-07-h100-gate: 107.7 s cold on an H100 (matmul selection 28 s, compile 64 s); "
                        "results/2026-12-06-h100-gate-2: 105 s with the matmul timings seeded, the graphs compiled"),
     "profile": Step("profile step vs run TPOT", 1, 20, 15,
                     "results/2026-12-06-h100-gate-2: 11 s (load, one profile, one run of 128 tokens)"),
@@ -83,8 +83,9 @@ STEPS = {
     "profile_int4": Step("profile the 1B int4_wo decode step", 0, 25, 25, "profile's, twice: estimated"),
     # not in a part: the int4_wo recipe with options.lm_head int8, built after it (its regions of the layers
     # before the last are the int4 engine's, reused), measured beside it and profiled
-    "build_int4_head": Step("build 1B int4_wo, int8 LM head", 0, 90, 60,
-                            "estimated: the head's two timings, the last region and the prefill compiled anew"),
+    "build_int4_head": Step("build 1B int4_wo, int8 LM head", 0, 180, 90,
+                            "results/2026-12-07-h100-gate: cut off at 140 s after the bf16 build (every quantized "
+                            "site timed with its epilogue, every program compiled); seeded: estimated"),
     "bench_int4_head": Step("1B int4_wo / its int8 head / bf16 decode", 0, 20, 20, "bench_quant's, three engines"),
     "bench_quant_head": Step("1B fp8 / int4_wo / its int8 head / bf16 decode", 0, 25, 25, "bench_quant's, four engines"),
     "bench_head": Step("1B int4_wo with the int8 head / bf16 decode", 0, 15, 15, "bench_quant's, two engines"),
