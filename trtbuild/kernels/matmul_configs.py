@@ -138,8 +138,8 @@ def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: i
     - int4 steps that are not whole groups, or more than MAX_GROUPS_A_STEP of them; int4 steps
       whose dequantized tile is larger than INT4_TILE for four warps;
     - split-K where the unsplit launch already gives every one of `sms` multiprocessors 4 programs or more (the
-      split only adds a reduction), where a slice of k would be shorter than one step, or with an epilogue
-      (the gating and the add need the whole sum).
+      split only adds a reduction), or where a slice of k would be shorter than one step. (With an epilogue,
+      the gating or the add, the reduction does it.)
     The lists' order is kept: the selection's first of equals is the earlier."""
     family = "int4" if fmt == "int4" else "fp8"
     plain = (QUANT_ONE_ROW if rows == 1 else QUANT_ROWS)[family]
@@ -156,6 +156,6 @@ def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: i
             return False
         if family == "int4" and rows_read * c.block_n * c.block_k // 2 > INT4_TILE * c.warps // 4:
             return False
-        return c.split == 1 or (epilogue == "none" and -(-n // c.block_n) < 4 * sms and k // c.split >= c.block_k)
+        return c.split == 1 or (-(-n // c.block_n) < 4 * sms and k // c.split >= c.block_k)
 
     return [c for c in plain + split if fits(c)]

@@ -32,8 +32,8 @@ call for every quantized Linear (`Linear.decode_config`); the configuration is t
 shape, epilogue and batch at build time (`select`, candidates in matmul_configs.py). Like the dense kernel
 under options.decode_fusion epilogue, it does what follows the matmul at its call site: the SiLU gating of
 gate/up (`gate`: the program reads rows n and N + n with their scales) and the residual add (`residual`),
-which would otherwise be Inductor kernels of their own, three launches a layer; the norm before it stays
-outside.
+which would otherwise be Inductor kernels of their own, three launches a layer; with split-K the reduction
+kernel does them (`_split_epilogue_kernel`). The norm before it stays outside.
 Imported only where Triton is present; tested through Triton's interpreter on the CPU and compiled on the GPU.
 """
 
@@ -100,7 +100,7 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, K_SL
     # its fp32 partial sums to rows j * M .. j * M + M - 1 of y (a workspace), which the reduction adds up.
     # K_SLICE is a run-time argument: one compiled kernel serves every weight width.
     # With GATE the weight holds gate and up ([2N, K]): the program also reads rows N + n, with their scales,
-    # and writes silu(gate) * up; with RESIDUAL it adds r[m, n] to the result (neither with split-K).
+    # and writes silu(gate) * up; with RESIDUAL it adds r[m, n] to the result (with split-K the reduction does both).
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -186,16 +186,57 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, K_SL
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATE:
             acc_up = acc_up * tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if GATE:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT > 1:
+        # partial sums: the reduction adds them up and does the epilogue (`_split_epilogue_kernel`); gated, the up
+        # half's partials sit N columns after the gate's
+        if PDL:
+            acc = release_successor(acc)
+        out = y_ptr + (offs_m + tl.program_id(1) * M)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(out, acc, mask=out_mask)
+        if GATE:
+            tl.store(out + N, acc_up, mask=out_mask)
+    else:
+        if GATE:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if RESIDUAL:
+            acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask,
+                           other=0.0).to(tl.float32)
+        if PDL:
+            acc = release_successor(acc)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _split_epilogue_kernel(p_ptr, y_ptr, r_ptr, MN, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr, GATE: tl.constexpr,
+                           RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    """y = the sum of SPLIT partial results ([SPLIT, M, N] fp32, or gated [SPLIT, M, 2N]: gate then up), with the
+    call site's epilogue: silu(gate) * up (GATE), + r (RESIDUAL, [M, N] contiguous); y [M, N] contiguous. The
+    split-K matmul's reduction, so the epilogue costs no launch of its own."""
+    if PDL:
+        z = wait_for_predecessor()
+        p_ptr, y_ptr, r_ptr = p_ptr + z, y_ptr + z, r_ptr + z
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    if GATE:
+        src = offs // N * (2 * N) + offs % N
+        part = 2 * MN
+    else:
+        src = offs
+        part = MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    up = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(SPLIT):
+        acc += tl.load(p_ptr + j * part + src, mask=mask, other=0.0)
+        if GATE:
+            up += tl.load(p_ptr + j * part + src + N, mask=mask, other=0.0)
+    if GATE:
+        acc = acc / (1.0 + tl.exp(-acc)) * up
     if RESIDUAL:
-        acc += tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask, other=0.0).to(tl.float32)
+        acc += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if PDL:
         acc = release_successor(acc)
-    if SPLIT > 1:
-        offs_m += tl.program_id(1) * M
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def launch_shape(config: MatmulConfig, rows: int, k: int, group: int) -> tuple[int, int]:
@@ -227,15 +268,16 @@ def _launch(kernel: Any, x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor
         raise ValueError(f"quant_matmul's residual must be [M, N] with contiguous rows, got {tuple(residual.shape)}")
     group = k // scale.shape[1] if int4 else 0
     split = config.split
-    if split > 1 and (gate or residual is not None):
-        raise ValueError(f"quant_matmul: split-K ({config.name}) does the plain matmul only")
-    if split > 1 and y.stride(0) != n:
-        raise ValueError(f"quant_matmul: split-K writes a contiguous output, got strides {y.stride()}")
+    if split > 1 and (y.stride(0) != n or (residual is not None and residual.stride(0) != n)):
+        raise ValueError(f"quant_matmul: split-K writes a contiguous output and reads a contiguous residual, got "
+                         f"strides {y.stride()}{'' if residual is None else f' and {residual.stride()}'}")
     dot = m > 1
     block_n, block_k = launch_shape(config, m, k, group)
     pdl = waits_on(x.device)
-    # the partial sums' rows: [split * M, N] fp32, every element written (an empty slice writes zeros)
-    target = y if split == 1 else torch.empty((split * m, n), dtype=torch.float32, device=x.device)
+    # the partial sums' rows: [split * M, N] fp32 (gated: [split * M, 2N], gate then up), every element written
+    # (an empty slice writes zeros)
+    target = y if split == 1 else torch.empty((split * m, 2 * n if gate else n), dtype=torch.float32,
+                                              device=x.device)
     k_slice = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     # absent operands still need a pointer: the scale stands in, and the constexpr flags keep it unread
     kernel[(triton.cdiv(n, block_n), split)](
@@ -246,7 +288,11 @@ def _launch(kernel: Any, x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor
         BLOCK_N=block_n, BLOCK_K=block_k, INT4=int4, GROUP=max(group, 2), USE_DOT=dot,
         EVEN_K=int4 or k % block_k == 0, GATE=gate, RESIDUAL=residual is not None, PDL=pdl, SPLIT=split,
         num_warps=config.warps, num_stages=config.stages)
-    if split > 1:
+    if split > 1 and (gate or residual is not None):
+        reduce(_split_epilogue_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            target, y, y if residual is None else residual, m * n, n, SPLIT=split, BLOCK=REDUCE_BLOCK, GATE=gate,
+            RESIDUAL=residual is not None, PDL=pdl, num_warps=4)
+    elif split > 1:
         reduce(_split_reduce_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, y, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK, PDL=pdl, num_warps=4)
 
