@@ -61,7 +61,7 @@ def test_every_trtbuild_kernel_that_waits_for_its_predecessor_is_known_by_name()
             end = re.search(r"\n(?:@|def |class )", rest)
             if "wait_for_predecessor()" in rest[:end.start() if end else len(rest)]:
                 waiting.append(m.group(1))
-    assert {"_decode_matmul_kernel", "_quant_matmul_kernel", "_split_epilogue_kernel"} <= set(waiting)
+    assert {"_decode_matmul_kernel", "_quant_matmul_kernel", "_split_reduce_epilogue_kernel"} <= set(waiting)
     assert set(waiting) <= set(pdl.OWN_KERNELS)
 
 

@@ -33,7 +33,7 @@ shape, epilogue and batch at build time (`select`, candidates in matmul_configs.
 under options.decode_fusion epilogue, it does what follows the matmul at its call site: the SiLU gating of
 gate/up (`gate`: the program reads rows n and N + n with their scales) and the residual add (`residual`),
 which would otherwise be Inductor kernels of their own, three launches a layer; with split-K the reduction
-kernel does them (`_split_epilogue_kernel`). The norm before it stays outside.
+kernel does them (`_split_reduce_epilogue_kernel`). The norm before it stays outside.
 Imported only where Triton is present; tested through Triton's interpreter on the CPU and compiled on the GPU.
 """
 
@@ -188,8 +188,8 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, K_SL
             acc_up = acc_up * tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT > 1:
-        # partial sums: the reduction adds them up and does the epilogue (`_split_epilogue_kernel`); gated, the up
-        # half's partials sit N columns after the gate's
+        # partial sums: the reduction adds them up and does the epilogue (`_split_reduce_epilogue_kernel`); gated,
+        # the up half's partials sit N columns after the gate's
         if PDL:
             acc = release_successor(acc)
         out = y_ptr + (offs_m + tl.program_id(1) * M)[:, None] * stride_ym + offs_n[None, :]
@@ -208,8 +208,8 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, K_SL
 
 
 @triton.jit
-def _split_epilogue_kernel(p_ptr, y_ptr, r_ptr, MN, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr, GATE: tl.constexpr,
-                           RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+def _split_reduce_epilogue_kernel(p_ptr, y_ptr, r_ptr, MN, N, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                                  GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """y = the sum of SPLIT partial results ([SPLIT, M, N] fp32, or gated [SPLIT, M, 2N]: gate then up), with the
     call site's epilogue: silu(gate) * up (GATE), + r (RESIDUAL, [M, N] contiguous); y [M, N] contiguous. The
     split-K matmul's reduction, so the epilogue costs no launch of its own."""
@@ -289,7 +289,7 @@ def _launch(kernel: Any, x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor
         EVEN_K=int4 or k % block_k == 0, GATE=gate, RESIDUAL=residual is not None, PDL=pdl, SPLIT=split,
         num_warps=config.warps, num_stages=config.stages)
     if split > 1 and (gate or residual is not None):
-        reduce(_split_epilogue_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+        reduce(_split_reduce_epilogue_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, y, y if residual is None else residual, m * n, n, SPLIT=split, BLOCK=REDUCE_BLOCK, GATE=gate,
             RESIDUAL=residual is not None, PDL=pdl, num_warps=4)
     elif split > 1:

@@ -35,8 +35,8 @@ KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC, and CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
 
 # trtbuild's kernels (decode_matmul.py, quant_matmul.py, decode_attention.py): each waits before its first load.
-OWN_KERNELS = ("_decode_matmul_kernel", "_split_reduce_kernel", "_quant_matmul_kernel", "_split_epilogue_kernel",
-               "_decode_attention_partial", "_decode_attention_merge")
+OWN_KERNELS = ("_decode_matmul_kernel", "_split_reduce_kernel", "_quant_matmul_kernel",
+               "_split_reduce_epilogue_kernel", "_decode_attention_partial", "_decode_attention_merge")
 # Inductor's generated pointwise, reduction and persistent-reduction kernels; not its GEMM templates
 # (triton_tem_*), which Inductor compiles without the wait, nor foreach kernels (triton_for_*).
 INDUCTOR_PREFIXES = ("triton_poi_", "triton_red_", "triton_per_")
