@@ -371,7 +371,8 @@ def test_the_plan_fuses_each_quantized_call_sites_epilogue_and_routes_it(
     assert record["decode_b1"][f"{2 * f}x{d}+int4+gate"]["kernel_does"] == "gate"
     assert decode_kernels.fused_outside(record, 1) == []
     with quantized_decode(models[1], "cuda", plan[1], 1):
-        does = {(m.out_features, m.in_features): m.decode_fusion for m in models[1].modules() if getattr(m, "quant", None)}
+        does = {(m.out_features, m.in_features): m.decode_fusion
+                for m in models[1].modules() if getattr(m, "quant", None)}
         assert does == {(qkv, d): "none", (2 * f, d): "gate", (d, d): "residual", (d, f): "residual"}
         if DEVICE == "cpu":  # the graphs would route only on CUDA: route by hand for the interpreter
             tokens = torch.tensor([[3, 9, 1, 4], [7, 2, 8, 5]])

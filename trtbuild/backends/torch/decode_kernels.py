@@ -132,11 +132,11 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     from trtbuild.models.llama import Linear
 
     by_shape: dict[MatmulKey, list[Any]] = {}
-    quantized: dict[MatmulKey, list[Any]] = {}  # (out, in, format): each layer's (qweight, scale, zero)
+    quantized: dict[MatmulKey, list[Any]] = {}  # (out, in, quant_site): each layer's (qweight, scale, zero)
     for mod in model.modules():
         if isinstance(mod, Linear) and mod.quant is not None:
-            quantized.setdefault((mod.out_features, mod.in_features, quant_site(mod.quant, fusion_of(mod, fusion_mode))),
-                                 []).append(
+            site = quant_site(mod.quant, fusion_of(mod, fusion_mode))
+            quantized.setdefault((mod.out_features, mod.in_features, site), []).append(
                 (mod.qweight, mod.scale, getattr(mod, "zero", None)))
         elif isinstance(mod, Linear):
             same = by_shape.setdefault((mod.out_features, mod.in_features, fusion_of(mod, fusion_mode)), [])
