@@ -165,6 +165,25 @@ def test_the_custom_op_compiled_on_the_gpu_matches_the_dequantized_matmul(fmt: s
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("split", [1, 4])
+def test_the_custom_op_with_an_epilogue_compiled_on_the_gpu_matches_the_reference(fmt: str, rows: int,
+                                                                                   split: int) -> None:
+    """The op with the gating (Llama-3.2 1B's gate/up, 16384 x 2048) and with the residual add (its down
+    projection, 2048 x 8192), whole or split-K (the reduction doing the epilogue), bf16 activations."""
+    from trtbuild.kernels.quant_matmul import quant_matmul_op, reference
+
+    for epilogue, n, k in (("gate", 16384, 2048), ("residual", 2048, 8192)):
+        x, stored, _ = _case(fmt, rows, n, k, rows + split)
+        q, s, z = stored["qweight"], stored["scale"], stored.get("zero")
+        residual = torch.randn(rows, n, device=DEVICE, dtype=DTYPE) if epilogue == "residual" else None
+        want = reference(x, q, s, z, epilogue, residual)
+        got = quant_matmul_op(x, q, s, z, 16 if rows > 1 else 4, 512, 4, 3, split, epilogue == "gate", residual)
+        torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_fp8_prefill_on_tensor_cores_is_close_to_the_dequantized_matmul() -> None:
     """quantize.fp8_linear: per-token fp8 activations times the fp8 weight through torch._scaled_mm."""
     from trtbuild.models import quantize
