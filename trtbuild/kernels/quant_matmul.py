@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from trtbuild.kernels import blocks
-from trtbuild.kernels.blocks import REDUCE_BLOCK, _split_reduce_kernel, dot_acc
+from trtbuild.kernels.blocks import REDUCE_BLOCK, dot_acc
 from trtbuild.kernels.grid_dependency import release_successor, wait_for_predecessor, waits_on
 from trtbuild.kernels.grid_dependency import source_digest as wait_digest
 from trtbuild.kernels.matmul_configs import MAX_GROUPS_A_STEP, H100_SMS, MatmulConfig, quant_candidates
@@ -255,8 +255,8 @@ def launch_shape(config: MatmulConfig, rows: int, k: int, group: int) -> tuple[i
 def _launch(kernel: Any, x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor | None, y: Tensor,
             config: MatmulConfig, gate: bool = False, residual: Tensor | None = None,
             reduce: Any = lambda k: k) -> None:
-    """Launch `kernel` (wrapped or not) and, for split-K, `reduce(_split_reduce_kernel)` after it: the custom op
-    wraps both for AOTInductor. `gate`: the weight holds gate and up, y is silu(gate) * up; `residual` is added
+    """Launch `kernel` (wrapped or not) and, for split-K, `reduce(_split_reduce_epilogue_kernel)` after it: the
+    custom op wraps both for AOTInductor. `gate`: the weight holds gate and up, y is silu(gate) * up; `residual` is added
     to y."""
     m, k = x.shape
     n = qweight.shape[0] // (2 if gate else 1)
@@ -288,13 +288,10 @@ def _launch(kernel: Any, x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor
         BLOCK_N=block_n, BLOCK_K=block_k, INT4=int4, GROUP=max(group, 2), USE_DOT=dot,
         EVEN_K=int4 or k % block_k == 0, GATE=gate, RESIDUAL=residual is not None, PDL=pdl, SPLIT=split,
         num_warps=config.warps, num_stages=config.stages)
-    if split > 1 and (gate or residual is not None):
+    if split > 1:  # the reduction, with the epilogue where there is one
         reduce(_split_reduce_epilogue_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, y, y if residual is None else residual, m * n, n, SPLIT=split, BLOCK=REDUCE_BLOCK, GATE=gate,
             RESIDUAL=residual is not None, PDL=pdl, num_warps=4)
-    elif split > 1:
-        reduce(_split_reduce_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            target, y, m * n, SPLIT=split, BLOCK=REDUCE_BLOCK, PDL=pdl, num_warps=4)
 
 
 def output_columns(qweight: Tensor, gate: bool) -> int:

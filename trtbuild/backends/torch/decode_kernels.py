@@ -111,9 +111,9 @@ def matmul_plan(model: Any, buckets: tuple[int, ...], level: str, mode: str, dev
     `split_mode` options.decode_split_k (timed: split-K configurations among the candidates).
     A quantized engine's quantized Linears are timed the same way per (out, in, format) and batch, among the
     quantized kernel's candidates only (it has no cuBLAS rival: ATen would dequantize every weight every step),
-    each with its call site's epilogue under `epilogue` (the gating, the residual add: one launch fewer, and no
-    split-K there); their plan keys carry the format and epilogue where the others carry a fusion (`quant_site`). `seconds`, where given,
-    gets where the selection's time went: "ahead_s" (the candidates compiled ahead), "timing_s" (the rest) and
+    each with its call site's epilogue under `epilogue` (the gating, the residual add: one launch fewer; with
+    split-K the reduction does it); their plan keys carry the format and epilogue where the others carry a
+    fusion (`quant_site`). `seconds`, where given, gets where the selection's time went: "ahead_s" (the candidates compiled ahead), "timing_s" (the rest) and
     of that, for the dense kernel's fresh selections, "timing_references_s" (cuBLAS and the unfused rivals,
     their torch.compile included) and "timing_candidates_s".
     """
