@@ -80,6 +80,24 @@ class PagedStandIn:
         self.log.append(("release", key))
 
 
+class MixedStandIn(PagedStandIn):
+    """An engine with the mixed step: a step's decode rows and prompt chunks in one call (`step_paged`)."""
+
+    can_mix = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mixed = 0  # calls that carried both
+        self.declined = False  # answer None (the chunks cannot go with the rows), as the torch engine may
+
+    def step_paged(self, decode: tuple[Any, ...], chunks: tuple[Any, ...]) -> tuple[list[int], list[int | None]] | None:
+        if self.declined:
+            return None
+        assert not set(decode[0]) & set(chunks[0]), "a request both decodes and prefills in one step"
+        self.mixed += 1
+        return self.decode_paged(*decode), self.prefill_paged(*chunks)
+
+
 class Seen:
     def __init__(self) -> None:
         self.blocks_seen: list[tuple[int, int, int, int]] = []
@@ -103,8 +121,9 @@ class Seen:
 
 
 def serve(jobs: list[tuple[list[int], int]], num_blocks: int = 64, block_size: int = 4, chunk: int | None = None,
-          prefix: bool = True, rows: int = 8) -> tuple[list[Any], PagedStandIn, Seen]:
-    engine = PagedStandIn(num_blocks, block_size, rows=rows)
+          prefix: bool = True, rows: int = 8, engine_type: type[PagedStandIn] = PagedStandIn
+          ) -> tuple[list[Any], PagedStandIn, Seen]:
+    engine = engine_type(num_blocks, block_size, rows=rows)
     seen = Seen()
     s = Scheduler(engine, max_queue=1000, buckets=[1, 2, 4, 8][:rows.bit_length()], observer=seen,
                   pool=BlockPool(num_blocks, block_size, prefix), chunk_tokens=chunk)
@@ -118,10 +137,58 @@ JOBS = [([5], 12), ([1, 2, 3] * 7, 3), ([9] * 40, 20), ([4, 4], 1), (list(range(
 
 @pytest.mark.parametrize("chunk", [None, 1, 5, 16])
 @pytest.mark.parametrize("prefix", [True, False])
-def test_tokens_are_each_prompts_own_with_chunking_and_prefix_caching(chunk: int | None, prefix: bool) -> None:
-    sinks, _, _ = serve(JOBS, chunk=chunk, prefix=prefix)
+@pytest.mark.parametrize("engine_type", [PagedStandIn, MixedStandIn])
+def test_tokens_are_each_prompts_own_with_chunking_and_prefix_caching(chunk: int | None, prefix: bool,
+                                                                      engine_type: type[PagedStandIn]) -> None:
+    sinks, engine, _ = serve(JOBS, chunk=chunk, prefix=prefix, engine_type=engine_type)
     for (p, n), sink in zip(JOBS, sinks):
         assert sink.tokens == alone(p, n) and sink.finish == "length"
+    if engine_type is MixedStandIn:
+        assert engine.mixed > 0  # type: ignore[attr-defined]
+
+
+def test_a_mixed_step_carries_the_rows_and_the_chunks_and_no_stream_waits_more_than_one_chunk() -> None:
+    """With the mixed step, every step that has both decode rows and chunks is one engine call; a stream gets a
+    token every step while a long prompt is prefilled beside it. Where the engine declines (None), the same
+    step goes as two calls, with the same tokens."""
+    for declined in (False, True):
+        engine = MixedStandIn(64, 4)
+        engine.declined = declined
+        s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=8)
+        running, sink = req([3, 1, 4], 30)
+        s.submit(running)
+        s.step()
+        long, long_sink = req(list(range(60)), 5)
+        s.submit(long)
+        steps = 0
+        while s.step():
+            steps += 1
+        assert sink.tokens == alone([3, 1, 4], 30) and long_sink.tokens == alone(list(range(60)), 5)
+        decodes = [c for c in engine.log if c[0] == "decode" and running.id in c[1]]
+        assert len(decodes) == 30 - 1  # one a step: the first token came from the prefill
+        assert engine.mixed == (0 if declined else 8)  # the long prompt's 60 tokens in chunks of 8
+        between = 0
+        for call in engine.log:
+            if call[0] == "decode" and running.id in call[1]:
+                between = 0
+            elif call[0] == "prefill":
+                between += call[2]
+                assert between <= 8
+
+
+def test_a_mixed_step_that_fails_goes_again_as_two_calls() -> None:
+    class Failing(MixedStandIn):
+        def step_paged(self, decode: tuple[Any, ...], chunks: tuple[Any, ...]) -> Any:
+            raise RuntimeError("mixed refused")
+
+    engine = Failing(64, 4)
+    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=4)
+    (a, a_sink), (b, b_sink) = req([1, 2, 3], 6), req(list(range(10)), 4)
+    s.submit(a)
+    s.step()
+    s.submit(b)
+    run_until_idle(s)
+    assert a_sink.tokens == alone([1, 2, 3], 6) and b_sink.tokens == alone(list(range(10)), 4)
 
 
 def test_a_shared_prefix_is_prefilled_once() -> None:
@@ -172,11 +239,12 @@ def test_block_exhaustion_preempts_and_recomputes_never_an_error() -> None:
     """A pool of 40 blocks of 4 (160 tokens) and six requests growing to 50-90 tokens: rows are preempted
     mid-decode and recomputed later; every request ends with exactly its own tokens."""
     jobs = [([i + 1] * 20, 70 - 5 * i) for i in range(6)]
-    sinks, engine, seen = serve(jobs, num_blocks=40, block_size=4, chunk=16)
-    assert seen.preemptions > 0
-    for (p, n), sink in zip(jobs, sinks):
-        assert sink.finish == "length" and sink.tokens == alone(p, n)
-    assert seen.blocks_seen[-1][0] == 0  # every block given back
+    for engine_type in (PagedStandIn, MixedStandIn):
+        sinks, engine, seen = serve(jobs, num_blocks=40, block_size=4, chunk=16, engine_type=engine_type)
+        assert seen.preemptions > 0
+        for (p, n), sink in zip(jobs, sinks):
+            assert sink.finish == "length" and sink.tokens == alone(p, n)
+        assert seen.blocks_seen[-1][0] == 0  # every block given back
 
 
 def test_admission_waits_for_blocks_and_the_queue_bound_counts_the_rest() -> None:

@@ -26,11 +26,13 @@ from trtbuild.cli.common import (build_progress, engines_option, load_recipe_fil
 @click.option("--prefill-chunk", type=click.IntRange(min=0), default=512, show_default=True,
               help="Prompt tokens prefilled a step beside the decode rows (paged); 0: each prompt whole.")
 @click.option("--no-prefix-cache", is_flag=True, help="Do not share the KV blocks of common prompt prefixes (paged).")
+@click.option("--no-mixed-step", is_flag=True,
+              help="Run a step's prompt chunks and decode rows as two calls, not one (paged).")
 @threads_option
 @quiet_option
 @remote_option
 def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: bool, max_queue: int, kv_cache: str,
-              kv_memory: float, kv_blocks: int | None, prefill_chunk: int, no_prefix_cache: bool,
+              kv_memory: float, kv_blocks: int | None, prefill_chunk: int, no_prefix_cache: bool, no_mixed_step: bool,
               threads: int | None, quiet: bool, remote: str | None) -> None:
     """Serve the recipe's engine over an OpenAI-compatible HTTP API, with continuous batching."""
     from trtbuild.runner import open_session
@@ -44,5 +46,5 @@ def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: 
         click.echo(f"trtbuild: {used['threads']} thread(s) ({used['why']})", err=True)
     with build_progress(quiet) as progress:
         session = open_session(r, engines, build=not no_build, progress=progress, remote=remote)
-    kv = KvSettings(kv_cache, kv_memory, kv_blocks, prefill_chunk, not no_prefix_cache)
+    kv = KvSettings(kv_cache, kv_memory, kv_blocks, prefill_chunk, not no_prefix_cache, not no_mixed_step)
     serve(session, host=host, port=port, max_queue=max_queue, log_level="warning" if quiet else "info", kv=kv)

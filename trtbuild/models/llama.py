@@ -343,6 +343,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q_size = c.num_heads * c.head_dim
         qkv = self.wqkv(x, norm=norm)
+        if not isinstance(slots, Tensor):  # a mixed paged step's rows (models/paged.MixedRows), caches its pools
+            return self.wo(slots.attend(self, qkv, table, k_cache, v_cache), residual=residual)
         if slots.dim() == 2:  # block tables: the paged KV cache (models/paged.py), caches are its pools
             return self.wo(paged_attention(self, qkv, table, pos, slots, k_cache, v_cache), residual=residual)
         if self.decode_kernel == "kernel":
@@ -595,7 +597,7 @@ class Transformer(nn.Module):
             linear.fusion = FOLDED[linear.fusion]
 
     def forward(self, tokens: Tensor, input_pos: Tensor, all_logits: bool = False, from_start: bool = False,
-                span: Tensor | None = None, slots: Tensor | None = None, pools: list[Tensor] | None = None) -> Tensor:
+                span: Tensor | None = None, slots: Any = None, pools: list[Tensor] | None = None) -> Tensor:
         pos = positions(input_pos)
         if slots is None:
             slots = torch.arange(tokens.shape[0], device=tokens.device)
@@ -606,6 +608,8 @@ class Transformer(nn.Module):
             k_cache, v_cache = (pools[2 * i], pools[2 * i + 1]) if pools is not None else \
                 (getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"))
             x = layer(x, self.rope, table, pos, slots, k_cache, v_cache, from_start, span)
+        if not isinstance(slots, Tensor):  # a mixed paged step: its rows' last tokens (models/paged.MixedRows)
+            x = slots.lasts(x)
         if all_logits:
             return softcap(self.output(x, norm=self.norm), self.cfg.final_softcap)
         return head(self.norm, self.output, self.cfg.final_softcap, x, input_pos, from_start)

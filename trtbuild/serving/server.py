@@ -67,6 +67,7 @@ class KvSettings:
     blocks: int | None = None  # the pool's blocks, overriding `memory`
     chunk: int = 512  # prompt tokens prefilled a step beside the decode rows; 0: a whole prompt at once
     prefix: bool = True  # prefix caching
+    mixed: bool = True  # a step's decode rows and prompt chunks in one call, where the engine has the mixed step
 
 
 # -- the server -----------------------------------------------------------------------------------------------
@@ -146,7 +147,8 @@ class Server:
                 elem = {"fp32": 4, "fp16": 2, "bf16": 2}.get(session.recipe.precision, 2)
                 self.metrics.describe_engine(engine, elem)
                 self.scheduler = Scheduler(engine, self.max_queue, buckets, self.metrics, pool=pool,
-                                           chunk_tokens=self.kv.chunk or None, flush=self.outbox.flush)
+                                           chunk_tokens=self.kv.chunk or None, flush=self.outbox.flush,
+                                           mixed=self.kv.mixed)
                 # Everything loaded so far (torch, the engine, the tokenizer: ~225k objects) lives as long as the
                 # server: out of the collector's reach, a full collection no longer walks it while it holds the
                 # GIL (~50 ms on a 2-core host, 2026-12-06; after the freeze, well under 1 ms)
@@ -261,11 +263,14 @@ def startup_lines(session: Any, engine: Any, buckets: list[int], url: str) -> li
         where = "found in the local store"
     full = engine.max_seq_len
     tokens = int(getattr(engine, "kv_capacity_tokens", engine.max_batch_size * full))
+    layout = getattr(engine, "kv_layout", f"{engine.max_batch_size} rows of {full} tokens")
+    if getattr(engine, "paged", None) is not None:
+        layout += "; decode rows and prompt chunks in " + ("one call a step" if getattr(engine, "can_mix", False) else "two calls a step")
     return [f"engine   {outcome.key} ({where}: {outcome.entry.path})",
             f"shapes   decode buckets {', '.join(map(str, buckets))}; prompts up to {engine.max_input_len} "
             f"tokens, sequences up to {full}",
             f"KV cache {tokens} tokens = {tokens // full} requests of the full {full} tokens "
-            f"({getattr(engine, 'kv_layout', f'{engine.max_batch_size} rows of {full} tokens')})",
+            f"({layout})",
             f"ready on {url}"]
 
 
@@ -284,6 +289,9 @@ def _warm_paged(engine: Any) -> None:
 
     engine.prefill_paged([-1], [[0]], [[0]], [0], [Sampling()], [True])
     engine.decode_paged([-1], [[0]], [0], [1], [Sampling(temperature=1.0, top_p=0.9, seed=0)])
+    if getattr(engine, "can_mix", False):  # the mixed step's first call: a decode row and a chunk, both in block 0
+        engine.step_paged(([-1], [[0]], [0], [2], [Sampling()]), ([-2], [[0]], [[0]], [3], [Sampling()], [True]))
+        engine.release(-2)
     engine.release(-1)
     capture = getattr(engine, "capture_paged", None)
     if callable(capture):

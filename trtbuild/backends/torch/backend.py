@@ -165,7 +165,7 @@ class TorchAOTIBackend:
                                         shapes.max_input_len, job)
         phases["select_prefill_attention_s"] = time.perf_counter() - t
 
-        paged = [export.PAGED] if _option(recipe, "kv_cache") == "paged" else []
+        paged = [export.PAGED, export.PAGED_MIXED] if _option(recipe, "kv_cache") == "paged" else []
         step = export.shared_step(device, shapes)
         names = ["prefill", *(f"decode_b{b}" for b in shapes.batch_buckets), *paged]
         configs = {name: inductor_configs(recipe.tactics_level, device, name) for name in names}
@@ -195,10 +195,10 @@ class TorchAOTIBackend:
             architecture = graph_cache.architecture_key(unit, configs[name], material)
             known = graph_cache.known_export(job.tactics.path, architecture)
             # the one step program (a region of it) that the prefill and the decode buckets share, exported
-            # already; the paged graph is a program of its own
-            shared = next((g for u, g in graphs.items() if step[1] and units[u][0] != export.PAGED
+            # already; the paged graphs are programs of their own
+            shared = next((g for u, g in graphs.items() if step[1] and units[u][0] not in paged
                            and units[u][1] == layer and "program" in g), None)
-            if known is None and shared is not None and name != export.PAGED:
+            if known is None and shared is not None and name not in paged:
                 graphs[unit] = shared | {"export_s": 0.0}
             elif known is None:
                 job.progress(f"exporting {unit}")

@@ -14,13 +14,15 @@ from typing import Any
 from trtbuild.backends.torch import decode_kernels, prefill_attention
 from trtbuild.errors import TrtbuildError
 
-# options.kv_cache: "paged" adds the paged graph (models/paged.py), which `trtbuild serve` runs over a block pool;
-# run and bench keep the row cache's graphs either way.
+# options.kv_cache: "paged" adds the paged graphs (models/paged.py), which `trtbuild serve` runs over a block pool:
+# the paged step (a decode step's rows, or prompt chunks) and the mixed step (both in one forward). Run and bench
+# keep the row cache's graphs either way.
 # options.compile: "regional" exports and compiles a layer of each kind once and runs it for every layer of that
 # kind (models/regions.py), where that saves most of the work, for every graph but the paged step (`regional`);
 # "whole" compiles the unrolled model; "regional-all" the paged step by regions too.
 OPTIONS = {"kv_cache": ("rows", "paged"), "compile": ("regional", "whole", "regional-all")}
 PAGED = "paged"
+PAGED_MIXED = "paged_mixed"
 PAGED_ROWS = 256  # the most sequences one paged step serves
 
 
@@ -57,6 +59,8 @@ def regional(name: str, mode: str) -> bool:
     the paged decode steps took 0.17-0.21 ms more each (1.47 → 1.65 ms at one row) where the step's device time
     grew 0.05 ms: output tok/s fell 10-13% at 1-256 clients. The row engine's decode and prefill stayed level
     (3bd4cfb). "regional-all" compiles the paged step by regions too, to measure it."""
+    if name == PAGED_MIXED:  # called directly, for steps whose device time is milliseconds: always whole
+        return False
     return mode == "regional-all" or (mode == "regional" and name != PAGED)
 
 
@@ -89,6 +93,9 @@ def export_graph(model: Any, name: str, shapes: Any, device: str, matmuls: dict[
     if name == PAGED:
         return {"batch": "dynamic", "program": export_paged(model, shapes.max_input_len, shapes.max_seq_len, device,
                                                             layer),
+                "attention": "aten", "export_s": time.perf_counter() - t}
+    if name == PAGED_MIXED:
+        return {"batch": "dynamic", "program": export_mixed(model, shapes.max_input_len, shapes.max_seq_len, device),
                 "attention": "aten", "export_s": time.perf_counter() - t}
     if name == "prefill" and not tokens:
         with prefill_attention.routed(model, prefill_kernel), fp8_prefill(model, device):
@@ -253,4 +260,37 @@ def export_paged(model: Any, max_input_len: int, max_seq_len: int, device: str, 
                                    # the pools are the step's *args: one entry holding each pool's spec
                                    dynamic_shapes=({0: rows, 1: seq}, {0: rows, 1: seq}, {0: rows, 1: width},
                                                    tuple({0: pool} for _ in pools)),
+                                   prefer_deferred_runtime_asserts_over_guards=True)
+
+
+def export_mixed(model: Any, max_input_len: int, max_seq_len: int, device: str) -> Any:
+    """The mixed paged step (models/paged.MixedStep): decode rows (Bd, 1) and prompt-chunk rows (Bc, Tc), each
+    kind's rows, tokens and table width dynamic, then the pools as in `export_paged`. Chunk rows hold 2 tokens
+    or more (Tc 1 specializes the export); the runtime pads a one-token chunk (paged_runtime.PagedCache.mixed)."""
+    import torch
+    from torch.export import Dim
+
+    from trtbuild.models.paged import BLOCK, MixedStep, pool_shape
+
+    most = max(3, -(-max_seq_len // BLOCK))
+    rows, width = Dim("rows", min=1, max=PAGED_ROWS), Dim("table", min=2, max=most)
+    chunks, seq = Dim("chunks", min=1, max=PAGED_ROWS), Dim("tokens", min=2, max=max(3, max_input_len))
+    chunk_width = Dim("chunk_table", min=2, max=most)
+    pool = Dim("pool", min=2, max=2**24)
+    dtype = model.tok_embeddings.weight.dtype
+    pools = [torch.zeros(pool_shape(model.cfg, 8), dtype=dtype, device=device) for _ in range(2 * model.cfg.num_layers)]
+
+    def longs(*values: Any) -> Any:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    # example sizes all different (3 decode rows, 2 chunk rows of 4 tokens, tables of 2 and 3), so that export
+    # ties no two of the dimensions together
+    example = (longs([1], [2], [3]), longs([5], [17], [20]), longs([0, 1], [2, 3], [4, 1]),
+               longs([1, 2, 3, 4], [5, 6, 7, 8]), longs([0, 1, 2, 3], [16, 17, 18, 19]),
+               longs([5, 1, 1], [6, 7, 1]), *pools)
+    dec, chunk = {0: rows}, {0: chunks, 1: seq}
+    with torch.no_grad():
+        return torch.export.export(MixedStep(model), example,
+                                   dynamic_shapes=(dec, dec, {0: rows, 1: width}, chunk, chunk,
+                                                   {0: chunks, 1: chunk_width}, tuple({0: pool} for _ in pools)),
                                    prefer_deferred_runtime_asserts_over_guards=True)

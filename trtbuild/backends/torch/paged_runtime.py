@@ -48,7 +48,7 @@ class PagedCache:
     directly, as on the CPU)."""
 
     def __init__(self, package: Any, cfg: Any, num_blocks: int, dtype: Any, device: str, max_seq_len: int,
-                 graphs: bool = True, max_input_len: int | None = None) -> None:
+                 graphs: bool = True, max_input_len: int | None = None, mixed: Any = None) -> None:
         import torch
 
         from trtbuild.backends.torch.export import PAGED_ROWS
@@ -57,6 +57,7 @@ class PagedCache:
         from trtbuild.models.paged import BLOCK, pool_shape
 
         self.package, self.device, self.num_blocks, self.block_size = package, device, num_blocks, BLOCK
+        self.mixed_package = mixed  # the mixed step (models/paged.MixedStep), where the engine has it
         self.max_seq_len = max_seq_len
         self.max_blocks = -(-max_seq_len // BLOCK)
         self.scratch = num_blocks
@@ -102,11 +103,25 @@ class PagedCache:
         called alone instead."""
         import torch
 
-        from trtbuild.backends.torch.paged_graphs import left_padded
-
         if self.chunks is not None and (out := self.chunks.run(blocks, tokens, starts)) is not None:
             return out
-        bs, longest = self.block_size, max(map(len, tokens))
+        alone = self._chunk_rows(blocks, tokens, starts)
+        if isinstance(alone, list):  # the rare row near the end of the engine's length: the others still go together
+            return self._prefill_some(blocks, tokens, starts, alone)
+        flat, n, longest, width = alone
+        data = torch.tensor(flat, dtype=torch.long).to(self.device)  # one copy (see `prefill`)
+        tp = data[:2 * n * longest].view(n, 2, longest)
+        with torch.no_grad():
+            return self.package(tp[:, 0], tp[:, 1], data[2 * n * longest:].view(n, width), *self.pools)
+
+    def _chunk_rows(self, blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
+                    least: int = 1) -> tuple[list[int], int, int, int] | list[int]:
+        """Chunks as the rows of one call, each left-padded to the longest (and to `least` tokens): (each row's
+        tokens and positions, then every row's table, flat; rows; tokens a row; table width), or the rows whose
+        padding would pass the engine's max_seq_len (they cannot go in one call with the others)."""
+        from trtbuild.backends.torch.paged_graphs import left_padded
+
+        bs, longest = self.block_size, max(least, *map(len, tokens))
         rows: list[tuple[list[int], list[int], list[int]]] = []  # (tokens, positions, table) of each padded row
         alone: list[int] = []
         for i, (b, chunk, start) in enumerate(zip(blocks, tokens, starts)):
@@ -119,16 +134,12 @@ class PagedCache:
             # for a row of one block: the padding's positions would land in it)
             table = self._table(b, owned)[:owned] + [self.scratch] * -(-(longest - len(chunk)) // bs)
             rows.append((padded, positions, table))
-        if alone:  # the rare row near the end of the engine's length: the others still go together
-            return self._prefill_some(blocks, tokens, starts, alone)
+        if alone:
+            return alone
         width = max(2, max(len(r[2]) for r in rows))  # the graph was exported for tables of 2+ entries
         flat = [x for t, p, _ in rows for x in (*t, *p)]
         flat += [e for _, _, table in rows for e in table + [self.scratch] * (width - len(table))]
-        n = len(rows)
-        data = torch.tensor(flat, dtype=torch.long).to(self.device)  # one copy (see `prefill`)
-        tp = data[:2 * n * longest].view(n, 2, longest)
-        with torch.no_grad():
-            return self.package(tp[:, 0], tp[:, 1], data[2 * n * longest:].view(n, width), *self.pools)
+        return flat, len(rows), longest, width
 
     def _prefill_some(self, blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
                       alone: list[int]) -> tuple[Any, Any]:
@@ -155,12 +166,41 @@ class PagedCache:
                 raise InputError(f"row {short}'s block table of {len(blocks[short])} blocks does not reach its "
                                  f"position {positions[short]}")
             return self.graphs.run(rows, tokens, positions)
-        width = max(-(-(p + 1) // self.block_size) for p in positions)
-        # every table padded to the widest with its own first block: attention masks past each row's position
-        tables = [self._table(b, min(width, -(-(p + 1) // self.block_size))) for b, p in zip(blocks, positions)]
-        tables = [t + [t[0]] * (width - len(t)) for t in tables]
-        dev = self.device
-        rows = torch.tensor([tokens, positions], dtype=torch.long).to(dev)
+        tables = self._decode_tables(blocks, positions)
+        n, width = len(tokens), len(tables[0])
+        data = torch.tensor([*tokens, *positions, *(e for t in tables for e in t)], dtype=torch.long).to(self.device)
         with torch.no_grad():
-            return self.package(rows[0][:, None].contiguous(), rows[1][:, None].contiguous(),
-                                torch.tensor(tables, device=dev), *self.pools)
+            return self.package(data[:n, None], data[n:2 * n, None], data[2 * n:].view(n, width), *self.pools)
+
+    def _decode_tables(self, blocks: list[list[int]], positions: list[int]) -> list[list[int]]:
+        """The decode rows' tables, each through its position and padded to the widest with its own first block
+        (attention masks past each row's position)."""
+        width = max(-(-(p + 1) // self.block_size) for p in positions)
+        tables = [self._table(b, min(width, -(-(p + 1) // self.block_size))) for b, p in zip(blocks, positions)]
+        return [t + [t[0]] * (max(2, width) - len(t)) for t in tables]
+
+    def mixed(self, dec_blocks: list[list[int]], dec_tokens: list[int], positions: list[int],
+              blocks: list[list[int]], tokens: list[list[int]], starts: list[int]) -> tuple[Any, Any] | None:
+        """A decode step of rows (tables, tokens, positions, as `decode`) and prompt chunks (as `prefill_many`) in
+        one call of the mixed step: greedy (Bd + Bc, 1) and logits (Bd + Bc, V), the decode rows' first. None
+        where the engine has no mixed step or a chunk's padding would pass the engine's length: the caller then
+        makes the two calls."""
+        import torch
+
+        if self.mixed_package is None:
+            return None
+        # chunk rows of 2+ tokens: the mixed step was exported for them (a row of one token specializes export's
+        # shapes: the graph asserts Tc != 1)
+        chunks = self._chunk_rows(blocks, tokens, starts, least=2)
+        if isinstance(chunks, list):
+            return None
+        flat, bc, tc, cwidth = chunks
+        tables = self._decode_tables(dec_blocks, positions)
+        bd, width = len(dec_tokens), len(tables[0])
+        data = torch.tensor([*dec_tokens, *positions, *(e for t in tables for e in t), *flat],
+                            dtype=torch.long).to(self.device)  # one copy
+        d = 2 * bd + bd * width
+        tp = data[d:d + 2 * bc * tc].view(bc, 2, tc)
+        with torch.no_grad():
+            return self.mixed_package(data[:bd, None], data[bd:2 * bd, None], data[2 * bd:d].view(bd, width),
+                                      tp[:, 0], tp[:, 1], data[d + 2 * bc * tc:].view(bc, cwidth), *self.pools)
