@@ -17,6 +17,8 @@ pool opened with --blocks blocks. Medians of --iters calls, the device synchroni
   it, in one call (as the server batches a step's chunks) and in one call each;
 - a decode step of R rows (--rows) at --decode-context tokens each, against its floor (bench.py's: the weights and
   the rows' KV read once at the measured copy rate).
+- --mixed R x C: a decode step of R rows and a chunk of C tokens after the largest context, in one call of the
+  mixed step (the server's default where both are in a step) and as the two calls (`serve --no-mixed-step`).
 
 Prints a table; writes paged_probe.json and, where matplotlib imports, paged_probe.png under --out.
 """
@@ -108,6 +110,9 @@ def main() -> None:
     ap.add_argument("--together", default="8x64",
                     help="ROWSxTOKENS: that many requests' chunks after the largest context, shared (a prefix "
                          "cache's hit), in one call and in one call each")
+    ap.add_argument("--mixed", default="64x512",
+                    help="ROWSxTOKENS: a decode step of that many rows and a chunk of that many tokens, in one "
+                         "call of the mixed step and as two calls")
     ap.add_argument("--blocks", type=int, default=None, help="pool blocks (default: what the rows and chunks need)")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
@@ -148,7 +153,9 @@ def main() -> None:
             need_rows = max(rows) * -(-(args.decode_context + 1) // block)
             n_together, t_together = (int(x) for x in args.together.split("x"))
             need_together = need_chunk + n_together * -(-t_together // block)
-            blocks = args.blocks or max(need_together, need_rows) + 1
+            mix_rows, mix_tokens = (int(x) for x in args.mixed.split("x"))
+            need_mixed = mix_rows * -(-(args.decode_context + 1) // block) + need_chunk
+            blocks = args.blocks or max(need_together, need_rows, need_mixed) + 1
             engine.open_pool(blocks=blocks)
             paged = engine.paged
             assert paged.block_size == block, paged.block_size
@@ -200,12 +207,43 @@ def main() -> None:
                                          "split": kernel_split(lambda: paged.decode(tables, toks, pos), device)})
                 save()
                 print(f"[paged_probe] decode {r} rows: {ms:.3f} ms ({ms / floor:.2f}x its floor)", flush=True)
+            if paged.mixed_package is not None and mix_tokens <= engine.max_input_len and \
+                    start + mix_tokens < engine.max_seq_len:
+                report["mixed"] = mixed_row(paged, device, args.iters, mix_rows, mix_tokens, start,
+                                            args.decode_context, vocab)
+                save()
+                m = report["mixed"]
+                print(f"[paged_probe] {mix_rows} decode rows and a {mix_tokens}-token chunk: {m['one_call_ms']:.3f} ms "
+                      f"in one call, {m['two_calls_ms']:.3f} ms in two", flush=True)
     save()
     print(table_text(report))
     try:
         plot(report, out / "paged_probe.png")
     except ImportError:
         print("[paged_probe] matplotlib is not importable here: no plot (the JSON has every number)")
+
+
+def mixed_row(paged: Any, device: str, iters: int, rows: int, tokens: int, start: int, context: int,
+              vocab: int) -> dict[str, Any]:
+    """A decode step of `rows` rows at `context` tokens and a chunk of `tokens` after `start`, through the mixed
+    step and as the chunk call then the decode call (what a step runs without it)."""
+    block = paged.block_size
+    per_row = -(-(context + 1) // block)
+    tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
+    chunk_table = list(range(rows * per_row, rows * per_row + -(-(start + tokens) // block)))
+    toks, pos = [1] * rows, [context] * rows
+    chunk = [(13 * i) % vocab for i in range(tokens)]
+
+    def one() -> Any:
+        return paged.mixed(tables, toks, pos, [chunk_table], [chunk], [start])
+
+    def two() -> Any:
+        paged.prefill(chunk_table, chunk, start)
+        return paged.decode(tables, toks, pos)
+
+    return {"rows": rows, "tokens": tokens, "context": start, "decode_context": context,
+            "one_call_ms": timed(one, device, iters) * 1e3, "two_calls_ms": timed(two, device, iters) * 1e3,
+            "split": kernel_split(one, device)}
 
 
 def table_text(report: dict[str, Any]) -> str:
@@ -222,6 +260,9 @@ def table_text(report: dict[str, Any]) -> str:
     if (t := report.get("together")):
         lines.append(f"{t['rows']} chunks of {t['tokens']} after {t['context']}: {t['one_call_ms']:.3f} ms in one call, "
                      f"{t['one_call_each_ms']:.3f} ms in one call each")
+    if (m := report.get("mixed")):
+        lines.append(f"{m['rows']} decode rows and a {m['tokens']}-token chunk after {m['context']}: "
+                     f"{m['one_call_ms']:.3f} ms in one call (mixed), {m['two_calls_ms']:.3f} ms in two")
     lines.append(f"{'rows':>6} {'context':>8} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
     for d in report["decode"]:
         lines.append(f"{d['rows']:>6} {d['context']:>8} {d['ms']:8.3f} {d['floor_ms']:9.3f} {d['x_floor']:8.2f}")
