@@ -479,10 +479,10 @@ def test_compiled_graph_key_ignores_source_locations_but_not_shapes() -> None:
 
 def test_graphs_compiled_in_worker_processes_are_the_serial_builds_graphs(
         built: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With workers, the build compiles the step program while a worker process compiles the paged graph
-    from a model of its own with uninitialized weights (a second worker would have nothing to do). Its export
-    must be the build's (the worker checks the key the build computed; the step program's key is the serial
-    build's of the same shapes in `built`), it is recorded as compiled, not reused, nothing of the worker's is
+    """With workers, the build compiles the step program while two worker processes compile the paged graphs
+    (the paged step and the mixed step) from models of their own with uninitialized weights. Their exports
+    must be the build's (a worker checks the key the build computed; the step program's key is the serial
+    build's of the same shapes in `built`), they are recorded as compiled, not reused, nothing of the workers' is
     published with the engine, and the tokens are right."""
     from trtbuild.backends.torch import compile_workers
 
@@ -493,12 +493,13 @@ def test_graphs_compiled_in_worker_processes_are_the_serial_builds_graphs(
     recipe = load_recipe(write_recipe(tmp_path, doc))
     outcome = build(recipe, tmp_path / "store")
     entry = outcome.entry
-    assert entry.manifest["tactics"]["compile_workers"] == 1
+    assert entry.manifest["tactics"]["compile_workers"] == 2
     assert entry.manifest["tactics"]["compiled_graphs_reused"] == ["decode_b1", "decode_b2"]
     graphs = json.loads((entry.path / "engine.json").read_text())["graphs"]
     assert "worker" not in graphs["prefill"] and "worker" not in graphs["decode_b2"]
-    assert graphs["paged"]["worker"]["ok"] is True, graphs["paged"]["worker"]
-    assert 0 < graphs["paged"]["worker"]["compile_s"] < graphs["paged"]["worker"]["total_s"]
+    for name in ("paged", "paged_mixed"):
+        assert graphs[name]["worker"]["ok"] is True, graphs[name]["worker"]
+        assert 0 < graphs[name]["worker"]["compile_s"] < graphs[name]["worker"]["total_s"]
     serial = json.loads((Store(built["store"]).find("tiny").path / "engine.json").read_text())["graphs"]
     assert {n: graphs[n]["digest"] for n in serial} == {n: g["digest"] for n, g in serial.items()}
     assert not any(".workers" in f for f in entry.manifest["files"])

@@ -156,7 +156,7 @@ class Server:
                 gc.freeze()
                 self.status = "ready"
                 self.metrics.ready.set(1)
-                for line in startup_lines(session, engine, buckets, self.url):
+                for line in startup_lines(session, engine, buckets, self.url, self.scheduler.mixed):
                     self._announce(line)
                 self.scheduler.run()
         except BaseException as exc:  # nothing to serve: say why and make uvicorn exit
@@ -251,9 +251,10 @@ class Server:
                            headers={"Retry-After": "5"}, reason="draining") from None
 
 
-def startup_lines(session: Any, engine: Any, buckets: list[int], url: str) -> list[str]:
+def startup_lines(session: Any, engine: Any, buckets: list[int], url: str, mixed: bool = False) -> list[str]:
     """What an operator reads at start: the engine and where it came from, its shapes, the KV cache's
-    capacity, and where it listens."""
+    capacity (and, paged, whether a step's decode rows and prompt chunks go in one call: `mixed`), and where it
+    listens."""
     outcome = session.outcome
     if not outcome.cache_hit:
         where = "built now"
@@ -265,7 +266,7 @@ def startup_lines(session: Any, engine: Any, buckets: list[int], url: str) -> li
     tokens = int(getattr(engine, "kv_capacity_tokens", engine.max_batch_size * full))
     layout = getattr(engine, "kv_layout", f"{engine.max_batch_size} rows of {full} tokens")
     if getattr(engine, "paged", None) is not None:
-        layout += "; decode rows and prompt chunks in " + ("one call a step" if getattr(engine, "can_mix", False) else "two calls a step")
+        layout += "; decode rows and prompt chunks in " + ("one call a step" if mixed else "two calls a step")
     return [f"engine   {outcome.key} ({where}: {outcome.entry.path})",
             f"shapes   decode buckets {', '.join(map(str, buckets))}; prompts up to {engine.max_input_len} "
             f"tokens, sequences up to {full}",
