@@ -1,5 +1,6 @@
-"""The paged graph at run time: the block pools, sized by memory, and the calls `trtbuild serve` makes through
-them (a prompt chunk from any start position; a decode step of any rows). See models/paged.py for the layout.
+"""The paged graphs at run time: the block pools, sized by memory, and the calls `trtbuild serve` makes through
+them (a prompt chunk from any start position; a decode step of any rows; both in one call of the mixed step),
+as the engine's paged slot API (`PagedSlots`). See models/paged.py for the layout.
 
 The pools are the graph's inputs, allocated here once: on CUDA `fraction` of the device memory left free
 after the weights, the row caches and the graphs are loaded; on the CPU `fraction` of the memory available,
@@ -12,7 +13,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from trtbuild.backends.sampling import Sampling
 from trtbuild.errors import InputError
+from trtbuild.timing import sync
 
 CPU_SEQUENCES = 256  # a CPU pool's cap, in sequences of the engine's full length
 
@@ -204,3 +207,154 @@ class PagedCache:
         with torch.no_grad():
             return self.mixed_package(data[:bd, None], data[bd:2 * bd, None], data[2 * bd:d].view(bd, width),
                                       tp[:, 0], tp[:, 1], data[d + 2 * bc * tc:].view(bc, cwidth), *self.pools)
+
+
+class PagedSlots:
+    """The engine's paged slot API (`trtbuild serve` over a block pool), mixed into backends/torch/runtime's
+    TorchEngine, whose loaded packages, constants, prompt histories and sampling it uses. Keys are requests'
+    ids; each call names the blocks of each request's table."""
+
+    cfg: Any
+    device: str
+    max_seq_len: int
+    max_input_len: int
+    vocab_size: int
+    paged: "PagedCache | None"
+    kv_capacity_tokens: int
+    kv_layout: str
+    _packages: dict[str, Any]
+    _consts: dict[str, Any]
+    _prompts: dict[int, list[int]]
+    _generated: dict[int, list[int]]
+
+    def _sample(self, logits: Any, slots: list[int], positions: list[int], params: list[Sampling]) -> Any:
+        raise NotImplementedError
+
+    @property
+    def can_page(self) -> bool:
+        return "paged" in self._packages
+
+    def open_pool(self, fraction: float = 0.9, blocks: int | None = None) -> int:
+        """Allocate the block pools (`paged_runtime.pool_blocks` says how many blocks); their count. From now on
+        the paged calls' keys are requests' ids, not cache rows (a server uses one API or the other)."""
+        dtype = self._consts["model.tok_embeddings.weight"].dtype
+        n = pool_blocks(self.cfg, dtype.itemsize, self.device, self.max_seq_len, fraction, blocks)
+        self.paged = PagedCache(self._packages["paged"], self.cfg, n, dtype, self.device, self.max_seq_len,
+                                max_input_len=self.max_input_len, mixed=self._packages.get("paged_mixed"))
+        sync(self.device)
+        self.kv_capacity_tokens = n * self.paged.block_size
+        self.kv_layout = f"paged: {n} blocks of {self.paged.block_size} tokens"
+        return n
+
+    @property
+    def can_mix(self) -> bool:
+        """Whether a step's decode rows and prompt chunks can go in one call (`step_paged`)."""
+        return self.paged is not None and self.paged.mixed_package is not None
+
+    def prefill_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
+                      sampling: list[Sampling], lasts: list[bool]) -> list[int | None]:
+        """Write prompt chunks' KV, chunk i at positions starts[i].. through the block table blocks[i], all in
+        one call of the paged graph; for each chunk whose `lasts` entry is true, the token that follows it (the
+        first generated token when the chunk ends its prompt), else None. Where no chunk is last the host does
+        not wait for the device: the next call queues behind these."""
+        self._check_chunks(keys, blocks, tokens, starts, sampling, lasts)
+        if len(keys) == 1:
+            greedy, logits = self.paged.prefill(blocks[0], tokens[0], starts[0])
+        else:
+            greedy, logits = self.paged.prefill_many(blocks, tokens, starts)
+        return self._chunks_done(greedy, logits, keys, tokens, starts, sampling, lasts)
+
+    def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
+                     sampling: list[Sampling]) -> list[int]:
+        """One decode step of any rows, each through its block table at its own position."""
+        self._check_decode(keys, blocks, tokens, positions, sampling)
+        greedy, logits = self.paged.decode(blocks, tokens, positions)
+        return self._decoded(greedy, logits, keys, tokens, positions, sampling)
+
+    def step_paged(self, decode: tuple[list[int], list[list[int]], list[int], list[int], list[Sampling]],
+                   chunks: tuple[list[int], list[list[int]], list[list[int]], list[int], list[Sampling], list[bool]]
+                   ) -> tuple[list[int], list[int | None]] | None:
+        """A decode step (`decode_paged`'s arguments) and prompt chunks (`prefill_paged`'s) in one call of the
+        mixed step, so the step reads each weight once: (the decode rows' tokens, the chunks' as `prefill_paged`
+        gives them). None, with nothing run, where the engine has no mixed step or the chunks cannot go in one
+        call with the rows; the caller then makes the two calls."""
+        keys, blocks, tokens, positions, sampling = decode
+        self._check_decode(keys, blocks, tokens, positions, sampling)
+        self._check_chunks(*chunks)
+        ckeys, cblocks, ctokens, starts, csampling, lasts = chunks
+        out = self.paged.mixed(blocks, tokens, positions, cblocks, ctokens, starts)
+        if out is None:
+            return None
+        greedy, logits = out
+        n = len(keys)
+        return (self._decoded(greedy[:n], logits[:n], keys, tokens, positions, sampling),
+                self._chunks_done(greedy[n:], logits[n:], ckeys, ctokens, starts, csampling, lasts))
+
+    def _check_chunks(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
+                      sampling: list[Sampling], lasts: list[bool]) -> None:
+        n = len(keys)
+        if not n or not len(blocks) == len(tokens) == len(starts) == len(sampling) == len(lasts) == n:
+            raise InputError("prefill: expected as many tables, chunks, starts, samplings and flags as keys")
+        for chunk, start, plan in zip(tokens, starts, sampling):
+            if not chunk or start + len(chunk) >= self.max_seq_len or len(chunk) > self.max_input_len:
+                raise InputError(f"a chunk of {len(chunk)} tokens at {start} does not fit the engine")
+            if any(not 0 <= tok < self.vocab_size for tok in chunk):
+                raise InputError(f"prompt: token ids must be in [0, {self.vocab_size})")
+            plan.checked()
+
+    def _chunks_done(self, greedy: Any, logits: Any, keys: list[int], tokens: list[list[int]], starts: list[int],
+                     sampling: list[Sampling], lasts: list[bool]) -> list[int | None]:
+        """After a call's chunks: each prompt so far noted (the penalties' history), each last chunk's token."""
+        n = len(keys)
+        for key, chunk, start in zip(keys, tokens, starts):
+            if start == 0 or key not in self._prompts:  # a first chunk (after a cached prefix, start > 0)
+                self._prompts[key], self._generated[key] = [], []
+            self._prompts[key] += chunk
+        out: list[int | None] = [None] * n
+        wanted = [i for i in range(n) if lasts[i]]
+        if not wanted:
+            return out
+        picked = greedy[wanted, 0].tolist()
+        sampled = [i for i in wanted if not sampling[i].greedy]
+        if sampled:
+            draws = self._sample(logits[sampled], [keys[i] for i in sampled],
+                                 [starts[i] + len(tokens[i]) - 1 for i in sampled], [sampling[i] for i in sampled])
+            for i, tok in zip(sampled, draws.tolist()):
+                picked[wanted.index(i)] = tok
+        for i, tok in zip(wanted, picked):
+            out[i] = int(tok)
+        return out
+
+    def _check_decode(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
+                      sampling: list[Sampling]) -> None:
+        n = len(keys)
+        if not n or not len(blocks) == len(tokens) == len(positions) == len(sampling) == n:
+            raise InputError("decode: expected as many tables, tokens, positions and samplings as keys")
+        if any(not 0 < p < self.max_seq_len for p in positions):
+            raise InputError(f"decode: positions must be in [1, max_seq_len {self.max_seq_len}), got {positions}")
+
+    def _decoded(self, greedy: Any, logits: Any, keys: list[int], tokens: list[int], positions: list[int],
+                 sampling: list[Sampling]) -> list[int]:
+        """A decode step's tokens. The token fed is the last one generated: the penalties' history has it before
+        this step samples (a prompt chunk cannot know whether its token is the first generated one)."""
+        import torch
+
+        for key, tok in zip(keys, tokens):
+            self._generated.setdefault(key, []).append(tok)
+        if all(s.greedy for s in sampling):
+            return greedy[:, 0].tolist()
+        picked = self._sample(logits, keys, positions, sampling)
+        both = torch.stack([greedy[:, 0], picked]).tolist()
+        return [g if s.greedy else p for g, p, s in zip(both[0], both[1], sampling)]
+
+    def capture_paged(self) -> int:
+        """Capture the paged decode step's graph of every row-count bucket, and the small prompt-chunk calls'
+        graphs, now (CUDA, where the paged kernel serves the model); how many graphs are captured. Safe with
+        requests in the pool: a capture writes only the scratch block."""
+        if self.paged is None or self.paged.graphs is None:
+            return 0
+        self.paged.graphs.capture_all()
+        chunks = self.paged.chunks
+        if chunks is not None:
+            chunks.capture_all()
+        return len(self.paged.graphs.graphs) + (len(chunks.graphs) if chunks is not None else 0)
