@@ -318,8 +318,9 @@ def test_paged_decode_through_the_kernel_replays_bucket_graphs_with_the_direct_c
     """A bf16 paged engine (head_dim 16, so the paged graph calls the Triton paged attention): three prompts of
     different lengths prefilled together through scattered block tables, then decode steps of all three, which replay
     the 4-row bucket's captured graph (one padding row on the scratch block). The tokens equal those of the
-    same padded step called without a graph, the scratch block is the only block no row owns that changed,
-    and each row's tokens are the eager model's (within bf16 ties)."""
+    same padded step called without a graph, the scratch block is the only block no row owns that changed.
+    Then a fourth prompt is prefilled in two chunks by the mixed step, beside the three rows' decode steps, and
+    all four decode on. Each row's tokens are the eager model's (within bf16 ties)."""
     from trtbuild.backends.sampling import GREEDY
     from trtbuild.backends.torch.paged_graphs import PagedDecodeGraphs
     from trtbuild.models.paged import BLOCK
@@ -362,9 +363,26 @@ def test_paged_decode_through_the_kernel_replays_bucket_graphs_with_the_direct_c
             for block in range(40):
                 if block not in owned:
                     assert torch.equal(now[block], then[block]), block
-    assert streams == want
+        assert streams == want
+        # the mixed step: a fourth prompt prefilled in two chunks beside the three rows' decode steps, one call
+        # each, then four rows decoding
+        assert engine.can_mix
+        late, late_table = [(3 * i + 2) % 128 for i in range(20)], [18, 19, 20, 21, 22, 23]
+        for a, b in ((0, 12), (12, 20)):
+            positions = [len(p) + len(st) - 1 for p, st in zip(prompts, streams)]
+            dec, firsts = engine.step_paged(([0, 1, 2], tables, [st[-1] for st in streams], positions, [GREEDY] * 3),
+                                            ([3], [late_table], [late[a:b]], [a], [GREEDY], [b == len(late)]))
+            for st, tok in zip(streams, dec):
+                st.append(tok)
+        streams.append([firsts[0]])
+        everyone, tables = prompts + [late], tables + [late_table]
+        for _ in range(4):
+            positions = [len(p) + len(st) - 1 for p, st in zip(everyone, streams)]
+            for st, tok in zip(streams, engine.decode_paged([0, 1, 2, 3], tables, [st[-1] for st in streams],
+                                                            positions, [GREEDY] * 4)):
+                st.append(tok)
     folder = outcome.model.materialize()
-    for prompt, stream in zip(prompts, streams):
+    for prompt, stream in zip(everyone, streams):
         assert eager_disagreements(folder, [prompt], [stream], 96, dtype=torch.bfloat16, device="cuda") == []
 
 
