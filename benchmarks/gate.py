@@ -489,11 +489,12 @@ def serve_paged_step(g: Gate) -> None:
 
 def paged_probe_step(g: Gate) -> None:
     """benchmarks/paged_probe.py on the bf16 recipe's paged engine (serve_paged built it): a 512-token prompt chunk
-    after 1,024 tokens beside the prefill graph on the same tokens, and decode steps of 64 and 256 rows."""
+    after 1,024 tokens beside the prefill graph on the same tokens, decode steps of 64 and 256 rows, and 64 decode
+    rows with a 512-token chunk in one call of the mixed step (two calls in the row's note)."""
     out = g.work / "paged-probe"
     shutil.rmtree(out, ignore_errors=True)
-    quick = ["--chunks", "8,32", "--contexts", "0,16", "--rows", "1,4", "--decode-context", "40", "--together", "2x8"] \
-        if g.args.tiny else []
+    quick = ["--chunks", "8,32", "--contexts", "0,16", "--rows", "1,4", "--decode-context", "40", "--together", "2x8",
+             "--mixed", "4x16"] if g.args.tiny else []
     rc, text = g.child("paged-probe", [sys.executable, "benchmarks/paged_probe.py", recipes(g)["bf16"], "--engines",
                                        str(g.store), "--out", str(out), *quick], reserve=g.args.reserve)
     chunk_len, context, rows = (32, 16, ("4",)) if g.args.tiny else (512, 1024, ("64", "256"))
@@ -518,6 +519,10 @@ def paged_probe_step(g: Gate) -> None:
     if t:
         g.add(row(f"{label(g)} paged {t['rows']} chunks of {t['tokens']} after {t['context']}, one call", t["one_call_ms"],
                   "ms", g.part, note=f"one call each: {t['one_call_each_ms']:.3f} ms"))
+    m = report.get("mixed")
+    if m:  # the step a server runs where both are due: one call of the mixed step, against the two calls
+        g.add(row(f"{label(g)} paged mixed step, {m['rows']} decode rows and a {m['tokens']}-token chunk",
+                  m["one_call_ms"], "ms", g.part, note=f"two calls (chunk, then decode): {m['two_calls_ms']:.3f} ms"))
     for n in rows:
         d = next((d for d in report["decode"] if str(d["rows"]) == n), None)
         rname = f"{label(g)} paged decode step {n} rows"

@@ -159,6 +159,7 @@ def test_cpu_smoke_run(tmp_path: Path) -> None:
     assert names["tiny serve 4 streams output tok/s"]["value"] > 0
     assert names["tiny paged serve 4 clients output tok/s"]["value"] > 0
     assert names["tiny paged decode step 4 rows"]["x_floor"] > 0 and names["tiny paged prompt chunk 32 after 16"]["value"] > 0
+    assert names["tiny paged mixed step, 4 decode rows and a 16-token chunk"]["value"] > 0
     assert names["tiny paged serve shared prefix 4 clients: TTFT p50 gain from the prefix cache"]["value"] > 0
     assert names["SmolLM2-135M bf16 greedy = transformers"]["verdict"] == "not run"
     assert (tmp_path / "out" / "details.tar.gz").is_file() and base.is_file()
