@@ -11,6 +11,7 @@ sequence, or the server refuses to start (a smaller pool could never finish a lo
 from __future__ import annotations
 
 import os
+from itertools import chain
 from typing import Any
 
 from trtbuild.backends.sampling import Sampling
@@ -169,18 +170,38 @@ class PagedCache:
                 raise InputError(f"row {short}'s block table of {len(blocks[short])} blocks does not reach its "
                                  f"position {positions[short]}")
             return self.graphs.run(rows, tokens, positions)
-        tables = self._decode_tables(blocks, positions)
-        n, width = len(tokens), len(tables[0])
-        data = torch.tensor([*tokens, *positions, *(e for t in tables for e in t)], dtype=torch.long).to(self.device)
+        rows, width = self._decode_rows(blocks, tokens, positions)
+        n = len(tokens)
+        data = torch.from_numpy(rows).to(self.device)
         with torch.no_grad():
             return self.package(data[:n, None], data[n:2 * n, None], data[2 * n:].view(n, width), *self.pools)
 
-    def _decode_tables(self, blocks: list[list[int]], positions: list[int]) -> list[list[int]]:
-        """The decode rows' tables, each through its position and padded to the widest with its own first block
-        (attention masks past each row's position)."""
-        width = max(-(-(p + 1) // self.block_size) for p in positions)
-        tables = [self._table(b, min(width, -(-(p + 1) // self.block_size))) for b, p in zip(blocks, positions)]
-        return [t + [t[0]] * (max(2, width) - len(t)) for t in tables]
+    def _decode_rows(self, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> tuple[Any, int]:
+        """The decode rows' inputs as one int64 array (tokens, positions, then the tables) and the tables' width:
+        each table through its row's position, padded to the widest (2 at least) with the row's own first block
+        (attention masks past each row's position). Through numpy: at 64 rows of 1,000 tokens, building it from
+        Python lists took 0.9 ms of host time a step on a 2-core host, which the device waits for."""
+        import numpy as np
+
+        n, bs = len(tokens), self.block_size
+        need = (np.asarray(positions, dtype=np.int64) + bs) // bs  # the blocks through each row's position
+        have = np.fromiter(map(len, blocks), dtype=np.int64, count=n)
+        short = np.flatnonzero(have < need)
+        if short.size:
+            i = int(short[0])
+            raise InputError(f"a block table of {have[i]} blocks does not cover {need[i]} blocks of the pool's "
+                             f"{self.num_blocks}")
+        width = max(2, int(need.max()))
+        flat = np.fromiter(chain.from_iterable(b[:k] for b, k in zip(blocks, need.tolist())), dtype=np.int64,
+                           count=int(need.sum()))
+        if int(flat.min()) < 0 or int(flat.max()) >= self.num_blocks:
+            raise InputError(f"a block table names a block outside the pool's {self.num_blocks}")
+        out = np.empty(2 * n + n * width, dtype=np.int64)
+        out[:n], out[n:2 * n] = tokens, positions
+        tables = out[2 * n:].reshape(n, width)
+        tables[:] = np.fromiter((b[0] for b in blocks), dtype=np.int64, count=n)[:, None]
+        tables[np.arange(width)[None, :] < need[:, None]] = flat
+        return out, width
 
     def mixed(self, dec_blocks: list[list[int]], dec_tokens: list[int], positions: list[int],
               blocks: list[list[int]], tokens: list[list[int]], starts: list[int]) -> tuple[Any, Any] | None:
@@ -197,12 +218,12 @@ class PagedCache:
         chunks = self._chunk_rows(blocks, tokens, starts, least=2)
         if isinstance(chunks, list):
             return None
+        import numpy as np
+
         flat, bc, tc, cwidth = chunks
-        tables = self._decode_tables(dec_blocks, positions)
-        bd, width = len(dec_tokens), len(tables[0])
-        data = torch.tensor([*dec_tokens, *positions, *(e for t in tables for e in t), *flat],
-                            dtype=torch.long).to(self.device)  # one copy
-        d = 2 * bd + bd * width
+        rows, width = self._decode_rows(dec_blocks, dec_tokens, positions)
+        bd, d = len(dec_tokens), rows.size
+        data = torch.from_numpy(np.concatenate([rows, np.asarray(flat, dtype=np.int64)])).to(self.device)  # one copy
         tp = data[d:d + 2 * bc * tc].view(bc, 2, tc)
         with torch.no_grad():
             return self.mixed_package(data[:bd, None], data[bd:2 * bd, None], data[2 * bd:d].view(bd, width),
