@@ -324,7 +324,7 @@ def test_compile_workers_end_with_a_killed_build_and_publish_nothing_half_writte
     stop, no entry appears, and the next build (workers again) compiles and publishes normally."""
     import time
 
-    # the paged graph beside the step program: two programs, so the build forks one
+    # the paged graphs beside the step program: three programs, so the build forks two
     recipe = write_recipe(tmp_path, tiny_recipe_doc(name="workers", options={"kv_cache": "paged"}, shapes={
         "max_batch_size": 2, "max_input_len": 16, "max_seq_len": 48, "batch_buckets": [1, 2]}))
     store = tmp_path / "engines"
@@ -348,7 +348,7 @@ def test_compile_workers_end_with_a_killed_build_and_publish_nothing_half_writte
     assert proc.returncode == 0, proc.stderr[-800:]
     entry = Path(read_json_line(proc.stdout)["engine"]["path"])
     engine = json.loads((entry / "engine.json").read_text())
-    # the CPU's prefill and buckets share one step program, which the build compiles; a fork the paged graph
+    # the CPU's prefill and buckets share one step program, which the build compiles; forks the paged graphs
     assert {n: g.get("worker", {}).get("ok") for n, g in engine["graphs"].items()} == {
-        "prefill": None, "decode_b1": None, "decode_b2": None, "paged": True}
+        "prefill": None, "decode_b1": None, "decode_b2": None, "paged": True, "paged_mixed": True}
     assert not half.exists()
