@@ -147,35 +147,6 @@ def test_tokens_are_each_prompts_own_with_chunking_and_prefix_caching(chunk: int
         assert engine.mixed > 0  # type: ignore[attr-defined]
 
 
-def test_a_mixed_step_carries_the_rows_and_the_chunks_and_no_stream_waits_more_than_one_chunk() -> None:
-    """With the mixed step, every step that has both decode rows and chunks is one engine call; a stream gets a
-    token every step while a long prompt is prefilled beside it. Where the engine declines (None), the same
-    step goes as two calls, with the same tokens."""
-    for declined in (False, True):
-        engine = MixedStandIn(64, 4)
-        engine.declined = declined
-        s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=8)
-        running, sink = req([3, 1, 4], 30)
-        s.submit(running)
-        s.step()
-        long, long_sink = req(list(range(60)), 5)
-        s.submit(long)
-        steps = 0
-        while s.step():
-            steps += 1
-        assert sink.tokens == alone([3, 1, 4], 30) and long_sink.tokens == alone(list(range(60)), 5)
-        decodes = [c for c in engine.log if c[0] == "decode" and running.id in c[1]]
-        assert len(decodes) == 30 - 1  # one a step: the first token came from the prefill
-        assert engine.mixed == (0 if declined else 8)  # the long prompt's 60 tokens in chunks of 8
-        between = 0
-        for call in engine.log:
-            if call[0] == "decode" and running.id in call[1]:
-                between = 0
-            elif call[0] == "prefill":
-                between += call[2]
-                assert between <= 8
-
-
 def test_a_mixed_step_that_fails_goes_again_as_two_calls() -> None:
     class Failing(MixedStandIn):
         def step_paged(self, decode: tuple[Any, ...], chunks: tuple[Any, ...]) -> Any:
@@ -212,9 +183,13 @@ def test_a_shared_prefix_is_prefilled_once() -> None:
             assert (hits, misses) == (0, 0) and engine.prefilled == 5 * 34
 
 
-def test_no_running_stream_waits_more_than_one_chunk() -> None:
-    """A 60-token prompt arrives while a stream decodes: with chunks of 8 the stream gets a token every step."""
-    engine = PagedStandIn(64, 4)
+@pytest.mark.parametrize("calls", ["two", "mixed", "mixed-declined"])
+def test_no_running_stream_waits_more_than_one_chunk(calls: str) -> None:
+    """A 60-token prompt arrives while a stream decodes: with chunks of 8 the stream gets a token every step.
+    With the mixed step each of those steps is one engine call; where the engine declines it (None), two."""
+    engine = PagedStandIn(64, 4) if calls == "two" else MixedStandIn(64, 4)
+    if isinstance(engine, MixedStandIn):
+        engine.declined = calls == "mixed-declined"
     s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=8)
     running, sink = req([3, 1, 4], 30)
     s.submit(running)
@@ -230,6 +205,8 @@ def test_no_running_stream_waits_more_than_one_chunk() -> None:
         elif call[0] == "prefill":
             between += call[2]
             assert between <= 8
+    assert len([c for c in engine.log if c[0] == "decode" and running.id in c[1]]) == 30 - 1  # one a step
+    assert getattr(engine, "mixed", 0) == (8 if calls == "mixed" else 0)  # 60 tokens in chunks of 8
     assert sum(c[2] for c in engine.log if c[0] == "prefill" and c[1] == long.id) == 60
     # only the chunk that ends a prompt asks for its token: the seven before it leave the device running
     assert [c[3] for c in engine.log if c[0] == "prefill" and c[1] == long.id] == [False] * 7 + [True]
