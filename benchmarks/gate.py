@@ -96,6 +96,10 @@ STEPS = {
     "paged_probe": Step("paged chunk and decode step alone", 3, 45, 40,
                         "estimated: the paged engine found in the store, a pool, 3 chunk lengths x 2 contexts and "
                         "4 decode row counts timed, one profiled call a chunk"),
+    # not in a part: the GPU tests of the kernels and paths a change touched, run where the gate runs (`--only`)
+    "gpu_tests": Step("GPU tests: quantized op, paged steps", 0, 150, 120,
+                      "estimated: the quantized op's kernels compiled for each case; a 2-layer paged bf16 engine "
+                      "built and its steps captured"),
     # last, where its time is left
     "smollm2": Step("SmolLM2 greedy vs transformers", 3, 115, 115,
                     "results/2026-12-06-h100-gate-2: 111 s (unpack, a 135M engine at tactics level none, "
@@ -566,6 +570,37 @@ def smollm2_step(g: Gate) -> None:
               note="; ".join(f"{p['matched']}/{p['compared']} ({p['stop'][:60]})" for p in result["prompts"])))
 
 
+# label -> pytest's arguments: each a correctness row, its value the tests passed, met where none failed
+GPU_TESTS = {"quantized op": ["tests/test_quant_kernels.py"],
+             "paged decode and mixed steps": ["tests/test_gpu.py", "-k", "paged_decode_through_the_kernel"]}
+
+
+def gpu_tests_step(g: Gate) -> None:
+    import xml.etree.ElementTree as ET
+
+    for label, args in GPU_TESTS.items():
+        slug = label.replace(" ", "-")
+        report = g.work / f"gpu-tests-{slug}.xml"
+        report.unlink(missing_ok=True)
+        rc, text = g.child(f"gpu-tests-{slug}", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
+                                                 "no:cacheprovider", f"--junitxml={report}", *args],
+                           reserve=g.args.reserve)
+        name = f"GPU tests: {label}"
+        try:
+            suite = ET.parse(report).getroot()
+            suite = suite if suite.tag == "testsuite" else suite[0]
+            counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        except (OSError, ET.ParseError, IndexError):
+            g.add(row(name, None, "tests", g.part, hard=True, status="error" if rc is not None else "not run",
+                      note=text.strip()[-300:]))
+            continue
+        passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        failed = counts["failures"] + counts["errors"]
+        g.add(row(name, passed, "tests", g.part, target="none failed", met=failed == 0 and passed > 0, hard=True,
+                  note=f"{failed} failed, {counts['skipped']} skipped; "
+                       + (text.strip().splitlines() or [""])[-1][-200:]))
+
+
 RUNNERS: dict[str, Callable[[Gate], None]] = {
     "build_bf16": lambda g: build_step(g, "bf16"), "profile": profile_step, "bench_bf16": bench_bf16_step,
     "serve": serve_step, "build_fp8": lambda g: build_step(g, "fp8"), "build_int4": lambda g: build_step(g, "int4"),
@@ -577,11 +612,12 @@ RUNNERS: dict[str, Callable[[Gate], None]] = {
     "bench_head": lambda g: bench_quant_step(g, ("int4_head",)),
     "profile_int4_head": lambda g: profile_step(g, "int4_head", "1,8"),
     "serve_paged": serve_paged_step, "paged_probe": paged_probe_step, "smollm2": smollm2_step,
+    "gpu_tests": gpu_tests_step,
 }
 # One call (--part all): part 2's short steps before part 1's torch.compile, whose tail is the longest
 ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "bench_int4", "profile_int4",
              "build_int4_head", "bench_int4_head", "bench_quant_head", "bench_head", "profile_int4_head",
-             "serve_paged", "paged_probe", "smollm2", "bench_bf16")
+             "serve_paged", "paged_probe", "gpu_tests", "smollm2", "bench_bf16")
 
 
 # -- seeds ----------------------------------------------------------------------------------------------------------------
