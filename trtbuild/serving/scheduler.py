@@ -338,14 +338,7 @@ class Scheduler:
 
     def _paged_step(self, newcomers: list[Request]) -> bool:
         self._running.extend(newcomers)
-        budget = self.chunk_tokens
-        plan: list[tuple[Request, int]] = []  # this step's chunks: (request, tokens), the budget's share of each
-        for r in [r for r in self._running if r.filled < r.sequence_len()]:
-            if budget <= 0:
-                break
-            n = min(budget, r.sequence_len() - r.filled)
-            plan.append((r, n))
-            budget -= n
+        plan = self._plan_chunks()
         worked = bool(newcomers or self._running)
         mixed = False
         if plan and self.mixed:
@@ -364,6 +357,26 @@ class Scheduler:
         self.observer.blocks(p.used, p.free, p.hits, p.misses)
         self.observer.queued(len(self._waiting), len(self._running))
         return worked
+
+    def _plan_chunks(self) -> list[tuple[Request, int]]:
+        """This step's prompt chunks, (request, tokens), in admission order. A step's chunks go in one call as rows
+        left-padded to the longest, so the budget counts what the call computes, padding included: k rows of at
+        most `chunk_tokens / k` tokens each, and a row is not added where the rows before it are already longer
+        than that. Eight 64-token questions after a cached prefix still go together in a 512-token budget;
+        a 500-token chunk and six 2-token prompts no longer make a call of 7 x 500 tokens."""
+        budget, longest = self.chunk_tokens, 0
+        plan: list[tuple[Request, int]] = []
+        for r in self._running:
+            rest = r.sequence_len() - r.filled
+            if rest <= 0:
+                continue
+            k = len(plan) + 1
+            n = min(rest, budget // k)
+            if n <= 0 or k * max(longest, n) > budget:
+                break
+            plan.append((r, n))
+            longest = max(longest, n)
+        return plan
 
     def _prefill_chunks(self, plan: list[tuple[Request, int]]) -> None:
         """Prefill each planned chunk (the next `n` tokens of r's sequence), all in one engine call: one launch
