@@ -179,8 +179,9 @@ class PagedCache:
     def _decode_rows(self, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> tuple[Any, int]:
         """The decode rows' inputs as one int64 array (tokens, positions, then the tables) and the tables' width:
         each table through its row's position, padded to the widest (2 at least) with the row's own first block
-        (attention masks past each row's position). Through numpy: at 64 rows of 1,000 tokens, building it from
-        Python lists took 0.9 ms of host time a step on a 2-core host, which the device waits for."""
+        (attention masks past each row's position). Through numpy: at 64 rows of 900 tokens, built from Python
+        lists it took 0.49 ms of host time a step (0.60 with a 512-token chunk, the mixed step), now 0.09 (0.15),
+        which the device waits for (2-core host, 2026-12-07, benchmarks/probes/paged_inputs_probe.py)."""
         import numpy as np
 
         n, bs = len(tokens), self.block_size
