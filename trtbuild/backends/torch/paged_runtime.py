@@ -210,6 +210,7 @@ class PagedCache:
         one call of the mixed step: greedy (Bd + Bc, 1) and logits (Bd + Bc, V), the decode rows' first. None
         where the engine has no mixed step or a chunk's padding would pass the engine's length: the caller then
         makes the two calls."""
+        import numpy as np
         import torch
 
         if self.mixed_package is None:
@@ -219,8 +220,6 @@ class PagedCache:
         chunks = self._chunk_rows(blocks, tokens, starts, least=2)
         if isinstance(chunks, list):
             return None
-        import numpy as np
-
         flat, bc, tc, cwidth = chunks
         rows, width = self._decode_rows(dec_blocks, dec_tokens, positions)
         bd, d = len(dec_tokens), rows.size
