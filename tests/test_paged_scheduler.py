@@ -284,15 +284,7 @@ def test_the_chunks_of_a_step_go_to_the_engine_in_one_call() -> None:
     fit it, padding included (rows x the longest chunk: the call left-pads its rows). The tokens are each
     prompt's own either way."""
     for chunk, first in ((64, 5), (8, 2)):
-        engine = PagedStandIn(64, 4)
-        s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=chunk)
-        jobs = [([i + 1] * (3 + i), 4) for i in range(5)]
-        pairs = [req(p, n) for p, n in jobs]
-        for r, _ in pairs:
-            s.submit(r)
-        run_until_idle(s)
-        for (p, n), (_, sink) in zip(jobs, pairs):
-            assert sink.tokens == alone(p, n)
+        engine = _all_at_once([([i + 1] * (3 + i), 4) for i in range(5)], chunk)
         assert engine.calls[0] == first
         lengths = [c[2] for c in engine.log if c[0] == "prefill"]
         for k in engine.calls:  # each call's rows, in the log's order
@@ -303,16 +295,22 @@ def test_the_chunks_of_a_step_go_to_the_engine_in_one_call() -> None:
 def test_a_long_chunk_does_not_pad_short_prompts_beside_it_past_the_budget() -> None:
     """A 40-token prompt and six 2-token prompts with a budget of 40: the long chunk goes alone (with it, seven
     rows of 40 would be computed); the six short prompts go together in the next step."""
+    engine = _all_at_once([([9] * 40, 2)] + [([i + 1, i + 2], 2) for i in range(6)], 40)
+    assert engine.calls[:2] == [1, 6]
+
+
+def _all_at_once(jobs: list[tuple[list[int], int]], chunk: int) -> PagedStandIn:
+    """The jobs submitted together and served to the end with a chunk budget of `chunk`; each gets its own
+    tokens. The engine, whose calls and log say how the chunks went."""
     engine = PagedStandIn(64, 4)
-    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=40)
-    jobs = [([9] * 40, 2)] + [([i + 1, i + 2], 2) for i in range(6)]
+    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=chunk)
     pairs = [req(p, n) for p, n in jobs]
     for r, _ in pairs:
         s.submit(r)
     run_until_idle(s)
     for (p, n), (_, sink) in zip(jobs, pairs):
         assert sink.tokens == alone(p, n)
-    assert engine.calls[:2] == [1, 6]
+    return engine
 
 
 def test_a_chunk_call_that_fails_is_retried_chunk_by_chunk_so_only_the_bad_request_ends() -> None:
