@@ -90,9 +90,10 @@ STEPS = {
     "bench_quant_head": Step("1B fp8 / int4_wo / its int8 head / bf16 decode", 0, 25, 25, "bench_quant's, four engines"),
     "bench_head": Step("1B int4_wo with the int8 head / bf16 decode", 0, 15, 15, "bench_quant's, two engines"),
     "profile_int4_head": Step("profile the 1B int4_wo int8-head decode step", 0, 25, 25, "profile_int4's"),
-    "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 240, 225,
+    "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 300, 285,
                         "results/2026-12-06-h100-gate-4: 225 s (the paged graph compiled, 111 s, the others reused; "
-                        "three servers' load and bucket captures, ~12 s each; four random levels, 32 s)"),
+                        "three servers' load and bucket captures, ~12 s each; four random levels, 32 s); the mixed "
+                        "step's program since, compiled beside it: estimated +60 s"),
     "paged_probe": Step("paged chunk and decode step alone", 3, 45, 40,
                         "estimated: the paged engine found in the store, a pool, 3 chunk lengths x 2 contexts and "
                         "4 decode row counts timed, one profiled call a chunk"),
