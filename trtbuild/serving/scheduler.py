@@ -344,19 +344,23 @@ class Scheduler:
         if plan and self.mixed:
             # the rows decoding now and this step's chunks in one call: the step reads each weight once (a prompt
             # that ends in it decodes from the next step)
-            rows = self._make_room([r for r in self._running if r.history and r.filled >= r.position])
+            rows = self._make_room(self._due())
             plan = [(r, n) for r, n in plan if r.table is not None]  # not preempted for the rows' blocks
             mixed = bool(rows and plan) and self._mixed(plan, rows)
         if not mixed:  # the chunks, then every row (a prompt that ends in them too)
             if plan:
                 self._prefill_chunks(plan)
-            rows = self._make_room([r for r in self._running if r.history and r.filled >= r.position])
+            rows = self._make_room(self._due())
             if rows:
                 self._decode_paged(rows)
         p = self.pool
         self.observer.blocks(p.used, p.free, p.hits, p.misses)
         self.observer.queued(len(self._waiting), len(self._running))
         return worked
+
+    def _due(self) -> list[Request]:
+        """The running requests whose next token a decode step gives: every position before it is written."""
+        return [r for r in self._running if r.history and r.filled >= r.position]
 
     def _plan_chunks(self) -> list[tuple[Request, int]]:
         """This step's prompt chunks, (request, tokens), in admission order. A step's chunks go in one call as rows
