@@ -58,7 +58,7 @@ def test_a_padded_bucket_step_gives_the_direct_steps_logits_and_writes_only_its_
     torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
     assert greedy.tolist() == want_greedy.tolist()
     for got, want in zip(padded.pools, direct.pools):
-        torch.testing.assert_close(got[:20], want[:20], atol=0, rtol=0)
+        torch.testing.assert_close(got[:20], want[:20], atol=1e-6, rtol=1e-5)  # another batch shape may round the projections differently (an AMD EPYC CPU did)
         assert not torch.equal(got[20], want[20])  # the padding row wrote its position 0 there
 
 
@@ -154,7 +154,7 @@ def test_a_chunk_bucket_gives_the_direct_calls_logits_and_writes_only_its_rows_a
     torch.testing.assert_close(logits, torch.cat([lg for _, lg in want]), atol=1e-5, rtol=1e-5)
     assert greedy.tolist() == torch.cat([gr for gr, _ in want]).tolist()
     for got, exp in zip(padded.pools, direct.pools):
-        torch.testing.assert_close(got[:20], exp[:20], atol=0, rtol=0)
+        torch.testing.assert_close(got[:20], exp[:20], atol=1e-6, rtol=1e-5)
     # the many-chunk call without buckets (the CPU's path, and a call too large for one) agrees as well
     many = PagedCache(step, cfg, 20, torch.float32, "cpu", 96, graphs=False)
     for mine, theirs in zip(many.pools, padded.pools):
@@ -181,4 +181,4 @@ def test_chunks_in_one_call_equal_one_call_each_and_their_padding_touches_only_t
     torch.testing.assert_close(logits, torch.cat([lg for _, lg in want]), atol=1e-5, rtol=1e-5)
     assert greedy.tolist() == torch.cat([gr for gr, _ in want]).tolist()
     for a, b in zip(one.pools, many.pools):
-        torch.testing.assert_close(b[:20], a[:20], atol=0, rtol=0)
+        torch.testing.assert_close(b[:20], a[:20], atol=1e-6, rtol=1e-5)

@@ -98,6 +98,67 @@ class MixedStandIn(PagedStandIn):
         return self.decode_paged(*decode), self.prefill_paged(*chunks)
 
 
+class Launched:
+    def __init__(self, engine: "LaunchStandIn", decoded: list[int], firsts: list[int | None]) -> None:
+        self.engine, self.decoded, self.firsts = engine, decoded, firsts
+
+    def result(self) -> tuple[list[int], list[int | None]]:
+        assert self.engine.unread[0] is self, "steps are read back in the order they were launched"
+        self.engine.unread.pop(0)
+        return self.decoded, self.firsts
+
+
+class LaunchStandIn(MixedStandIn):
+    """An engine whose steps are launched, then read back (`launch_paged`), as the torch engine's on a GPU: the
+    device runs calls in order, so each computes at launch here, but the host learns its tokens only from
+    `result()`. A fed row's token is the last launched step's output, taken here, never the host's list (the
+    scheduler's entry for it is stale). Any other call forgets the launched step, as the engine does."""
+
+    can_overlap = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.last: list[int] | None = None  # the last launched step's outputs: decode rows, then every chunk's
+        self.unread: list[Launched] = []
+        self.launches = 0
+        self.ahead = 0  # launches made while the step before was still unread
+
+    def launch_paged(self, decode: tuple[Any, ...], chunks: tuple[Any, ...] | None,
+                     fed: list[tuple[int, int]]) -> Launched | None:
+        keys, blocks, tokens, positions, sampling = decode
+        if chunks is not None and self.declined:
+            return None
+        tokens = list(tokens)
+        for i, j in fed:
+            assert self.last is not None
+            tokens[i] = self.last[j]
+        self.launches += 1
+        self.ahead += bool(self.unread)
+        decoded = PagedStandIn.decode_paged(self, keys, blocks, tokens, positions, sampling)
+        firsts: list[int | None] = []
+        computed: list[int] = []  # the device computes every chunk's next token; the host reads only the last ones'
+        if chunks is not None:
+            self.mixed += 1
+            out = PagedStandIn.prefill_paged(self, *chunks[:5], [True] * len(chunks[0]))
+            computed = [t for t in out if t is not None]
+            firsts = [t if last else None for t, last in zip(computed, chunks[5])]
+        self.last = decoded + computed
+        self.unread.append(Launched(self, decoded, firsts))
+        return self.unread[-1]
+
+    def prefill_paged(self, *args: Any) -> list[int | None]:
+        self.last = None
+        return super().prefill_paged(*args)
+
+    def decode_paged(self, *args: Any) -> list[int]:
+        self.last = None
+        return super().decode_paged(*args)
+
+    def step_paged(self, decode: tuple[Any, ...], chunks: tuple[Any, ...]) -> tuple[list[int], list[int | None]] | None:
+        self.last = None
+        return super().step_paged(decode, chunks)
+
+
 class Seen:
     def __init__(self) -> None:
         self.blocks_seen: list[tuple[int, int, int, int]] = []
@@ -137,14 +198,16 @@ JOBS = [([5], 12), ([1, 2, 3] * 7, 3), ([9] * 40, 20), ([4, 4], 1), (list(range(
 
 @pytest.mark.parametrize("chunk", [None, 1, 5, 16])
 @pytest.mark.parametrize("prefix", [True, False])
-@pytest.mark.parametrize("engine_type", [PagedStandIn, MixedStandIn])
+@pytest.mark.parametrize("engine_type", [PagedStandIn, MixedStandIn, LaunchStandIn])
 def test_tokens_are_each_prompts_own_with_chunking_and_prefix_caching(chunk: int | None, prefix: bool,
                                                                       engine_type: type[PagedStandIn]) -> None:
     sinks, engine, _ = serve(JOBS, chunk=chunk, prefix=prefix, engine_type=engine_type)
     for (p, n), sink in zip(JOBS, sinks):
         assert sink.tokens == alone(p, n) and sink.finish == "length"
-    if engine_type is MixedStandIn:
+    if engine_type is not PagedStandIn:
         assert engine.mixed > 0  # type: ignore[attr-defined]
+    if engine_type is LaunchStandIn:
+        assert engine.ahead > 0 and not engine.unread  # type: ignore[attr-defined]
 
 
 def test_a_mixed_step_that_fails_goes_again_as_two_calls() -> None:
@@ -216,7 +279,7 @@ def test_block_exhaustion_preempts_and_recomputes_never_an_error() -> None:
     """A pool of 40 blocks of 4 (160 tokens) and six requests growing to 50-90 tokens: rows are preempted
     mid-decode and recomputed later; every request ends with exactly its own tokens."""
     jobs = [([i + 1] * 20, 70 - 5 * i) for i in range(6)]
-    for engine_type in (PagedStandIn, MixedStandIn):
+    for engine_type in (PagedStandIn, MixedStandIn, LaunchStandIn):
         sinks, engine, seen = serve(jobs, num_blocks=40, block_size=4, chunk=16, engine_type=engine_type)
         assert seen.preemptions > 0
         for (p, n), sink in zip(jobs, sinks):

@@ -127,4 +127,23 @@ def test_an_engine_built_by_regions_gives_the_eager_tokens_through_rows_and_page
                                       [s[-1] for s in streams], positions, [GREEDY] * 2)
             for s, tok in zip(streams, got):
                 s.append(tok)
-    assert streams == eager_greedy(folder, prompts, 10, 48)
+        # the same steps launched, each read back only after the next is launched, the next's tokens fed on
+        # the device from the step before's output; a third prompt prefilled in the mixed step of the third
+        launched = [[t] for t in engine.prefill_paged([2, 3], tables, prompts, [0, 0], [GREEDY] * 2, [True] * 2)]
+        third, before, first = [9, 9, 4, 1, 7, 3], None, None
+        for i in range(9):
+            positions = [len(p) + i for p in prompts]
+            rows = ([2, 3], [t[:-(-(p + 1) // BLOCK)] for t, p in zip(tables, positions)],
+                    [s[-1] for s in launched] if before is None else [0, 0], positions, [GREEDY] * 2)
+            chunks = ([4], [[3, 4]], [third], [0], [GREEDY], [True]) if i == 2 else None
+            step = engine.launch_paged(rows, chunks, [] if before is None else [(0, 0), (1, 1)])
+            if before is not None:
+                decoded, firsts = before.result()
+                first = firsts[0] if firsts else first
+                for s, tok in zip(launched, decoded):
+                    s.append(tok)
+            before = step
+        for s, tok in zip(launched, before.result()[0]):
+            s.append(tok)
+    assert streams == launched == eager_greedy(folder, prompts, 10, 48)
+    assert first == eager_greedy(folder, [third], 1, 48)[0][0]

@@ -23,9 +23,10 @@ pytestmark = pytest.mark.slow  # builds an engine (minutes on 2 cores)
 MODES = {
     # 12 blocks of 16 tokens: three sequences of the engine's full length, far fewer than the load below
     "paged-chunked-prefix": ["--kv-cache", "paged", "--kv-blocks", "12", "--prefill-chunk", "5"],
-    # the same with a step's chunks and decode rows in two calls, not one (the mixed step)
+    # the same with a step's chunks and decode rows in two calls, not one (the mixed step), each step's tokens
+    # read back before the next is launched
     "paged-chunked-prefix-two-calls": ["--kv-cache", "paged", "--kv-blocks", "12", "--prefill-chunk", "5",
-                                       "--no-mixed-step"],
+                                       "--no-mixed-step", "--no-overlap"],
     "paged-whole-prompts-no-prefix": ["--kv-cache", "paged", "--kv-blocks", "64", "--prefill-chunk", "0",
                                       "--no-prefix-cache"],
     "rows": ["--kv-cache", "rows"],
@@ -51,6 +52,8 @@ def server(built: dict[str, Any], request: pytest.FixtureRequest) -> Iterator[di
         assert "KV cache" in out and "paged:" in out, out[-2000:]
         calls = "two calls a step" if "--no-mixed-step" in MODES[request.param] else "one call a step"
         assert f"decode rows and prompt chunks in {calls}" in out, out[-2000:]
+        launched = "after it" if "--no-overlap" in MODES[request.param] else "before the step before is read back"
+        assert f"each step launched {launched}" in out, out[-2000:]
 
 
 def _stream(client: Any, prompt: list[int], n: int) -> list[int]:

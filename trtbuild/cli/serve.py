@@ -28,12 +28,15 @@ from trtbuild.cli.common import (build_progress, engines_option, load_recipe_fil
 @click.option("--no-prefix-cache", is_flag=True, help="Do not share the KV blocks of common prompt prefixes (paged).")
 @click.option("--no-mixed-step", is_flag=True,
               help="Run a step's prompt chunks and decode rows as two calls, not one (paged).")
+@click.option("--no-overlap", is_flag=True,
+              help="Read each step's tokens back before launching the next (paged; by default the host delivers a "
+                   "step's tokens while the device runs the next).")
 @threads_option
 @quiet_option
 @remote_option
 def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: bool, max_queue: int, kv_cache: str,
               kv_memory: float, kv_blocks: int | None, prefill_chunk: int, no_prefix_cache: bool, no_mixed_step: bool,
-              threads: int | None, quiet: bool, remote: str | None) -> None:
+              no_overlap: bool, threads: int | None, quiet: bool, remote: str | None) -> None:
     """Serve the recipe's engine over an OpenAI-compatible HTTP API, with continuous batching."""
     from trtbuild.runner import open_session
     from trtbuild.serving.server import KvSettings, require, serve
@@ -46,5 +49,6 @@ def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: 
         click.echo(f"trtbuild: {used['threads']} thread(s) ({used['why']})", err=True)
     with build_progress(quiet) as progress:
         session = open_session(r, engines, build=not no_build, progress=progress, remote=remote)
-    kv = KvSettings(kv_cache, kv_memory, kv_blocks, prefill_chunk, not no_prefix_cache, not no_mixed_step)
+    kv = KvSettings(kv_cache, kv_memory, kv_blocks, prefill_chunk, not no_prefix_cache, not no_mixed_step,
+                  not no_overlap)
     serve(session, host=host, port=port, max_queue=max_queue, log_level="warning" if quiet else "info", kv=kv)

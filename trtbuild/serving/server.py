@@ -68,6 +68,7 @@ class KvSettings:
     chunk: int = 512  # prompt tokens prefilled a step beside the decode rows; 0: a whole prompt at once
     prefix: bool = True  # prefix caching
     mixed: bool = True  # a step's decode rows and prompt chunks in one call, where the engine has the mixed step
+    overlap: bool = True  # each step launched before the step before is read back (Scheduler._launch)
 
 
 # -- the server -----------------------------------------------------------------------------------------------
@@ -148,7 +149,7 @@ class Server:
                 self.metrics.describe_engine(engine, elem)
                 self.scheduler = Scheduler(engine, self.max_queue, buckets, self.metrics, pool=pool,
                                            chunk_tokens=self.kv.chunk or None, flush=self.outbox.flush,
-                                           mixed=self.kv.mixed)
+                                           mixed=self.kv.mixed, overlap=self.kv.overlap)
                 # Everything loaded so far (torch, the engine, the tokenizer: ~225k objects) lives as long as the
                 # server: out of the collector's reach, a full collection no longer walks it while it holds the
                 # GIL (~50 ms on a 2-core host, 2026-12-06; after the freeze, well under 1 ms)
@@ -156,7 +157,8 @@ class Server:
                 gc.freeze()
                 self.status = "ready"
                 self.metrics.ready.set(1)
-                for line in startup_lines(session, engine, buckets, self.url, self.scheduler.mixed):
+                for line in startup_lines(session, engine, buckets, self.url, self.scheduler.mixed,
+                                          self.scheduler.overlap):
                     self._announce(line)
                 self.scheduler.run()
         except BaseException as exc:  # nothing to serve: say why and make uvicorn exit
@@ -251,10 +253,11 @@ class Server:
                            headers={"Retry-After": "5"}, reason="draining") from None
 
 
-def startup_lines(session: Any, engine: Any, buckets: list[int], url: str, mixed: bool = False) -> list[str]:
+def startup_lines(session: Any, engine: Any, buckets: list[int], url: str, mixed: bool = False,
+                  overlap: bool = False) -> list[str]:
     """What an operator reads at start: the engine and where it came from, its shapes, the KV cache's
-    capacity (and, paged, whether a step's decode rows and prompt chunks go in one call: `mixed`), and where it
-    listens."""
+    capacity (and, paged, whether a step's decode rows and prompt chunks go in one call: `mixed`; whether a step
+    is launched before the one before is read back: `overlap`), and where it listens."""
     outcome = session.outcome
     if not outcome.cache_hit:
         where = "built now"
@@ -267,6 +270,7 @@ def startup_lines(session: Any, engine: Any, buckets: list[int], url: str, mixed
     layout = getattr(engine, "kv_layout", f"{engine.max_batch_size} rows of {full} tokens")
     if getattr(engine, "paged", None) is not None:
         layout += "; decode rows and prompt chunks in " + ("one call a step" if mixed else "two calls a step")
+        layout += "; each step launched " + ("before the step before is read back" if overlap else "after it")
     return [f"engine   {outcome.key} ({where}: {outcome.entry.path})",
             f"shapes   decode buckets {', '.join(map(str, buckets))}; prompts up to {engine.max_input_len} "
             f"tokens, sequences up to {full}",
@@ -293,6 +297,9 @@ def _warm_paged(engine: Any) -> None:
     if getattr(engine, "can_mix", False):  # the mixed step's first call: a decode row and a chunk, both in block 0
         engine.step_paged(([-1], [[0]], [0], [2], [Sampling()]), ([-2], [[0]], [[0]], [3], [Sampling()], [True]))
         engine.release(-2)
+    if getattr(engine, "can_overlap", False):  # a launched step, then one fed from it (Scheduler._launch)
+        engine.launch_paged(([-1], [[0]], [0], [4], [Sampling()]), None, []).result()
+        engine.launch_paged(([-1], [[0]], [0], [5], [Sampling()]), None, [(0, 0)]).result()
     engine.release(-1)
     capture = getattr(engine, "capture_paged", None)
     if callable(capture):

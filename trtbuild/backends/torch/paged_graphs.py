@@ -18,7 +18,7 @@ is what the CPU tests check the padding with.
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any
+from typing import Any, Callable
 
 from trtbuild.errors import InputError
 from trtbuild.timing import sync
@@ -91,6 +91,7 @@ class PagedDecodeGraphs:
         self.inputs: dict[int, tuple[Any, Any, Any]] = {}
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, tuple[Any, Any]] = {}  # each graph's (greedy, logits): a replay writes there
+        self.copied: dict[int, Any] = {}  # bucket -> a CUDA event after its last host-to-device copy
         self._pool: Any = None  # the graphs share one memory pool: they never run at the same time
 
     def _buffers(self, size: int) -> tuple[Any, Any, Any]:
@@ -100,8 +101,8 @@ class PagedDecodeGraphs:
             seg = _even(size)
             io = torch.zeros(2 * seg + _even(size * self.width), dtype=torch.long, device=self.device)
             self.io[size] = io
-            # on CUDA the host side is pinned, so the step's one copy is asynchronous; it is refilled only after
-            # the step before has been read back (its tokens), so after that step's copy is done
+            # on CUDA the host side is pinned, so the step's one copy is asynchronous; `run` refills it once the
+            # bucket's last copy is done (a step is launched before the one before it is read back)
             self.host[size] = torch.zeros(io.shape, dtype=torch.long, pin_memory=self.capturable)
             self.inputs[size] = (io[:size].view(size, 1), io[seg:seg + size].view(size, 1),
                                  io[2 * seg:2 * seg + size * self.width].view(size, self.width))
@@ -132,17 +133,26 @@ class PagedDecodeGraphs:
         tables[:n][np.arange(self.width)[None, :] < lengths[:, None]] = flat
         return self.host[size]
 
-    def run(self, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> tuple[Any, Any]:
+    def run(self, blocks: list[list[int]], tokens: list[int], positions: list[int],
+            feed: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
         """One decode step of the rows (each row's block table, token and position): greedy (n, 1) and
-        logits (n, V), views of the bucket's output buffers, valid until the next step."""
+        logits (n, V), views of the bucket's output buffers, valid until the next step. `feed`, where given,
+        writes tokens the device already holds into the rows' token column (n,) before the step runs."""
         import torch
 
         size = bucket_for(len(tokens), self.sizes)
         tok, pos, tables = self._buffers(size)
         if self.capturable and size not in self.graphs:
             self._capture(size)
+        if size in self.copied:  # the bucket's last copy may still be queued behind a step not yet read back
+            self.copied[size].synchronize()
         self.io[size].copy_(self.host_rows(size, blocks, tokens, positions), non_blocking=self.capturable)
+        if self.capturable:
+            self.copied[size] = torch.cuda.Event()
+            self.copied[size].record()
         n = len(tokens)
+        if feed is not None:
+            feed(tok[:n, 0])
         if size in self.graphs:
             self.graphs[size].replay()
             greedy, logits = self.outputs[size]

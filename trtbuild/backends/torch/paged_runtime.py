@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from itertools import chain
-from typing import Any
+from typing import Any, Callable
 
 from trtbuild.backends.sampling import Sampling
 from trtbuild.errors import InputError
@@ -159,7 +159,10 @@ class PagedCache:
         order = [outs[i] for i in range(len(tokens))]
         return torch.cat([g for g, _ in order]), torch.cat([lg for _, lg in order])
 
-    def decode(self, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> tuple[Any, Any]:
+    def decode(self, blocks: list[list[int]], tokens: list[int], positions: list[int],
+               feed: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
+        """One decode step: greedy (n, 1) and logits (n, V). `feed`, where given, writes tokens the device
+        already holds (the step before's) into the rows' token column (n,) once it is on the device."""
         import torch
 
         if self.graphs is not None:  # the entries are checked as the bucket's buffer is filled
@@ -169,10 +172,12 @@ class PagedCache:
             if short is not None:
                 raise InputError(f"row {short}'s block table of {len(blocks[short])} blocks does not reach its "
                                  f"position {positions[short]}")
-            return self.graphs.run(rows, tokens, positions)
+            return self.graphs.run(rows, tokens, positions, feed)
         rows, width = self._decode_rows(blocks, tokens, positions)
         n = len(tokens)
         data = torch.from_numpy(rows).to(self.device)
+        if feed is not None:
+            feed(data[:n])
         with torch.no_grad():
             return self.package(data[:n, None], data[n:2 * n, None], data[2 * n:].view(n, width), *self.pools)
 
@@ -205,11 +210,12 @@ class PagedCache:
         return out, width
 
     def mixed(self, dec_blocks: list[list[int]], dec_tokens: list[int], positions: list[int],
-              blocks: list[list[int]], tokens: list[list[int]], starts: list[int]) -> tuple[Any, Any] | None:
-        """A decode step of rows (tables, tokens, positions, as `decode`) and prompt chunks (as `prefill_many`) in
-        one call of the mixed step: greedy (Bd + Bc, 1) and logits (Bd + Bc, V), the decode rows' first. None
-        where the engine has no mixed step or a chunk's padding would pass the engine's length: the caller then
-        makes the two calls."""
+              blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
+              feed: Callable[[Any], None] | None = None) -> tuple[Any, Any] | None:
+        """A decode step of rows (tables, tokens, positions, `feed` as `decode`) and prompt chunks (as
+        `prefill_many`) in one call of the mixed step: greedy (Bd + Bc, 1) and logits (Bd + Bc, V), the decode
+        rows' first. None where the engine has no mixed step or a chunk's padding would pass the engine's
+        length: the caller then makes the two calls."""
         import numpy as np
         import torch
 
@@ -224,6 +230,8 @@ class PagedCache:
         rows, width = self._decode_rows(dec_blocks, dec_tokens, positions)
         bd, d = len(dec_tokens), rows.size
         data = torch.from_numpy(np.concatenate([rows, np.asarray(flat, dtype=np.int64)])).to(self.device)  # one copy
+        if feed is not None:
+            feed(data[:bd])
         tp = data[d:d + 2 * bc * tc].view(bc, 2, tc)
         with torch.no_grad():
             return self.mixed_package(data[:bd, None], data[bd:2 * bd, None], data[2 * bd:d].view(bd, width),
@@ -247,6 +255,7 @@ class PagedSlots:
     _consts: dict[str, Any]
     _prompts: dict[int, list[int]]
     _generated: dict[int, list[int]]
+    _launched: "LaunchedStep | None"  # the last step `launch_paged` launched; None after any other paged call
 
     def _sample(self, logits: Any, slots: list[int], positions: list[int], params: list[Sampling]) -> Any:
         raise NotImplementedError
@@ -279,6 +288,7 @@ class PagedSlots:
         first generated token when the chunk ends its prompt), else None. Where no chunk is last the host does
         not wait for the device: the next call queues behind these."""
         self._check_chunks(keys, blocks, tokens, starts, sampling, lasts)
+        self._launched = None
         if len(keys) == 1:
             greedy, logits = self.paged.prefill(blocks[0], tokens[0], starts[0])
         else:
@@ -289,6 +299,7 @@ class PagedSlots:
                      sampling: list[Sampling]) -> list[int]:
         """One decode step of any rows, each through its block table at its own position."""
         self._check_decode(keys, blocks, tokens, positions, sampling)
+        self._launched = None
         greedy, logits = self.paged.decode(blocks, tokens, positions)
         return self._decoded(greedy, logits, keys, tokens, positions, sampling)
 
@@ -303,6 +314,7 @@ class PagedSlots:
         self._check_decode(keys, blocks, tokens, positions, sampling)
         self._check_chunks(*chunks)
         ckeys, cblocks, ctokens, starts, csampling, lasts = chunks
+        self._launched = None
         out = self.paged.mixed(blocks, tokens, positions, cblocks, ctokens, starts)
         if out is None:
             return None
@@ -310,6 +322,58 @@ class PagedSlots:
         n = len(keys)
         return (self._decoded(greedy[:n], logits[:n], keys, tokens, positions, sampling),
                 self._chunks_done(greedy[n:], logits[n:], ckeys, ctokens, starts, csampling, lasts))
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether steps can be launched before the step before is read back (`launch_paged`)."""
+        return self.paged is not None
+
+    def launch_paged(self, decode: tuple[list[int], list[list[int]], list[int], list[int], list[Sampling]],
+                     chunks: tuple[list[int], list[list[int]], list[list[int]], list[int], list[Sampling],
+                                   list[bool]] | None,
+                     fed: list[tuple[int, int]]) -> "LaunchedStep | None":
+        """Launch a decode step (`decode_paged`'s arguments), with prompt chunks in the same call of the mixed
+        step where `chunks` are given (`prefill_paged`'s), without waiting for it: the host goes on (delivering
+        the step before's tokens) while the device runs it. `fed` names the decode rows whose token is the last
+        launched step's output, (row, index into that step's rows): it is copied on the device, so a step can
+        be launched before the host knows its tokens. Every row greedy (the engine's own argmax; a sampled row's
+        penalties need its tokens on the host). None, with nothing launched, where the chunks cannot go in one
+        call with the rows."""
+        keys, blocks, tokens, positions, sampling = decode
+        self._check_decode(keys, blocks, tokens, positions, sampling)
+        if chunks is not None:
+            self._check_chunks(*chunks)
+        if not all(s.greedy for s in [*sampling, *(chunks[4] if chunks else [])]):
+            raise InputError("a launched step's rows must all be greedy")
+        feed = self._feeder(fed)
+        if chunks is None:
+            greedy, _ = self.paged.decode(blocks, tokens, positions, feed)
+            lasts: list[bool] = []
+        else:
+            ckeys, cblocks, ctokens, starts, _, lasts = chunks
+            out = self.paged.mixed(blocks, tokens, positions, cblocks, ctokens, starts, feed)
+            if out is None:
+                return None
+            greedy = out[0]
+            self._note_chunks(ckeys, ctokens, starts)
+        self._launched = LaunchedStep(greedy, len(keys), lasts, self.device)
+        return self._launched
+
+    def _feeder(self, fed: list[tuple[int, int]]) -> Callable[[Any], None] | None:
+        """What writes the fed rows' tokens from the last launched step's greedy output, on the device."""
+        import torch
+
+        if not fed:
+            return None
+        before = self._launched
+        if before is None:
+            raise InputError("a step names tokens of a step before, and none was launched since the last call")
+        index = torch.tensor([i for pair in fed for i in pair], dtype=torch.long).to(self.device)
+        rows, source = index[0::2], index[1::2]
+
+        def feed(column: Any) -> None:
+            column[rows] = before.greedy[source, 0]
+        return feed
 
     def _check_chunks(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
                       sampling: list[Sampling], lasts: list[bool]) -> None:
@@ -327,10 +391,7 @@ class PagedSlots:
                      sampling: list[Sampling], lasts: list[bool]) -> list[int | None]:
         """After a call's chunks: each prompt so far noted (the penalties' history), each last chunk's token."""
         n = len(keys)
-        for key, chunk, start in zip(keys, tokens, starts):
-            if start == 0 or key not in self._prompts:  # a first chunk (after a cached prefix, start > 0)
-                self._prompts[key], self._generated[key] = [], []
-            self._prompts[key] += chunk
+        self._note_chunks(keys, tokens, starts)
         out: list[int | None] = [None] * n
         wanted = [i for i in range(n) if lasts[i]]
         if not wanted:
@@ -345,6 +406,12 @@ class PagedSlots:
         for i, tok in zip(wanted, picked):
             out[i] = int(tok)
         return out
+
+    def _note_chunks(self, keys: list[int], tokens: list[list[int]], starts: list[int]) -> None:
+        for key, chunk, start in zip(keys, tokens, starts):
+            if start == 0 or key not in self._prompts:  # a first chunk (after a cached prefix, start > 0)
+                self._prompts[key], self._generated[key] = [], []
+            self._prompts[key] += chunk
 
     def _check_decode(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
                       sampling: list[Sampling]) -> None:
@@ -379,3 +446,29 @@ class PagedSlots:
         if chunks is not None:
             chunks.capture_all()
         return len(self.paged.graphs.graphs) + (len(chunks.graphs) if chunks is not None else 0)
+
+
+class LaunchedStep:
+    """A paged step launched and not yet read back. Its greedy tokens are copied to pinned host memory behind it
+    on the device's stream; `result` waits for that copy alone. `greedy` stays on the device for the next
+    step's fed rows (PagedSlots.launch_paged)."""
+
+    def __init__(self, greedy: Any, rows: int, lasts: list[bool], device: str) -> None:
+        import torch
+
+        self.greedy, self.rows, self.lasts = greedy, rows, lasts
+        cuda = device.startswith("cuda")
+        self._host = torch.empty(greedy.shape[0], dtype=greedy.dtype, pin_memory=cuda)
+        self._host.copy_(greedy[:, 0], non_blocking=cuda)
+        self._done: Any = None
+        if cuda:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> tuple[list[int], list[int | None]]:
+        """(the decode rows' tokens, each chunk's token where its `lasts` entry is true, else None)."""
+        if self._done is not None:
+            self._done.synchronize()
+        values = self._host.tolist()
+        n = self.rows
+        return values[:n], [values[n + i] if last else None for i, last in enumerate(self.lasts)]

@@ -56,6 +56,7 @@ class TorchEngine(PagedSlots):
         self._prompts: dict[int, list[int]] = {}
         self._generated: dict[int, list[int]] = {}
         self.paged: Any = None  # paged_runtime.PagedCache, once `open_pool` has made the pools
+        self._launched = None  # paged_runtime.LaunchedStep: the last step launch_paged launched
 
     def __enter__(self) -> "TorchEngine":
         import torch
