@@ -58,7 +58,8 @@ def test_a_padded_bucket_step_gives_the_direct_steps_logits_and_writes_only_its_
     torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
     assert greedy.tolist() == want_greedy.tolist()
     for got, want in zip(padded.pools, direct.pools):
-        torch.testing.assert_close(got[:20], want[:20], atol=1e-6, rtol=1e-5)  # another batch shape may round the projections differently (an AMD EPYC CPU did)
+        # another batch shape may round the projections differently (an AMD EPYC CPU did)
+        torch.testing.assert_close(got[:20], want[:20], atol=1e-6, rtol=1e-5)
         assert not torch.equal(got[20], want[20])  # the padding row wrote its position 0 there
 
 
