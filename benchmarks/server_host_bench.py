@@ -14,7 +14,13 @@ for a decode step; `--chunk-ms` per 512 prompt tokens). `--rows N` serves the ro
 gate's serve row: 8 rows, 16 streams), one prompt a prefill call at the chunk rate. `trtbuild serve`'s code runs unchanged around it
 (serving/server.py's `serve`, uvicorn, FastAPI, the scheduler, the prefix cache's block pool).
 
-Per (clients, switch interval): output tokens per second as the clients count them; the engine's busy
+The engine keeps the device's order: a call starts when the calls before it have ended. `launch_paged` (the
+overlapped steps serve uses by default) returns at once and its result waits for the step's end, so the host's
+work between steps runs while the "device" runs; `--modes overlap,in-turn` compares that with every step read
+back before the next (serve --no-overlap). A step with prompt chunks is one call (the mixed step), costed as
+its decode step plus its chunks: what the mixed step saves on a GPU is not the host's.
+
+Per (clients, switch interval, mode): output tokens per second as the clients count them; the engine's busy
 fraction (its sleeps' sum over the wall time: 1.0 means the host never held the device back); and the host
 gap, the wall time a step beyond its sleeps, split into the time between two engine calls and the time an
 engine call overran its sleep (waiting for the GIL). The switch interval is Python's
@@ -55,7 +61,7 @@ class SleepEngine:
     """The paged slot API with the host work of the real path and a sleep in place of the device's."""
 
     max_batch_size, max_input_len, max_seq_len, vocab_size = 1, MAX_INPUT, MAX_SEQ, 1000
-    can_page = True
+    can_page = can_mix = can_overlap = True
     spec: dict[str, Any] = {}
 
     def __init__(self, decode_ms: float, row_us: float, chunk_ms: float, releases: int, rows: int = 0) -> None:
@@ -64,9 +70,11 @@ class SleepEngine:
         self.releases = max(1, releases)
         if rows:  # the row cache: `rows` cache rows, decode buckets 1 and rows
             self.can_page, self.max_batch_size, self.buckets = False, rows, sorted({1, rows})
+            self.can_mix = self.can_overlap = False
         self.decode_s, self.row_s, self.chunk_s = decode_ms / 1e3, row_us / 1e6, chunk_ms / 1e3
         self.graphs = PagedDecodeGraphs(None, [], "cpu", width=MAX_SEQ // BLOCK, scratch=1 << 20, max_rows=ROWS)
         self.paged: Any = None
+        self.busy_until = 0.0  # when the device finishes what it was given
         self.stats: dict[str, Any] = {"events": [], "steps": []}
 
     def open_pool(self, memory: float, blocks: int | None) -> int:
@@ -81,14 +89,55 @@ class SleepEngine:
         # and taking it back, as torch's Python bindings do around every op
         for _ in range(self.releases - 1):
             time.sleep(0)
-        time.sleep(seconds)  # releases the GIL, as a CUDA synchronization does
+        # the device runs calls in order: a call made while a launched step runs starts when that step ends
+        start = max(t, self.busy_until)
+        time.sleep(max(0.0, start - time.perf_counter()) + seconds)  # releases the GIL, as a CUDA sync does
         now = time.perf_counter()
+        self.busy_until = now
         if warm:  # the server's warm-up calls (request id -1), before any client
             return
-        # (start, end, slept, a decode step?): the clients' side keeps the calls made while they ran (the row
-        # cache's warm-up calls look like any other). perf_counter is the system's monotonic clock: the two
-        # processes read the same one.
-        self.stats["events"].append((t, now, seconds))
+        # (start, end, slept): the clients' side keeps the calls made while they ran (the row cache's warm-up
+        # calls look like any other). perf_counter is the system's monotonic clock: the two processes read the
+        # same one.
+        self.stats["events"].append((start, now, seconds))
+
+    def _launch(self, seconds: float, warm: bool) -> float:
+        """A call the host does not wait for: it starts when the device is free, and this returns when it ends."""
+        for _ in range(self.releases - 1):
+            time.sleep(0)
+        start = max(time.perf_counter(), self.busy_until)
+        self.busy_until = start + seconds
+        if not warm:
+            self.stats["events"].append((start, self.busy_until, seconds))
+            self.stats["steps"].append(self.busy_until)
+        return self.busy_until
+
+    def _decode_s(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int]) -> float:
+        from trtbuild.backends.torch.paged_graphs import bucket_for
+
+        rows = [b[:(p + BLOCK) // BLOCK] for b, p in zip(blocks, positions)]
+        self.graphs.host_rows(bucket_for(len(keys), self.graphs.sizes), rows, tokens, positions)
+        return self.decode_s + self.row_s * len(keys)
+
+    def step_paged(self, decode: tuple[Any, ...], chunks: tuple[Any, ...]) -> tuple[list[int], list[int | None]]:
+        """The mixed step, costed as its two calls (whatever it saves on a GPU is not the host's)."""
+        keys = decode[0]
+        self._device(self._decode_s(*decode[:4]) + self.chunk_s * sum(map(len, chunks[2])) / 512, keys[0] < 0)
+        if keys[0] >= 0:
+            self.stats["steps"].append(time.perf_counter())
+        return [2] * len(keys), [1 if last else None for last in chunks[5]]
+
+    def launch_paged(self, decode: tuple[Any, ...], chunks: tuple[Any, ...] | None, fed: list[tuple[int, int]]) -> Any:
+        keys = decode[0]
+        seconds = self._decode_s(*decode[:4]) + (self.chunk_s * sum(map(len, chunks[2])) / 512 if chunks else 0.0)
+        end = self._launch(seconds, keys[0] < 0)
+        lasts = chunks[5] if chunks else []
+
+        class Launched:
+            def result(self) -> tuple[list[int], list[int | None]]:
+                time.sleep(max(0.0, end - time.perf_counter()))
+                return [2] * len(keys), [1 if last else None for last in lasts]
+        return Launched()
 
     def prefill_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
                       sampling: list[Any], lasts: list[bool]) -> list[int | None]:
@@ -97,11 +146,7 @@ class SleepEngine:
 
     def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
                      sampling: list[Any]) -> list[int]:
-        from trtbuild.backends.torch.paged_graphs import bucket_for
-
-        rows = [b[:(p + BLOCK) // BLOCK] for b, p in zip(blocks, positions)]
-        self.graphs.host_rows(bucket_for(len(keys), self.graphs.sizes), rows, tokens, positions)
-        self._device(self.decode_s + self.row_s * len(keys), keys[0] < 0)
+        self._device(self._decode_s(keys, blocks, tokens, positions), keys[0] < 0)
         if keys[0] >= 0:
             self.stats["steps"].append(time.perf_counter())
         return [2] * len(keys)
@@ -146,7 +191,8 @@ def serve_child(args: argparse.Namespace) -> None:
     cache = "rows" if args.rows else "paged"
     try:
         serve(_Session(engine), port=args.serve, max_queue=4096, log_level="warning",
-              kv=KvSettings(cache, 0.9, None, args.prefill_chunk, True), switch_interval=float(args.switch_ms) / 1e3)
+              kv=KvSettings(cache, 0.9, None, args.prefill_chunk, True, True, args.modes == "overlap"),
+              switch_interval=float(args.switch_ms) / 1e3)
     finally:
         Path(args.stats).write_text(json.dumps(engine.stats))
 
@@ -158,11 +204,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def level(clients: int, switch_ms: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def level(clients: int, switch_ms: float, mode: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from serve_bench import Clients, get, percentile, scrape, workload
 
-    port, stats = free_port(), tmp / f"stats-{clients}-{switch_ms}.json"
+    port, stats = free_port(), tmp / f"stats-{clients}-{switch_ms}-{mode}.json"
     cmd = [sys.executable, __file__, "--serve", str(port), "--stats", str(stats), "--switch-ms", str(switch_ms),
+           "--modes", mode,
            "--decode-ms", str(args.decode_ms), "--row-us", str(args.row_us), "--chunk-ms", str(args.chunk_ms),
            "--releases", str(args.releases), "--prefill-chunk", str(args.prefill_chunk), "--rows", str(args.rows)]
     proc = subprocess.Popen(cmd, cwd=REPO)
@@ -195,7 +242,7 @@ def level(clients: int, switch_ms: float, args: argparse.Namespace, tmp: Path) -
     slept = sum(e[2] for e in events)
     overran = sum(max(0.0, e[1] - e[0] - e[2]) for e in events)
     gap = span - slept  # the engine's active span less its sleeps: host time the device waited for
-    return {"clients": clients, "switch_ms": switch_ms, "requests": len(ok), "errors": len(cl.results) - len(ok),
+    return {"clients": clients, "switch_ms": switch_ms, "mode": mode, "requests": len(ok), "errors": len(cl.results) - len(ok),
             "tok_s": tokens / wall, "busy": slept / span, "steps": steps, "calls": len(events),
             "gap_ms_per_step": gap / max(1, steps) * 1e3,
             "overrun_ms_per_step": overran / max(1, steps) * 1e3,
@@ -210,11 +257,11 @@ def level(clients: int, switch_ms: float, args: argparse.Namespace, tmp: Path) -
 
 
 def table_text(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'clients':>7} {'switch ms':>9} {'tok/s':>8} {'busy':>6} {'steps':>6} {'host gap ms/step':>16} "
+    head = (f"{'clients':>7} {'switch ms':>9} {'steps are':>9} {'tok/s':>8} {'busy':>6} {'steps':>6} {'host gap ms/step':>16} "
             f"{'of it GIL ms':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TTFT mean':>9} {'in server':>9} {'TPOT p50':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['clients']:>7} {r['switch_ms']:>9g} {r['tok_s']:>8.0f} {r['busy']:>6.2f} {r['steps']:>6} "
+        lines.append(f"{r['clients']:>7} {r['switch_ms']:>9g} {r.get('mode', 'in-turn'):>9} {r['tok_s']:>8.0f} {r['busy']:>6.2f} {r['steps']:>6} "
                      f"{r['gap_ms_per_step']:>16.3f} {r['overrun_ms_per_step']:>12.3f} {r['ttft_p50_ms']:>9.1f} "
                      f"{r['ttft_p99_ms']:>9.1f} {r['ttft_mean_ms']:>9.1f} {r['ttft_server_mean_ms']:>9.1f} {r['tpot_p50_ms']:>9.2f}")
     return "\n".join(lines)
@@ -227,9 +274,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for sw in sorted({r["switch_ms"] for r in rows}):
-        pts = [r for r in rows if r["switch_ms"] == sw]
-        ax.plot([r["clients"] for r in pts], [r["busy"] for r in pts], marker="o", label=f"switch {sw:g} ms")
+    for sw, mode in sorted({(r["switch_ms"], r.get("mode", "in-turn")) for r in rows}):
+        pts = [r for r in rows if r["switch_ms"] == sw and r.get("mode", "in-turn") == mode]
+        ax.plot([r["clients"] for r in pts], [r["busy"] for r in pts], marker="o", label=f"{mode}, switch {sw:g} ms")
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("streaming clients")
@@ -242,7 +289,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", default="16,64,256")
-    ap.add_argument("--switch-ms", default="5,0.5", help="Python switch intervals to compare (ms)")
+    ap.add_argument("--switch-ms", default="0.2", help="Python switch intervals to compare (ms); serve sets 0.2")
+    ap.add_argument("--modes", default="overlap,in-turn",
+                    help="paged steps launched before the step before is read back (overlap; serve's default) or "
+                         "each read back first (in-turn: serve --no-overlap)")
     ap.add_argument("--per-client", type=int, default=2, help="requests each client sends")
     ap.add_argument("--decode-ms", type=float, default=1.1, help="a decode step's fixed device time")
     ap.add_argument("--row-us", type=float, default=30.0, help="a decode step's device time a row")
@@ -273,10 +323,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         for n in [int(x) for x in args.clients.split(",")]:
-            for sw in [float(x) for x in args.switch_ms.split(",")]:
-                r = level(n, sw, args, Path(tmp))
+            for sw, mode in [(float(x), m) for x in args.switch_ms.split(",") for m in args.modes.split(",")]:
+                r = level(n, sw, mode, args, Path(tmp))
                 report["rows"].append(r)
-                print(f"[server_host_bench] {n} clients, switch {sw:g} ms: {r['tok_s']:.0f} tok/s, busy "
+                print(f"[server_host_bench] {n} clients, switch {sw:g} ms, {mode}: {r['tok_s']:.0f} tok/s, busy "
                       f"{r['busy']:.2f}, gap {r['gap_ms_per_step']:.2f} ms a step", flush=True)
                 (out / "server_host_bench.json").write_text(json.dumps(report, indent=1) + "\n")
     print(table_text(report["rows"]))
