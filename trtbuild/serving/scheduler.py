@@ -11,16 +11,18 @@ asyncio loop, hear of tokens through a callback that must not block.
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from trtbuild.errors import InputError, TrtbuildError
+from trtbuild.serving.paged_steps import PagedSteps, _Launch
+from trtbuild.serving.request import Event, Request, TextWatch
+
+__all__ = ["Event", "QueueFull", "Request", "Scheduler", "ShuttingDown", "TextWatch", "check_request"]
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +54,6 @@ class PagedEngine(SlotEngine, Protocol):
 
     def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
                      sampling: list[Any]) -> list[int]: ...
-
-
-class TextWatch(Protocol):
-    """Per request: turns tokens into text that is safe to emit (no half characters) and spots stop strings."""
-
-    def feed(self, token: int) -> tuple[str, bool]:
-        """The text that became final with this token, and whether a stop string has now appeared (the text
-        then ends before it)."""
-        ...
-
-    def flush(self) -> str:
-        """What was held back, emitted once the request ends by anything but a stop string."""
-        ...
 
 
 class Observer(Protocol):
@@ -113,71 +102,6 @@ class ShuttingDown(TrtbuildError):
     """The scheduler is draining for exit and takes no new requests."""
 
 
-@dataclass(frozen=True)
-class Event:
-    """What a request's callback receives: one generated token (with the text it made final), or the end.
-
-    `finish` is None while the request runs, else "stop" (a stop token or string), "length" (max_tokens),
-    "cancelled" or "error" (`error` says what). A stop token itself is never delivered (`token` None)."""
-
-    token: int | None
-    text: str = ""
-    finish: str | None = None
-    error: str | None = None
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation: the prompt's token ids, how to sample, when to stop, and where its events go. Compared by
-    identity (the scheduler's lists find and remove requests at every step: a field-by-field comparison made
-    that the step's largest cost at 256 rows)."""
-
-    prompt: list[int]
-    max_tokens: int
-    sampling: Any = None  # trtbuild.backends.sampling.Sampling; None means the engine's default (greedy)
-    stop_ids: frozenset[int] = frozenset()  # EOS ids and the request's stop token ids
-    watch: TextWatch | None = None  # text and stop strings; None: tokens only
-    on_event: Callable[[Event], None] = lambda event: None  # called from the engine thread: must not block
-    id: int = field(default_factory=itertools.count().__next__)
-    # filled in by the scheduler
-    arrived: float = 0.0
-    generated: int = 0
-    slot: int | None = None
-    position: int = 0  # the position of the token fed at the next decode step
-    last_token: int = 0
-    last_time: float = 0.0
-    cancelled: bool = False
-    done: bool = False
-    # paged (kv_blocks.py): the request's blocks, and how many tokens of its sequence their KV holds
-    table: Any = None
-    filled: int = 0
-    history: list[int] = field(default_factory=list)  # the generated tokens delivered, for a recompute
-    # (launch serial, row) of the token a launched step computes for it and the host has not read back yet
-    pending: tuple[int, int] | None = None
-
-    def sequence(self) -> list[int]:
-        """The tokens whose KV the request needs before its next decode step: the prompt, and after a
-        preemption everything generated but the last token (which the next step feeds)."""
-        return self.prompt + self.history[:-1] if self.history else self.prompt
-
-    def sequence_len(self) -> int:
-        """len(sequence()), without building it."""
-        return len(self.prompt) + max(0, len(self.history) - 1)
-
-
-@dataclass(eq=False)
-class _Launch:
-    """A paged step launched on the device and not yet read back (Scheduler._launch)."""
-
-    handle: Any  # the engine's launched step: .result() -> (decode rows' tokens, chunks' tokens or None)
-    serial: int
-    rows: list[Request]
-    plan: list[tuple[Request, int]]
-    lasts: list[bool]
-    t: float
-    context: int  # the decode rows' context tokens, for the observer
-
-
 def check_request(engine: SlotEngine, prompt: list[int], max_tokens: int) -> None:
     """Raise InputError naming the engine limit this request exceeds; a request is never truncated."""
     n = len(prompt)
@@ -195,7 +119,7 @@ def check_request(engine: SlotEngine, prompt: list[int], max_tokens: int) -> Non
         raise InputError(f"prompt: token id {bad} is outside the vocabulary [0, {engine.vocab_size})")
 
 
-class Scheduler:
+class Scheduler(PagedSteps):
     """Continuous batching over `engine`'s rows. `start()` runs the loop in its own thread; tests may call
     `step()` directly instead. `buckets` are the engine's decode batch sizes (for occupancy figures).
 
@@ -341,272 +265,6 @@ class Scheduler:
             self._decode()
         self.observer.queued(len(self._waiting), len(self._running))
         return worked
-
-    # -- paged -----------------------------------------------------------------------------------------------
-    def _admit_paged(self) -> list[Request]:
-        """Waiting requests, in order, while a row and the pool's blocks allow (the lock is held). The head
-        waits for blocks rather than being overtaken, so a long prompt is never starved by short ones."""
-        out: list[Request] = []
-        while self._waiting and len(self._running) + len(out) < self.rows:
-            r = self._waiting[0]
-            table = self.pool.admit(r.sequence())
-            if table is None:
-                break
-            self._waiting.popleft()
-            r.table, r.filled = table, table.cached
-            out.append(r)
-        return out
-
-    def _paged_step(self, newcomers: list[Request]) -> bool:
-        self._running.extend(newcomers)
-        worked = bool(newcomers or self._running)
-        if not (self.overlap and self._launch()):
-            self._drain()  # the steps below wait for their own tokens: the launched one is read back first
-            self._step_in_turn()
-        p = self.pool
-        self.observer.blocks(p.used, p.free, p.hits, p.misses)
-        self.observer.queued(len(self._waiting), len(self._running))
-        return worked
-
-    def _step_in_turn(self) -> None:
-        """A step whose calls return their tokens: the chunks and the decode rows in one call (the mixed step)
-        or two."""
-        plan = self._plan_chunks()
-        mixed = False
-        if plan and self.mixed:
-            # the rows decoding now and this step's chunks in one call: the step reads each weight once (a prompt
-            # that ends in it decodes from the next step)
-            rows = self._make_room(self._due())
-            plan = [(r, n) for r, n in plan if r.table is not None]  # not preempted for the rows' blocks
-            mixed = bool(rows and plan) and self._mixed(plan, rows)
-        if not mixed:  # the chunks, then every row (a prompt that ends in them too)
-            if plan:
-                self._prefill_chunks(plan)
-            rows = self._make_room(self._due())
-            if rows:
-                self._decode_paged(rows)
-
-    def _due(self) -> list[Request]:
-        """The running requests whose next token a decode step gives: its token to feed is known or launched,
-        and every position before it is written."""
-        return [r for r in self._running if (r.history or r.pending is not None) and r.filled >= r.position]
-
-    def _launch(self) -> bool:
-        """Launch this step's decode rows (and its chunks, in the mixed step) without waiting for their tokens,
-        then read back and deliver the step launched before, while the device runs this one. A row's token from
-        that step is fed to this one on the device. So a row that ends on that token (a stop token or string)
-        has computed one token more, which is dropped; a row whose budget that token ends is not launched.
-        False, with nothing launched, where this step must wait for its tokens instead: no decode row, chunks
-        without the mixed step, a sampled row (its penalties need its tokens on the host), too few free blocks
-        for every row's next one (a preemption), or an engine call that declines or fails."""
-        plan = self._plan_chunks()
-        rows = [r for r in self._due() if r.generated + (r.pending is not None) < r.max_tokens]
-        if not rows or (plan and not self.mixed) or self.pool.free < len(rows):
-            return False
-        if not all(r.sampling is None or r.sampling.greedy for r in [*rows, *(r for r, _ in plan)]):
-            return False
-        rows = self._make_room(rows)  # a block a row at most, and as many free: nothing is preempted
-        serial = self._serial + 1
-        fed = [(i, r.pending[1]) for i, r in enumerate(rows) if r.pending is not None]
-        args = self._chunk_args(plan) if plan else None
-        t = time.perf_counter()
-        try:
-            handle = self.engine.launch_paged(self._decode_args(rows), args, fed)  # type: ignore[attr-defined]
-        except Exception:
-            log.exception("launching a step failed; it goes again, waited for")
-            return False
-        if handle is None:
-            return False
-        self._serial = serial
-        lasts = args[-1] if args else []
-        launch = _Launch(handle, serial, rows, plan, lasts, t, sum(r.position + 1 for r in rows))
-        for i, r in enumerate(rows):
-            r.position += 1
-            r.filled, r.pending = r.position, (serial, i)
-        for j, ((r, n), last) in enumerate(zip(plan, lasts)):
-            r.filled += n
-            self.pool.name_full_blocks(r.table, r.sequence()[:r.filled])
-            if last:
-                r.position, r.pending = len(r.prompt), (serial, len(rows) + j)
-        before, self._inflight = self._inflight, launch
-        if before is not None:
-            self._resolve(before)
-        return True
-
-    def _drain(self) -> None:
-        """Read back and deliver the launched step, if one is."""
-        if self._inflight is not None:
-            done, self._inflight = self._inflight, None
-            self._resolve(done)
-
-    def _resolve(self, done: _Launch) -> None:
-        """Deliver a launched step's tokens (waiting for them): the first tokens of the prompts it ended, then
-        the decode rows'. A request that ended since it was launched (a cancel, or a stop on the step before's
-        token) has its token dropped."""
-        try:
-            decoded, firsts = done.handle.result()
-        except Exception as exc:
-            for r in [*done.rows, *(r for r, _ in done.plan)]:
-                r.pending = None
-                self._finish(r, "error", f"decode failed: {type(exc).__name__}: {exc}")
-            return
-        now = time.perf_counter()
-        self.step_s = 0.9 * self.step_s + 0.1 * (now - done.t)
-        self.observer.step(len(done.rows), self.bucket_for(len(done.rows)), now - done.t, done.context)
-        block = self.pool.block_size
-        for (r, _), last, token in zip(done.plan, done.lasts, firsts):
-            if r.pending is not None and r.pending[0] == done.serial:
-                r.pending = None
-            if last and not r.done:
-                self.observer.first_token(now - r.arrived, len(r.prompt))
-                r.last_time = now
-                self._accept(r, token)  # type: ignore[arg-type]
-        for r, token in zip(done.rows, decoded):
-            if r.pending is not None and r.pending[0] == done.serial:
-                r.pending = None
-            if r.done:
-                continue
-            self.observer.token_interval(now - r.last_time)
-            r.last_time = now
-            if (len(r.prompt) + len(r.history)) // block > r.table.named:  # the KV through the fed token is written
-                self.pool.name_full_blocks(r.table, r.prompt + r.history)
-            self._accept(r, token)
-
-    def _plan_chunks(self) -> list[tuple[Request, int]]:
-        """This step's prompt chunks, (request, tokens), in admission order. A step's chunks go in one call as rows
-        left-padded to the longest, so the budget counts what the call computes, padding included: k rows of at
-        most `chunk_tokens / k` tokens each, and a row is not added where the rows before it are already longer
-        than that. Eight 64-token questions after a cached prefix still go together in a 512-token budget;
-        a 500-token chunk and six 2-token prompts no longer make a call of 7 x 500 tokens."""
-        budget, longest = self.chunk_tokens, 0
-        plan: list[tuple[Request, int]] = []
-        for r in self._running:
-            rest = r.sequence_len() - r.filled
-            if rest <= 0:
-                continue
-            k = len(plan) + 1
-            n = min(rest, budget // k)
-            if n <= 0 or k * max(longest, n) > budget:
-                break
-            plan.append((r, n))
-            longest = max(longest, n)
-        return plan
-
-    def _prefill_chunks(self, plan: list[tuple[Request, int]]) -> None:
-        """Prefill each planned chunk (the next `n` tokens of r's sequence), all in one engine call: one launch
-        of the paged graph however many requests start this step. Where that call fails, each chunk is tried
-        alone, so that a bad request ends by itself."""
-        args = self._chunk_args(plan)
-        try:
-            tokens = self.engine.prefill_paged(*args)  # type: ignore[attr-defined]
-        except Exception as exc:
-            if len(plan) > 1:
-                for item in plan:
-                    self._prefill_chunks([item])
-                return
-            self._finish(plan[0][0], "error", f"prefill failed: {type(exc).__name__}: {exc}")
-            return
-        self._chunks_done(plan, args[-1], tokens)
-
-    def _chunk_args(self, plan: list[tuple[Request, int]]) -> tuple[Any, ...]:
-        """`prefill_paged`'s arguments for the planned chunks: keys, tables, chunks, starts, samplings, lasts."""
-        seqs = [r.sequence() for r, _ in plan]
-        # a chunk's token is wanted only where it ends the prompt: no other makes the host wait for the device
-        lasts = [r.filled + n == len(seq) and not r.history for (r, n), seq in zip(plan, seqs)]
-        return ([r.id for r, _ in plan], [r.table.blocks for r, _ in plan],
-                [seq[r.filled:r.filled + n] for (r, n), seq in zip(plan, seqs)], [r.filled for r, _ in plan],
-                [r.sampling for r, _ in plan], lasts)
-
-    def _chunks_done(self, plan: list[tuple[Request, int]], lasts: list[bool], tokens: list[int | None]) -> None:
-        for (r, n), last, token in zip(plan, lasts, tokens):
-            r.filled += n
-            self.pool.name_full_blocks(r.table, r.sequence()[:r.filled])
-            if last:  # the prompt's last chunk: the first token, handed over at once
-                now = time.perf_counter()
-                self.observer.first_token(now - r.arrived, len(r.prompt))
-                r.position, r.last_time = len(r.prompt), now
-                self._accept(r, token)
-        if any(lasts):
-            self.flush()
-        # after a preemption the recomputed sequence's token was delivered before: the next step feeds last_token
-
-    def _make_room(self, rows: list[Request]) -> list[Request]:
-        """Blocks for every decode row's next position; where the pool has none, the latest admitted request
-        is preempted (its blocks freed, recomputed later) until the rest fit. The rows that still decode."""
-        kept: list[Request] = []
-        gone: set[int] = set()  # ids of the rows preempted here
-        for r in rows:
-            if r.id in gone:
-                continue
-            while not self.pool.grow(r.table, r.position + 1):
-                victim = self._running[-1]
-                if victim is r and len(self._running) == 1:  # cannot happen with a pool of one full sequence
-                    self._finish(r, "error", "the KV pool cannot hold one sequence of the engine's length")
-                    gone.add(r.id)
-                    break
-                self._preempt(victim)
-                gone.add(victim.id)
-                if victim is r:
-                    break
-            else:
-                kept.append(r)
-        return [r for r in kept if r.id not in gone]
-
-    def _preempt(self, r: Request) -> None:
-        self._running.remove(r)
-        self.pool.release(r.table)
-        self.engine.release(r.id)
-        r.table, r.filled = None, 0
-        with self._wake:
-            self._waiting.appendleft(r)
-        self.observer.preempted()
-
-    def _mixed(self, plan: list[tuple[Request, int]], rows: list[Request]) -> bool:
-        """The decode rows and the planned chunks in one engine call; False, with nothing done, where the engine
-        cannot take them together or the call fails (the caller makes the two calls, which end a bad request
-        by itself)."""
-        t = time.perf_counter()
-        args = self._chunk_args(plan)
-        try:
-            out = self.engine.step_paged(self._decode_args(rows), args)  # type: ignore[attr-defined]
-        except Exception:
-            log.exception("mixed step failed; its chunks and rows go again in two calls")
-            return False
-        if out is None:
-            return False
-        decoded, firsts = out
-        self._chunks_done(plan, args[-1], firsts)
-        self._decoded(rows, decoded, t)
-        return True
-
-    def _decode_args(self, rows: list[Request]) -> tuple[Any, ...]:
-        """`decode_paged`'s arguments for the rows: keys, tables, tokens, positions, samplings."""
-        return ([r.id for r in rows], [r.table.blocks for r in rows], [r.last_token for r in rows],
-                [r.position for r in rows], [r.sampling for r in rows])
-
-    def _decode_paged(self, rows: list[Request]) -> None:
-        t = time.perf_counter()
-        try:
-            tokens = self.engine.decode_paged(*self._decode_args(rows))  # type: ignore[attr-defined]
-        except Exception as exc:
-            for r in rows:
-                self._finish(r, "error", f"decode failed: {type(exc).__name__}: {exc}")
-            return
-        self._decoded(rows, tokens, t)
-
-    def _decoded(self, rows: list[Request], tokens: list[int], t: float) -> None:
-        now = time.perf_counter()
-        self.step_s = 0.9 * self.step_s + 0.1 * (now - t)
-        self.observer.step(len(rows), self.bucket_for(len(rows)), now - t, sum(r.position + 1 for r in rows))
-        block = self.pool.block_size
-        for r, token in zip(rows, tokens):
-            self.observer.token_interval(now - r.last_time)
-            r.last_time = now
-            r.position += 1
-            r.filled = r.position
-            if r.position // block > r.table.named:  # a block just filled: the only time there is one to name
-                self.pool.name_full_blocks(r.table, r.prompt + r.history)  # the new token not yet among them
-            self._accept(r, token)
 
     # -- rows ----------------------------------------------------------------------------------------------
     def _prefill(self, r: Request) -> None:
