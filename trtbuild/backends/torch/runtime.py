@@ -22,7 +22,7 @@ from typing import Any
 from trtbuild.backends import Generation
 from trtbuild.backends.torch.decode_graphs import DecodeGraphs
 from trtbuild.backends.torch.graph_runners import Package, graph_runner
-from trtbuild.backends.torch.paged_runtime import PagedSlots
+from trtbuild.backends.torch.paged_slots import PagedSlots
 from trtbuild.backends.torch.prefill_graphs import PrefillGraphs, prefill_graph_limit
 from trtbuild.errors import InputError, TrtbuildError
 from trtbuild.backends.sampling import GREEDY, Sampling, sample
@@ -56,7 +56,7 @@ class TorchEngine(PagedSlots):
         self._prompts: dict[int, list[int]] = {}
         self._generated: dict[int, list[int]] = {}
         self.paged: Any = None  # paged_runtime.PagedCache, once `open_pool` has made the pools
-        self._launched = None  # paged_runtime.LaunchedStep: the last step launch_paged launched
+        self._launched = None  # paged_slots.LaunchedStep: the last step launch_paged launched
 
     def __enter__(self) -> "TorchEngine":
         import torch
