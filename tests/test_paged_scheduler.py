@@ -394,3 +394,27 @@ def test_a_chunk_call_that_fails_is_retried_chunk_by_chunk_so_only_the_bad_reque
     run_until_idle(s)
     assert good_sink.tokens == alone([1, 2, 3], 5) and other_sink.tokens == alone([6], 5)
     assert bad_sink.finish == "error" and "refused" in (bad_sink.events[-1].error or "")
+
+
+def test_a_launched_step_past_a_stop_or_a_cancel_delivers_nothing_more() -> None:
+    """With steps launched before the step before is read back, a stream that stops on a token was already in the
+    next launched step: that step's token for it is dropped, and its blocks go back. A stream cancelled while its
+    step is in flight ends with no token after the cancel. The other streams get their own tokens."""
+    engine = LaunchStandIn(64, 4)
+    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=8)
+    own = alone([3, 1, 4], 20)
+    stopper, stop_sink = req([3, 1, 4], 20, stop_ids=frozenset({own[6]}))
+    other, other_sink = req([2, 7], 20)
+    gone, gone_sink = req([5, 5, 5], 20)
+    for r in (stopper, other, gone):
+        s.submit(r)
+    for _ in range(5):
+        s.step()
+    assert engine.ahead > 0 and engine.unread  # a step is in flight
+    s.cancel(gone)
+    seen = len(gone_sink.tokens)
+    run_until_idle(s)
+    assert stop_sink.tokens == own[:own.index(own[6])] and stop_sink.finish == "stop"
+    assert other_sink.tokens == alone([2, 7], 20) and other_sink.finish == "length"
+    assert gone_sink.finish == "cancelled" and len(gone_sink.tokens) == seen
+    assert s.pool.used == 0  # every block given back
