@@ -60,8 +60,9 @@ class Step:
 # In the order they run: in each part the longest, least predictable tail last (torch.compile's autotuning in
 # part 1), so a cut-off costs the fewest rows. Estimates on an H100.
 STEPS = {
-    "build_bf16": Step("build 1B bf16", 1, 115, 105,
-                       "results/2026-12-07-h100-gate: 107.7 s cold on an H100 (matmul selection 28 s, compile 64 s); "
+    "build_bf16": Step("build 1B bf16", 1, 80, 75,
+                       "results/2026-12-07-h100-gate-2: 74 s cold on an H100 (matmul selection 27 s, compile 25 s); "
+                       "results/2026-12-07-h100-gate: 107.7 s cold before CUDA builds skipped the vector-ISA checks; "
                        "results/2026-12-06-h100-gate-2: 105 s with the matmul timings seeded, the graphs compiled"),
     "profile": Step("profile step vs run TPOT", 1, 20, 15,
                     "results/2026-12-06-h100-gate-2: 11 s (load, one profile, one run of 128 tokens)"),
@@ -90,13 +91,12 @@ STEPS = {
     "bench_quant_head": Step("1B fp8 / int4_wo / its int8 head / bf16 decode", 0, 25, 25, "bench_quant's, four engines"),
     "bench_head": Step("1B int4_wo with the int8 head / bf16 decode", 0, 15, 15, "bench_quant's, two engines"),
     "profile_int4_head": Step("profile the 1B int4_wo int8-head decode step", 0, 25, 25, "profile_int4's"),
-    "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 300, 285,
-                        "results/2026-12-06-h100-gate-4: 225 s (the paged graph compiled, 111 s, the others reused; "
-                        "three servers' load and bucket captures, ~12 s each; four random levels, 32 s); the mixed "
-                        "step's program since, compiled beside it: estimated +60 s"),
-    "paged_probe": Step("paged chunk and decode step alone", 3, 45, 40,
-                        "estimated: the paged engine found in the store, a pool, 3 chunk lengths x 2 contexts and "
-                        "4 decode row counts timed, one profiled call a chunk"),
+    "serve_paged": Step("serve 1B paged: 1-256 clients, shared prefix", 3, 200, 190,
+                        "results/2026-12-07-h100-gate-2: ~117 s building the paged engine (the paged and mixed "
+                        "programs, 43 s each side by side, the others reused) and 78 s serving (three servers' load "
+                        "and captures, four random levels, the shared prefix on and off)"),
+    "paged_probe": Step("paged chunk and decode step alone", 3, 20, 20,
+                        "results/2026-12-07-h100-gate-2: 16 s (the paged engine found in the store)"),
     # not in a part: the GPU tests of the kernels and paths a change touched, run where the gate runs (`--only`)
     "gpu_tests": Step("GPU tests: quantized op, paged steps", 0, 150, 120,
                       "estimated: the quantized op's kernels compiled for each case; a 2-layer paged bf16 engine "
