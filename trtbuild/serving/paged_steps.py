@@ -139,8 +139,7 @@ class PagedSteps:
             r.position += 1
             r.filled, r.pending = r.position, (serial, i)
         for j, ((r, n), last) in enumerate(zip(plan, lasts)):
-            r.filled += n
-            self.pool.name_full_blocks(r.table, r.sequence()[:r.filled])
+            self._written(r, n)
             if last:
                 r.position, r.pending = len(r.prompt), (serial, len(rows) + j)
         before, self._inflight = self._inflight, launch
@@ -165,27 +164,14 @@ class PagedSteps:
                 r.pending = None
                 self._finish(r, "error", f"decode failed: {type(exc).__name__}: {exc}")
             return
+        for r in [*(r for r, _ in done.plan), *done.rows]:
+            if r.pending is not None and r.pending[0] == done.serial:  # not in the step launched since
+                r.pending = None
         now = time.perf_counter()
-        self.step_s = 0.9 * self.step_s + 0.1 * (now - done.t)
-        self.observer.step(len(done.rows), self.bucket_for(len(done.rows)), now - done.t, done.context)
-        block = self.pool.block_size
         for (r, _), last, token in zip(done.plan, done.lasts, firsts):
-            if r.pending is not None and r.pending[0] == done.serial:
-                r.pending = None
             if last and not r.done:
-                self.observer.first_token(now - r.arrived, len(r.prompt))
-                r.last_time = now
-                self._accept(r, token)  # type: ignore[arg-type]
-        for r, token in zip(done.rows, decoded):
-            if r.pending is not None and r.pending[0] == done.serial:
-                r.pending = None
-            if r.done:
-                continue
-            self.observer.token_interval(now - r.last_time)
-            r.last_time = now
-            if (len(r.prompt) + len(r.history)) // block > r.table.named:  # the KV through the fed token is written
-                self.pool.name_full_blocks(r.table, r.prompt + r.history)
-            self._accept(r, token)
+                self._first_token(r, token, now)  # type: ignore[arg-type]
+        self._deliver_step(done.rows, decoded, done.t, done.context)
 
     def _plan_chunks(self) -> list[tuple[Request, int]]:
         """This step's prompt chunks, (request, tokens), in admission order. A step's chunks go in one call as rows
@@ -234,16 +220,24 @@ class PagedSteps:
 
     def _chunks_done(self, plan: list[tuple[Request, int]], lasts: list[bool], tokens: list[int | None]) -> None:
         for (r, n), last, token in zip(plan, lasts, tokens):
-            r.filled += n
-            self.pool.name_full_blocks(r.table, r.sequence()[:r.filled])
+            self._written(r, n)
             if last:  # the prompt's last chunk: the first token, handed over at once
-                now = time.perf_counter()
-                self.observer.first_token(now - r.arrived, len(r.prompt))
-                r.position, r.last_time = len(r.prompt), now
-                self._accept(r, token)
+                r.position = len(r.prompt)
+                self._first_token(r, token, time.perf_counter())  # type: ignore[arg-type]
         if any(lasts):
             self.flush()
         # after a preemption the recomputed sequence's token was delivered before: the next step feeds last_token
+
+    def _written(self, r: Request, n: int) -> None:
+        """A chunk of n more tokens of r's sequence is in its blocks (or queued on the device before any reader):
+        the blocks it filled go to the prefix cache."""
+        r.filled += n
+        self.pool.name_full_blocks(r.table, r.sequence()[:r.filled])
+
+    def _first_token(self, r: Request, token: int, now: float) -> None:
+        self.observer.first_token(now - r.arrived, len(r.prompt))
+        r.last_time = now
+        self._accept(r, token)
 
     def _make_room(self, rows: list[Request]) -> list[Request]:
         """Blocks for every decode row's next position; where the pool has none, the latest admitted request
@@ -310,15 +304,24 @@ class PagedSteps:
         self._decoded(rows, tokens, t)
 
     def _decoded(self, rows: list[Request], tokens: list[int], t: float) -> None:
-        now = time.perf_counter()
-        self.step_s = 0.9 * self.step_s + 0.1 * (now - t)
-        self.observer.step(len(rows), self.bucket_for(len(rows)), now - t, sum(r.position + 1 for r in rows))
-        block = self.pool.block_size
-        for r, token in zip(rows, tokens):
-            self.observer.token_interval(now - r.last_time)
-            r.last_time = now
+        context = sum(r.position + 1 for r in rows)
+        for r in rows:
             r.position += 1
             r.filled = r.position
-            if r.position // block > r.table.named:  # a block just filled: the only time there is one to name
+        self._deliver_step(rows, tokens, t, context)
+
+    def _deliver_step(self, rows: list[Request], tokens: list[int], t: float, context: int) -> None:
+        """A decode step's tokens, from a call made at `t`, to its rows (a row ended since then gets none)."""
+        now = time.perf_counter()
+        self.step_s = 0.9 * self.step_s + 0.1 * (now - t)
+        self.observer.step(len(rows), self.bucket_for(len(rows)), now - t, context)
+        block = self.pool.block_size
+        for r, token in zip(rows, tokens):
+            if r.done:
+                continue
+            self.observer.token_interval(now - r.last_time)
+            r.last_time = now
+            # the KV through the token fed is written: a block it filled is the only one there is to name
+            if (len(r.prompt) + len(r.history)) // block > r.table.named:
                 self.pool.name_full_blocks(r.table, r.prompt + r.history)  # the new token not yet among them
             self._accept(r, token)
