@@ -467,7 +467,8 @@ def serve_paged_step(g: Gate) -> None:
                   met=(frac >= 0.6) if n == mid and frac is not None else None,
                   note=f"{frac:.2f} of the workload's floor; TTFT p50 {f['ttft_ms']['p50']:.0f} ms, p99 "
                        f"{f['ttft_ms']['p99']:.0f} ms; TPOT p50 {f['tpot_ms']['p50']:.2f} ms; peak running "
-                       f"{f.get('peak_running')}; {f['requests']} requests; preemptions {f['preemptions']:.0f}"))
+                       f"{f.get('peak_running')}; {f['requests']} requests; preemptions {f['preemptions']:.0f}"
+                       + (f"; device busy {f['device_busy']:.2f}" if f.get("device_busy") else "")))
     f = level("random", top)
     name = f"{tag} {top} clients: most requests running at once"
     if f is None:

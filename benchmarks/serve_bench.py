@@ -313,6 +313,8 @@ def level_figures(results: list[dict[str, Any]], wall: float, before: dict[str, 
         "ttft_ms": {"p50": percentile(ttft, 50) * 1e3, "p99": percentile(ttft, 99) * 1e3},
         "tpot_ms": {"p50": percentile(tpot, 50) * 1e3, "p99": percentile(tpot, 99) * 1e3},
         "occupancy_mean": d.get("trtbuild_batch_occupancy_sum", 0.0) / occ_n if occ_n else None,
+        # the launched steps' device time over the level's wall: below 1, the device waited for the host (CUDA)
+        "device_busy": d.get("trtbuild_device_busy_seconds_total", 0.0) / wall if wall else None,
         "decode_steps": steps,
         "preemptions": d.get("trtbuild_preemptions_total", 0.0),
         "prefix_hits": d.get('trtbuild_prefix_cache_blocks_total{result="hit"}', 0.0),
@@ -397,8 +399,8 @@ def decode_bench(path: Path, args: argparse.Namespace) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     lines = [f"serve_bench: {report['device_name']} ({report['device']}), copy {report['ceilings']['copy_Bps'] / 1e9:.1f} GB/s, "
              f"{report['date']}, commit {report['commit']}"]
-    head = ["recipe", "N", "req", "peak", "tok/s", "x floor", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "occ", "TTFT/bound p99",
-            "decode step ms (x floor) per bucket"]
+    head = ["recipe", "N", "req", "peak", "tok/s", "x floor", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "occ", "busy",
+            "TTFT/bound p99", "decode step ms (x floor) per bucket"]
     rows = [head]
     for rec in report["recipes"]:
         for n, f in rec["levels"].items():
@@ -412,6 +414,7 @@ def table(report: dict[str, Any]) -> str:
                          f"{f['ttft_ms']['p50']:.1f}", f"{f['ttft_ms']['p99']:.1f}", f"{f['tpot_ms']['p50']:.2f}",
                          f"{f['tpot_ms']['p99']:.2f}",
                          "-" if f["occupancy_mean"] is None else f"{f['occupancy_mean']:.2f}",
+                         "-" if not f.get("device_busy") else f"{f['device_busy']:.2f}",
                          "-" if not bound else f"{bound['p99']:.2f} ({'met' if bound['met'] else 'NOT met'})", steps])
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(head) - 1)]
     for r in rows:
@@ -422,7 +425,7 @@ def table(report: dict[str, Any]) -> str:
                          f"{json.dumps(rec['single_request_decode'])}")
     lines.append("ms; TTFT and TPOT as the clients saw them; peak = most requests running at once; x floor = the "
                  "workload's floor / wall (1 is the floor); occ = running rows / bucket rows, mean over steps; "
-                 "floor = (weights + filled KV cache) / copy bandwidth")
+                 "busy = the launched steps' device time / wall (CUDA); floor = (weights + filled KV cache) / copy bandwidth")
     return "\n".join(lines)
 
 

@@ -183,3 +183,31 @@ def test_chunks_in_one_call_equal_one_call_each_and_their_padding_touches_only_t
     assert greedy.tolist() == torch.cat([gr for gr, _ in want]).tolist()
     for a, b in zip(one.pools, many.pools):
         torch.testing.assert_close(b[:20], a[:20], atol=1e-6, rtol=1e-5)
+
+
+def test_every_direct_call_hands_the_graph_contiguous_16_byte_aligned_inputs() -> None:
+    """AOTInductor compiles a graph for inputs aligned to 16 bytes and copies a view off that alignment, every
+    call (with a warning). Odd row counts and odd chunk lengths put the old single buffer's views off it; the
+    chunk rows were strided views. Every input the prompt, decode and mixed calls pass is checked."""
+    seen: list[list[torch.Tensor]] = []
+
+    class Recorder:
+        def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            seen.append(list(inputs[:6]))
+            n = inputs[0].shape[0] + (inputs[3].shape[0] if len(inputs) > 6 and inputs[3].dim() == 2 else 0)
+            return torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 4)
+
+    model = random_tiny_model(max_batch_size=1)
+    cache = PagedCache(Recorder(), model.cfg, 20, torch.float32, "cpu", 96, graphs=False, mixed=Recorder())
+    cache.prefill([3, 4], [5, 6, 7], 0)
+    cache.prefill_many([[4], [7, 8, 2], [12]], [[9, 3, 1], [5] * 33, [6, 6, 2, 8]], [0, 0, 5])
+    cache.decode([[3], [7, 1], [11]], [5, 9, 17], [3, 20, 7])
+    cache.mixed([[3], [7, 1], [11]], [5, 9, 17], [3, 20, 7], [[4], [12, 13]], [[9, 3, 1], [6] * 5], [0, 16])
+    assert len(seen) == 4
+    for call in seen:
+        for t in call:
+            if t.dtype == torch.long:
+                assert t.is_contiguous() and t.data_ptr() % 16 == 0, (t.shape, t.stride(), t.data_ptr() % 16)
+    tokens, positions, tables = seen[1][:3]  # the chunk rows, left-padded to the longest, one row each
+    assert tokens.shape == positions.shape == (3, 33) and tables.shape[0] == 3
+    assert tokens[0, -3:].tolist() == [9, 3, 1] and positions[2, -4:].tolist() == [5, 6, 7, 8]

@@ -98,13 +98,18 @@ class MixedStandIn(PagedStandIn):
         return self.decode_paged(*decode), self.prefill_paged(*chunks)
 
 
+STEP_DEVICE_S = 0.25e-3  # what a stand-in's launched step says it took on the device
+
+
 class Launched:
     def __init__(self, engine: "LaunchStandIn", decoded: list[int], firsts: list[int | None]) -> None:
         self.engine, self.decoded, self.firsts = engine, decoded, firsts
+        self.device_seconds: float | None = None  # known once read back, as the torch engine's
 
     def result(self) -> tuple[list[int], list[int | None]]:
         assert self.engine.unread[0] is self, "steps are read back in the order they were launched"
         self.engine.unread.pop(0)
+        self.device_seconds = STEP_DEVICE_S
         return self.decoded, self.firsts
 
 
@@ -163,6 +168,7 @@ class Seen:
     def __init__(self) -> None:
         self.blocks_seen: list[tuple[int, int, int, int]] = []
         self.preemptions = 0
+        self.device_s = 0.0
 
     def queued(self, waiting: int, running: int) -> None: pass
 
@@ -179,6 +185,9 @@ class Seen:
 
     def preempted(self) -> None:
         self.preemptions += 1
+
+    def device_busy(self, seconds: float) -> None:
+        self.device_s += seconds
 
 
 def serve(jobs: list[tuple[list[int], int]], num_blocks: int = 64, block_size: int = 4, chunk: int | None = None,
@@ -201,13 +210,17 @@ JOBS = [([5], 12), ([1, 2, 3] * 7, 3), ([9] * 40, 20), ([4, 4], 1), (list(range(
 @pytest.mark.parametrize("engine_type", [PagedStandIn, MixedStandIn, LaunchStandIn])
 def test_tokens_are_each_prompts_own_with_chunking_and_prefix_caching(chunk: int | None, prefix: bool,
                                                                       engine_type: type[PagedStandIn]) -> None:
-    sinks, engine, _ = serve(JOBS, chunk=chunk, prefix=prefix, engine_type=engine_type)
+    sinks, engine, seen = serve(JOBS, chunk=chunk, prefix=prefix, engine_type=engine_type)
     for (p, n), sink in zip(JOBS, sinks):
         assert sink.tokens == alone(p, n) and sink.finish == "length"
     if engine_type is not PagedStandIn:
         assert engine.mixed > 0  # type: ignore[attr-defined]
     if engine_type is LaunchStandIn:
         assert engine.ahead > 0 and not engine.unread  # type: ignore[attr-defined]
+        # every launched step's device time reached the observer once
+        assert seen.device_s == pytest.approx(engine.launches * STEP_DEVICE_S)  # type: ignore[attr-defined]
+    else:
+        assert seen.device_s == 0.0
 
 
 def test_a_mixed_step_that_fails_goes_again_as_two_calls() -> None:

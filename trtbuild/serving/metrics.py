@@ -59,6 +59,9 @@ class Metrics:
                                      "cache: hit (taken, not prefilled again) or miss", ["result"], registry=r)
         self.preemptions = Counter("trtbuild_preemptions", "Requests preempted for want of KV blocks (recomputed "
                                    "later)", registry=r)
+        self.device_s = Counter("trtbuild_device_busy_seconds", "Device time of the launched paged steps, from the "
+                                "stream reaching each to its last kernel's end: its rate is the fraction of the "
+                                "time the device computes (the rest it waits for the host)", registry=r)
         self._prefix_seen = (0, 0)
         self.model = model
 
@@ -108,3 +111,6 @@ class Metrics:
 
     def preempted(self) -> None:
         self.preemptions.inc()
+
+    def device_busy(self, seconds: float) -> None:
+        self.device_s.inc(seconds)

@@ -167,6 +167,8 @@ class PagedSteps:
         for r in [*(r for r, _ in done.plan), *done.rows]:
             if r.pending is not None and r.pending[0] == done.serial:  # not in the step launched since
                 r.pending = None
+        if done.handle.device_seconds is not None:
+            self.observer.device_busy(done.handle.device_seconds)
         now = time.perf_counter()
         for (r, _), last, token in zip(done.plan, done.lasts, firsts):
             if last and not r.done:

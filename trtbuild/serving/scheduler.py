@@ -73,6 +73,9 @@ class Observer(Protocol):
 
     def preempted(self) -> None: ...
 
+    def device_busy(self, seconds: float) -> None:
+        """A launched step's time on the device, from its stream reaching it to its last kernel's end."""
+
 
 class _Quiet:
     def queued(self, waiting: int, running: int) -> None: pass
@@ -88,6 +91,8 @@ class _Quiet:
     def blocks(self, used: int, free: int, hits: int, misses: int) -> None: pass
 
     def preempted(self) -> None: pass
+
+    def device_busy(self, seconds: float) -> None: pass
 
 
 class QueueFull(TrtbuildError):

@@ -41,6 +41,61 @@ def pool_blocks(cfg: Any, elem: int, device: str, max_seq_len: int, fraction: fl
     return blocks
 
 
+ALIGN = 2  # int64 entries: 16 bytes, the alignment AOTInductor compiles a graph's inputs for
+
+
+class Uploads:
+    """A call's int64 inputs on the device, from one host-to-device copy: each input starts 16-byte aligned (a
+    graph given a view off that alignment copies it first, every call, with a warning) and is contiguous.
+
+    On CUDA the host side is one of a ring of pinned buffers and the copy is asynchronous: a copy from pageable
+    memory synchronizes the stream, so the host would wait for the step in flight before it could launch the
+    next one, and the device would then wait for the host's launches. A buffer is refilled once its last copy
+    has run, `RING` calls later (a launched step makes two: its fed rows' indices and its inputs; its copies run
+    once the step before it has, and that step is read back before the next launch). On the CPU the inputs are
+    the host array itself."""
+
+    RING = 4
+
+    def __init__(self, device: str) -> None:
+        self.device, self.cuda = device, device.startswith("cuda")
+        self._ring: list[tuple[Any, Any]] = [(None, None)] * self.RING  # (pinned buffer, event after its copy)
+        self._turn = 0
+
+    def __call__(self, *parts: Any) -> list[Any]:
+        """The numpy arrays `parts` as device tensors of their shapes, in order."""
+        import numpy as np
+        import torch
+
+        offsets, total = [], 0
+        for a in parts:
+            offsets.append(total)
+            total += -(-a.size // ALIGN) * ALIGN
+        if not self.cuda:
+            buf = np.empty(max(total, 1), dtype=np.int64)
+        else:
+            slot = self._turn % self.RING
+            self._turn += 1
+            host, copied = self._ring[slot]
+            if copied is not None:
+                copied.synchronize()
+            if host is None or host.numel() < total:  # grown by doubling: pinning memory takes milliseconds
+                host = torch.empty(max(total, 2 * (0 if host is None else host.numel()), 4096), dtype=torch.long,
+                                   pin_memory=True)
+            buf = host.numpy()
+        for a, o in zip(parts, offsets):
+            buf[o:o + a.size] = a.reshape(-1)
+        if self.cuda:
+            data = torch.empty(total, dtype=torch.long, device=self.device)
+            data.copy_(host[:total], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._ring[slot] = (host, done)
+        else:
+            data = torch.from_numpy(buf)
+        return [data[o:o + a.size].view(a.shape) for a, o in zip(parts, offsets)]
+
+
 class PagedCache:
     """The pools and the paged package; calls return the graph's (greedy (B, 1), logits (B, V)).
 
@@ -63,6 +118,7 @@ class PagedCache:
         self.max_seq_len = max_seq_len
         self.max_blocks = -(-max_seq_len // BLOCK)
         self.scratch = num_blocks
+        self.upload = Uploads(device)
         self.pools = [torch.zeros(pool_shape(cfg, num_blocks + 1), dtype=dtype, device=device)
                       for _ in range(2 * cfg.num_layers)]
         # Only where the graph attends through the paged kernel, which reads each row's filled slots whatever
@@ -85,18 +141,19 @@ class PagedCache:
         return blocks[:width] + blocks[:1] * (2 - width)
 
     def prefill(self, blocks: list[int], tokens: list[int], start: int) -> tuple[Any, Any]:
+        import numpy as np
         import torch
 
         if self.chunks is not None and (out := self.chunks.run([blocks], [tokens], [start])) is not None:
             return out
         end = start + len(tokens)
         table = self._table(blocks, -(-end // self.block_size))
-        t = len(tokens)
         # one host-to-device copy for the three inputs: each torch call gives the GIL up and takes it back, which
         # under a busy event loop costs the engine thread a wait (serving/server.py's SWITCH_INTERVAL_S)
-        rows = torch.tensor([*tokens, *range(start, end), *table], dtype=torch.long).to(self.device)
+        inputs = self.upload(np.asarray([tokens], dtype=np.int64), np.arange(start, end, dtype=np.int64)[None],
+                             np.asarray([table], dtype=np.int64))
         with torch.no_grad():
-            return self.package(rows[:t][None], rows[t:2 * t][None], rows[2 * t:][None], *self.pools)
+            return self.package(*inputs, *self.pools)
 
     def prefill_many(self, blocks: list[list[int]], tokens: list[list[int]], starts: list[int]) -> tuple[Any, Any]:
         """Several requests' prompt chunks in one call, row i chunk tokens[i] at positions starts[i].. through
@@ -110,17 +167,16 @@ class PagedCache:
         alone = self._chunk_rows(blocks, tokens, starts)
         if isinstance(alone, list):  # the rare row near the end of the engine's length: the others still go together
             return self._prefill_some(blocks, tokens, starts, alone)
-        flat, n, longest, width = alone
-        data = torch.tensor(flat, dtype=torch.long).to(self.device)  # one copy (see `prefill`)
-        tp = data[:2 * n * longest].view(n, 2, longest)
         with torch.no_grad():
-            return self.package(tp[:, 0], tp[:, 1], data[2 * n * longest:].view(n, width), *self.pools)
+            return self.package(*self.upload(*alone), *self.pools)  # one copy (see `prefill`)
 
     def _chunk_rows(self, blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
-                    least: int = 1) -> tuple[list[int], int, int, int] | list[int]:
-        """Chunks as the rows of one call, each left-padded to the longest (and to `least` tokens): (each row's
-        tokens and positions, then every row's table, flat; rows; tokens a row; table width), or the rows whose
-        padding would pass the engine's max_seq_len (they cannot go in one call with the others)."""
+                    least: int = 1) -> tuple[Any, Any, Any] | list[int]:
+        """Chunks as the rows of one call, each left-padded to the longest (and to `least` tokens): int64 arrays
+        of the tokens (n, longest), positions (n, longest) and tables (n, width), or the rows whose padding would
+        pass the engine's max_seq_len (they cannot go in one call with the others)."""
+        import numpy as np
+
         from trtbuild.backends.torch.paged_graphs import left_padded
 
         bs, longest = self.block_size, max(least, *map(len, tokens))
@@ -139,9 +195,8 @@ class PagedCache:
         if alone:
             return alone
         width = max(2, max(len(r[2]) for r in rows))  # the graph was exported for tables of 2+ entries
-        flat = [x for t, p, _ in rows for x in (*t, *p)]
-        flat += [e for _, _, table in rows for e in table + [self.scratch] * (width - len(table))]
-        return flat, len(rows), longest, width
+        return (np.asarray([t for t, _, _ in rows], dtype=np.int64), np.asarray([p for _, p, _ in rows], dtype=np.int64),
+                np.asarray([table + [self.scratch] * (width - len(table)) for _, _, table in rows], dtype=np.int64))
 
     def _prefill_some(self, blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
                       alone: list[int]) -> tuple[Any, Any]:
@@ -171,16 +226,14 @@ class PagedCache:
                 raise InputError(f"row {short}'s block table of {len(blocks[short])} blocks does not reach its "
                                  f"position {positions[short]}")
             return self.graphs.run(rows, tokens, positions, feed)
-        rows, width = self._decode_rows(blocks, tokens, positions)
-        n = len(tokens)
-        data = torch.from_numpy(rows).to(self.device)
+        inputs = self.upload(*self._decode_rows(blocks, tokens, positions))
         if feed is not None:
-            feed(data[:n])
+            feed(inputs[0][:, 0])
         with torch.no_grad():
-            return self.package(data[:n, None], data[n:2 * n, None], data[2 * n:].view(n, width), *self.pools)
+            return self.package(*inputs, *self.pools)
 
-    def _decode_rows(self, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> tuple[Any, int]:
-        """The decode rows' inputs as one int64 array (tokens, positions, then the tables) and the tables' width:
+    def _decode_rows(self, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> tuple[Any, Any, Any]:
+        """The decode rows' inputs as int64 arrays, tokens (n, 1), positions (n, 1) and tables (n, width):
         each table through its row's position, padded to the widest (2 at least) with the row's own first block
         (attention masks past each row's position). Through numpy: at 64 rows of 900 tokens, built from Python
         lists it took 0.49 ms of host time a step (0.60 with a 512-token chunk, the mixed step), now 0.09 (0.15),
@@ -188,7 +241,8 @@ class PagedCache:
         import numpy as np
 
         n, bs = len(tokens), self.block_size
-        need = (np.asarray(positions, dtype=np.int64) + bs) // bs  # the blocks through each row's position
+        pos = np.asarray(positions, dtype=np.int64)
+        need = (pos + bs) // bs  # the blocks through each row's position
         have = np.fromiter(map(len, blocks), dtype=np.int64, count=n)
         short = np.flatnonzero(have < need)
         if short.size:
@@ -200,12 +254,10 @@ class PagedCache:
                            count=int(need.sum()))
         if int(flat.min()) < 0 or int(flat.max()) >= self.num_blocks:
             raise InputError(f"a block table names a block outside the pool's {self.num_blocks}")
-        out = np.empty(2 * n + n * width, dtype=np.int64)
-        out[:n], out[n:2 * n] = tokens, positions
-        tables = out[2 * n:].reshape(n, width)
+        tables = np.empty((n, width), dtype=np.int64)
         tables[:] = np.fromiter((b[0] for b in blocks), dtype=np.int64, count=n)[:, None]
         tables[np.arange(width)[None, :] < need[:, None]] = flat
-        return out, width
+        return np.asarray(tokens, dtype=np.int64)[:, None], pos[:, None], tables
 
     def mixed(self, dec_blocks: list[list[int]], dec_tokens: list[int], positions: list[int],
               blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
@@ -214,7 +266,6 @@ class PagedCache:
         `prefill_many`) in one call of the mixed step: greedy (Bd + Bc, 1) and logits (Bd + Bc, V), the decode
         rows' first. None where the engine has no mixed step or a chunk's padding would pass the engine's
         length: the caller then makes the two calls."""
-        import numpy as np
         import torch
 
         if self.mixed_package is None:
@@ -224,13 +275,8 @@ class PagedCache:
         chunks = self._chunk_rows(blocks, tokens, starts, least=2)
         if isinstance(chunks, list):
             return None
-        flat, bc, tc, cwidth = chunks
-        rows, width = self._decode_rows(dec_blocks, dec_tokens, positions)
-        bd, d = len(dec_tokens), rows.size
-        data = torch.from_numpy(np.concatenate([rows, np.asarray(flat, dtype=np.int64)])).to(self.device)  # one copy
+        inputs = self.upload(*self._decode_rows(dec_blocks, dec_tokens, positions), *chunks)  # one copy
         if feed is not None:
-            feed(data[:bd])
-        tp = data[d:d + 2 * bc * tc].view(bc, 2, tc)
+            feed(inputs[0][:, 0])
         with torch.no_grad():
-            return self.mixed_package(data[:bd, None], data[bd:2 * bd, None], data[2 * bd:d].view(bd, width),
-                                      tp[:, 0], tp[:, 1], data[d + 2 * bc * tc:].view(bc, cwidth), *self.pools)
+            return self.mixed_package(*inputs, *self.pools)

@@ -120,6 +120,7 @@ class PagedSlots:
             self._check_chunks(*chunks)
         if not all(s.greedy for s in [*sampling, *(chunks[4] if chunks else [])]):
             raise InputError("a launched step's rows must all be greedy")
+        started = LaunchedStep.mark(self.device)
         feed = self._feeder(fed)
         if chunks is None:
             greedy, _ = self.paged.decode(blocks, tokens, positions, feed)
@@ -131,20 +132,22 @@ class PagedSlots:
                 return None
             greedy = out[0]
             self._note_chunks(ckeys, ctokens, starts)
-        self._launched = LaunchedStep(greedy, len(keys), lasts, self.device)
+        self._launched = LaunchedStep(greedy, len(keys), lasts, self.device, started)
         return self._launched
 
     def _feeder(self, fed: list[tuple[int, int]]) -> Callable[[Any], None] | None:
-        """What writes the fed rows' tokens from the last launched step's greedy output, on the device."""
-        import torch
+        """What writes the fed rows' tokens from the last launched step's greedy output, on the device. Its
+        indices go up through the pinned uploads: a pageable copy would make the host wait for the step in flight
+        before launching this one."""
+        import numpy as np
 
         if not fed:
             return None
         before = self._launched
         if before is None:
             raise InputError("a step names tokens of a step before, and none was launched since the last call")
-        index = torch.tensor([i for pair in fed for i in pair], dtype=torch.long).to(self.device)
-        rows, source = index[0::2], index[1::2]
+        rows, source = self.paged.upload(np.fromiter((r for r, _ in fed), dtype=np.int64, count=len(fed)),
+                                         np.fromiter((i for _, i in fed), dtype=np.int64, count=len(fed)))
 
         def feed(column: Any) -> None:
             column[rows] = before.greedy[source, 0]
@@ -226,24 +229,40 @@ class PagedSlots:
 class LaunchedStep:
     """A paged step launched and not yet read back. Its greedy tokens are copied to pinned host memory behind it
     on the device's stream; `result` waits for that copy alone. `greedy` stays on the device for the next
-    step's fed rows (PagedSlots.launch_paged)."""
+    step's fed rows (PagedSlots.launch_paged). On CUDA, after `result`, `device_seconds` is the step's time on
+    the device from `started` (recorded before its first copy) to its tokens' copy: what the server's
+    device-busy counter sums."""
 
-    def __init__(self, greedy: Any, rows: int, lasts: list[bool], device: str) -> None:
+    def __init__(self, greedy: Any, rows: int, lasts: list[bool], device: str, started: Any = None) -> None:
         import torch
 
         self.greedy, self.rows, self.lasts = greedy, rows, lasts
         cuda = device.startswith("cuda")
         self._host = torch.empty(greedy.shape[0], dtype=greedy.dtype, pin_memory=cuda)
         self._host.copy_(greedy[:, 0], non_blocking=cuda)
-        self._done: Any = None
+        self._started, self._done = started, None
+        self.device_seconds: float | None = None
         if cuda:
-            self._done = torch.cuda.Event()
+            self._done = torch.cuda.Event(enable_timing=started is not None)
             self._done.record()
+
+    @staticmethod
+    def mark(device: str) -> Any:
+        """A timing event recorded on the device's stream now (CUDA), else None."""
+        if not device.startswith("cuda"):
+            return None
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def result(self) -> tuple[list[int], list[int | None]]:
         """(the decode rows' tokens, each chunk's token where its `lasts` entry is true, else None)."""
         if self._done is not None:
             self._done.synchronize()
+            if self._started is not None:
+                self.device_seconds = self._started.elapsed_time(self._done) / 1e3
         values = self._host.tolist()
         n = self.rows
         return values[:n], [values[n + i] if last else None for i, last in enumerate(self.lasts)]
