@@ -78,6 +78,35 @@ def test_builds_compare_only_with_a_baseline_of_the_same_seeding_and_at_their_ow
     assert _judge(gr.row("build 1B bf16", 80.0, "s", 1, tolerance=0.25, context="seeded"), base)["regression"]
 
 
+def test_a_host_bound_row_is_compared_only_beside_a_baseline_of_a_host_as_fast() -> None:
+    """A server's tok/s measured on a host 30% slower than the baseline's is not judged (nor a regression); within
+    10% of its speed, or where either side lacks the host's figure, it is compared as any row."""
+    base = {"name": "1B paged serve 64 clients output tok/s", "value": 10_000.0, "unit": "tok/s", "host_s": 0.10}
+    name = base["name"]
+    slower = _judge(gr.row(name, 8_000.0, "tok/s", 3) | {"host_s": 0.13}, base)
+    assert slower["verdict"].startswith("not compared (host loop 0.130 s") and not slower["regression"]
+    assert _judge(gr.row(name, 8_000.0, "tok/s", 3) | {"host_s": 0.105}, base)["regression"]
+    assert _judge(gr.row(name, 8_000.0, "tok/s", 3), base)["regression"]
+    assert _judge(gr.row(name, 9_900.0, "tok/s", 3) | {"host_s": 0.105}, base)["verdict"] == "ok"
+    report = {"device": "NVIDIA H100", "commit": "new", "date": "2026-12-07",
+              "rows": [gr.row(name, 8_000.0, "tok/s", 3) | {"host_s": 0.13, "status": "ok"}]}
+    assert gr.baseline_from(report, None, "why")["rows"][0]["host_s"] == 0.13
+
+
+def test_the_gate_gives_the_host_s_speed_to_the_host_bound_steps_rows_alone(tmp_path: Path) -> None:
+    args = gate.parse(["--cpu-smoke", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                            "--engines", str(tmp_path / "engines")])
+    g = gate.Gate(args)
+    g.report = {"part": "all", "rows": [], "host_s": 0.2}
+    g.host_bound = "serve_paged" in gate.HOST_BOUND
+    g.add(gr.row("served", 1.0, "tok/s", 3))
+    g.host_bound = "paged_probe" in gate.HOST_BOUND
+    g.add(gr.row("probed", 1.0, "ms", 3))
+    rows = {r["name"]: r for r in g.report["rows"]}
+    assert rows["served"]["host_s"] == 0.2 and "host_s" not in rows["probed"]
+    assert 0 < gr.host_speed() < 5
+
+
 def test_behind_torch_compile_is_flagged_per_row() -> None:
     ahead = gr.row("prefill 1024", 4.4, "ms", 1, x_floor=1.7, peer={"name": "torch.compile", "value": 5.0})
     behind = gr.row("prefill 128", 5.8, "ms", 1, x_floor=7.0, peer={"name": "torch.compile", "value": 4.0})
