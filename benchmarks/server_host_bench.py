@@ -77,7 +77,7 @@ class SleepEngine:
         self.busy_until = 0.0  # when the device finishes what it was given
         self.stats: dict[str, Any] = {"events": [], "steps": []}
 
-    def open_pool(self, memory: float, blocks: int | None) -> int:
+    def open_pool(self, memory: float, blocks: int | None, captured_chunks: bool = False) -> int:
         self.paged = _Paged()
         n = blocks or ROWS * MAX_SEQ // BLOCK
         self.kv_capacity_tokens, self.kv_layout = n * BLOCK, f"paged: {n} blocks of {BLOCK} tokens (a sleep)"

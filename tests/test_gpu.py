@@ -320,8 +320,9 @@ def test_paged_decode_through_the_kernel_replays_bucket_graphs_with_the_direct_c
     the 4-row bucket's captured graph (one padding row on the scratch block). The tokens equal those of the
     same padded step called without a graph, the scratch block is the only block no row owns that changed.
     Then a fourth prompt is prefilled in two chunks by the mixed step, beside the three rows' decode steps, and
-    all four decode on, then in launched steps, each fed on the device from the one before. Each row's tokens
-    are the eager model's (within bf16 ties)."""
+    all four decode on, then in launched steps, each fed on the device from the one before, two of which carry
+    a fifth prompt's chunks through a captured chunk graph. Each row's tokens (the fifth's first) are the eager
+    model's (within bf16 ties)."""
     from trtbuild.backends.sampling import GREEDY
     from trtbuild.backends.torch.paged_graphs import PagedDecodeGraphs
     from trtbuild.models.paged import BLOCK
@@ -383,19 +384,29 @@ def test_paged_decode_through_the_kernel_replays_bucket_graphs_with_the_direct_c
                                                             positions, [GREEDY] * 4)):
                 st.append(tok)
         # launched steps (serve's overlap): each read back after the next is launched, whose tokens the device
-        # copies from the step before's output into the bucket graph's input before the replay
+        # copies from the step before's output into the bucket graph's input before the replay; a fifth prompt
+        # prefilled beside them in two chunks through a captured chunk graph (serve --captured-chunks)
+        engine.captured_chunks = True
+        assert engine.chunk_buckets
+        fifth, fifth_table, fifth_first = [(11 * i + 5) % 128 for i in range(20)], [24, 25, 26, 27, 28, 29], None
         before = None
         for i in range(6):
             positions = [len(p) + len(st) - 1 + (before is not None) for p, st in zip(everyone, streams)]
             fed = [] if before is None else [(j, j) for j in range(4)]
+            chunks = (([4], [fifth_table], [fifth[:12]], [0], [GREEDY], [False]) if i == 1 else
+                      ([4], [fifth_table], [fifth[12:]], [12], [GREEDY], [True]) if i == 2 else None)
             step = engine.launch_paged(([0, 1, 2, 3], tables, [st[-1] for st in streams], positions, [GREEDY] * 4),
-                                       None, fed)
+                                       chunks, fed)
             if before is not None:
-                for st, tok in zip(streams, before.result()[0]):
+                decoded, firsts = before.result()
+                for st, tok in zip(streams, decoded):
                     st.append(tok)
+                fifth_first = firsts[0] if firsts and firsts[0] is not None else fifth_first
             before = step
         for st, tok in zip(streams, before.result()[0]):
             st.append(tok)
+        assert (1, 16) in paged.chunks.graphs and fifth_first is not None
+        everyone, streams = everyone + [fifth], streams + [[fifth_first]]
     folder = outcome.model.materialize()
     for prompt, stream in zip(everyone, streams):
         assert eager_disagreements(folder, [prompt], [stream], 96, dtype=torch.bfloat16, device="cuda") == []

@@ -43,6 +43,7 @@ class PagedStandIn:
         self.log: list[tuple[str, Any]] = []
         self.prefilled = 0  # prompt tokens computed (not taken from the prefix cache)
         self.calls: list[int] = []  # chunks in each prefill call
+        self.shapes: list[tuple[int, int]] = []  # (chunks, the longest) of each prefill call
 
     def _write(self, blocks: list[int], pos: int, token: int) -> None:
         self.pool[blocks[pos // self.block_size]][pos % self.block_size] = token
@@ -55,6 +56,7 @@ class PagedStandIn:
     def prefill_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
                       sampling: list[Any], lasts: list[bool]) -> list[int | None]:
         self.calls.append(len(keys))
+        self.shapes.append((len(keys), max(map(len, tokens))))
         out: list[int | None] = []
         for key, b, chunk, start, last in zip(keys, blocks, tokens, starts, lasts):
             for i, t in enumerate(chunk):
@@ -162,6 +164,13 @@ class LaunchStandIn(MixedStandIn):
     def step_paged(self, decode: tuple[Any, ...], chunks: tuple[Any, ...]) -> tuple[list[int], list[int | None]] | None:
         self.last = None
         return super().step_paged(decode, chunks)
+
+
+class BucketStandIn(LaunchStandIn):
+    """An engine whose steps replay captured prompt-chunk graphs of these (rows, tokens a row) shapes beside the
+    decode rows (the torch engine's `chunk_buckets` under serve --captured-chunks)."""
+
+    chunk_buckets = [(1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (4, 4)]
 
 
 class Seen:
@@ -431,3 +440,46 @@ def test_a_launched_step_past_a_stop_or_a_cancel_delivers_nothing_more() -> None
     assert other_sink.tokens == alone([2, 7], 20) and other_sink.finish == "length"
     assert gone_sink.finish == "cancelled" and len(gone_sink.tokens) == seen
     assert s.pool.used == 0  # every block given back
+
+
+@pytest.mark.parametrize("chunk", [None, 2, 5, 16])
+@pytest.mark.parametrize("prefix", [True, False])
+def test_chunks_planned_to_captured_graph_shapes_keep_every_prompts_tokens(chunk: int | None, prefix: bool) -> None:
+    """With captured chunk graphs, every chunk call fits one of their shapes, within the step's budget (its
+    padding counted), and every request still gets exactly its own tokens. A budget below every shape's
+    tokens (2) plans as without them."""
+    sinks, engine, _ = serve(JOBS, chunk=chunk, prefix=prefix, engine_type=BucketStandIn)
+    for (p, n), sink in zip(JOBS, sinks):
+        assert sink.tokens == alone(p, n) and sink.finish == "length"
+    budget = min(chunk or engine.max_input_len, 16)
+    for rows, longest in engine.shapes:
+        assert any(r >= rows and t >= longest for r, t in BucketStandIn.chunk_buckets), (rows, longest)
+        width = min(t for _, t in BucketStandIn.chunk_buckets if t >= longest)
+        assert rows == 1 or rows * width <= budget or budget < 4
+    assert engine.mixed > 0
+    if budget >= 8:  # room for two rows of 4
+        assert any(rows > 1 for rows, _ in engine.shapes)
+
+
+def test_a_chunk_takes_the_bucket_above_it_where_it_fills_three_quarters_of_it() -> None:
+    """The planner's widths under the torch engine's chunk graphs (16 to 512 tokens a row, 512 in all): the first
+    prompt's chunk sets the width; later prompts join at half that width or more, while a bucket holds them."""
+    from trtbuild.backends.torch.paged_graphs import chunk_buckets as torch_buckets
+
+    class Planned(PagedStandIn):
+        chunk_buckets = torch_buckets(1024)
+
+    def plan(*prompt_lens: int) -> list[int]:
+        engine = Planned(4096, 16, max_input_len=1024, max_seq_len=2048)
+        s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(4096, 16), chunk_tokens=512)
+        for n in prompt_lens:
+            r = req([1] * n, 4)[0]
+            r.filled = 0
+            s._running.append(r)
+        return [n for _, n in s._plan_chunks()]
+
+    assert plan(1000) == [512] and plan(400) == [400] and plan(384) == [384]  # 400 fills 3/4 of 512
+    assert plan(300) == [256] and plan(44) == [32] and plan(12) == [12]  # 300 would fill 59% of 512
+    assert plan(200, 180, 150) == [200, 180]  # width 256: two rows (2 x 256 = 512), a third has no bucket
+    assert plan(64, 64, 64, 64, 64, 64, 64, 64, 64) == [64] * 8  # eight questions in the (8, 64) bucket
+    assert plan(256, 100) == [256]  # 100 is under half of 256: it waits for a step of its own

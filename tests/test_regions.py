@@ -97,6 +97,7 @@ def test_an_engine_built_by_regions_gives_the_eager_tokens_through_rows_and_page
     import os
 
     from trtbuild.backends.sampling import GREEDY
+    from trtbuild.backends.torch.paged_graphs import PagedChunkGraphs
     from trtbuild.models.paged import BLOCK
 
     config = dict(TINY_CONFIG, num_hidden_layers=4)
@@ -129,21 +130,40 @@ def test_an_engine_built_by_regions_gives_the_eager_tokens_through_rows_and_page
                 s.append(tok)
         # the same steps launched, each read back only after the next is launched, the next's tokens fed on
         # the device from the step before's output; a third prompt prefilled in the mixed step of the third
-        launched = [[t] for t in engine.prefill_paged([2, 3], tables, prompts, [0, 0], [GREEDY] * 2, [True] * 2)]
-        third, before, first = [9, 9, 4, 1, 7, 3], None, None
-        for i in range(9):
-            positions = [len(p) + i for p in prompts]
-            rows = ([2, 3], [t[:-(-(p + 1) // BLOCK)] for t, p in zip(tables, positions)],
-                    [s[-1] for s in launched] if before is None else [0, 0], positions, [GREEDY] * 2)
-            chunks = ([4], [[3, 4]], [third], [0], [GREEDY], [True]) if i == 2 else None
-            step = engine.launch_paged(rows, chunks, [] if before is None else [(0, 0), (1, 1)])
-            if before is not None:
-                decoded, firsts = before.result()
-                first = firsts[0] if firsts else first
-                for s, tok in zip(launched, decoded):
-                    s.append(tok)
-            before = step
-        for s, tok in zip(launched, before.result()[0]):
-            s.append(tok)
-    assert streams == launched == eager_greedy(folder, prompts, 10, 48)
-    assert first == eager_greedy(folder, [third], 1, 48)[0][0]
+        third = [9, 9, 4, 1, 7, 3]
+
+        def launched_steps(keys: list[int]) -> tuple[list[list[int]], int | None]:
+            a, b, c = keys
+            launched = [[t] for t in engine.prefill_paged([a, b], tables, prompts, [0, 0], [GREEDY] * 2, [True] * 2)]
+            before, first = None, None
+            for i in range(9):
+                positions = [len(p) + i for p in prompts]
+                rows = ([a, b], [t[:-(-(p + 1) // BLOCK)] for t, p in zip(tables, positions)],
+                        [s[-1] for s in launched] if before is None else [0, 0], positions, [GREEDY] * 2)
+                chunks = ([c], [[3, 4]], [third], [0], [GREEDY], [True]) if i == 2 else None
+                step = engine.launch_paged(rows, chunks, [] if before is None else [(0, 0), (1, 1)])
+                if before is not None:
+                    decoded, firsts = before.result()
+                    first = firsts[0] if firsts else first
+                    for s, tok in zip(launched, decoded):
+                        s.append(tok)
+                before = step
+            for s, tok in zip(launched, before.result()[0]):
+                s.append(tok)
+            for key in keys:
+                engine.release(key)
+            return launched, first
+
+        launched, first = launched_steps([2, 3, 4])
+        # again with the chunk through a chunk graph's bucket beside the decode rows' call, as `serve
+        # --captured-chunks` runs it (captured on CUDA; on the CPU the bucket's padded inputs go to the package)
+        engine.captured_chunks = True
+        paged = engine.paged
+        paged.chunks = PagedChunkGraphs(paged.package, paged.pools, "cpu", max(2, paged.max_blocks), paged.scratch,
+                                        engine.max_seq_len, engine.max_input_len, BLOCK)
+        assert engine.chunk_buckets and engine.can_mix
+        bucketed, first_bucketed = launched_steps([5, 6, 7])
+        # the two prompts went through the (2, 16) bucket, the 6-token chunk beside the rows through (1, 16)
+        assert sorted(paged.chunks.inputs) == [(1, 16), (2, 16)]
+    assert streams == launched == bucketed == eager_greedy(folder, prompts, 10, 48)
+    assert first == first_bucketed == eager_greedy(folder, [third], 1, 48)[0][0]

@@ -21,8 +21,9 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow  # builds an engine (minutes on 2 cores)
 
 MODES = {
-    # 12 blocks of 16 tokens: three sequences of the engine's full length, far fewer than the load below
-    "paged-chunked-prefix": ["--kv-cache", "paged", "--kv-blocks", "12", "--prefill-chunk", "5"],
+    # 12 blocks of 16 tokens: three sequences of the engine's full length, far fewer than the load below (the
+    # CPU has no captured chunk graphs: --captured-chunks is said to do nothing)
+    "paged-chunked-prefix": ["--kv-cache", "paged", "--kv-blocks", "12", "--prefill-chunk", "5", "--captured-chunks"],
     # the same with a step's chunks and decode rows in two calls, not one (the mixed step), each step's tokens
     # read back before the next is launched
     "paged-chunked-prefix-two-calls": ["--kv-cache", "paged", "--kv-blocks", "12", "--prefill-chunk", "5",
@@ -54,6 +55,8 @@ def server(built: dict[str, Any], request: pytest.FixtureRequest) -> Iterator[di
         assert f"decode rows and prompt chunks in {calls}" in out, out[-2000:]
         launched = "after it" if "--no-overlap" in MODES[request.param] else "before the step before is read back"
         assert f"each step launched {launched}" in out, out[-2000:]
+        said = "--captured-chunks: this engine has no captured chunk graphs" in out
+        assert said == ("--captured-chunks" in MODES[request.param]), out[-2000:]
 
 
 def _stream(client: Any, prompt: list[int], n: int) -> list[int]:

@@ -31,12 +31,15 @@ from trtbuild.cli.common import (build_progress, engines_option, load_recipe_fil
 @click.option("--no-overlap", is_flag=True,
               help="Read each step's tokens back before launching the next (paged; by default the host delivers a "
                    "step's tokens while the device runs the next).")
+@click.option("--captured-chunks", is_flag=True,
+              help="Replay a step's prompt chunks from their captured CUDA graphs beside the decode rows' graph, "
+                   "planned to the graphs' shapes, instead of one uncaptured call of the mixed step (paged).")
 @threads_option
 @quiet_option
 @remote_option
 def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: bool, max_queue: int, kv_cache: str,
               kv_memory: float, kv_blocks: int | None, prefill_chunk: int, no_prefix_cache: bool, no_mixed_step: bool,
-              no_overlap: bool, threads: int | None, quiet: bool, remote: str | None) -> None:
+              no_overlap: bool, captured_chunks: bool, threads: int | None, quiet: bool, remote: str | None) -> None:
     """Serve the recipe's engine over an OpenAI-compatible HTTP API, with continuous batching."""
     from trtbuild.runner import open_session
     from trtbuild.serving.server import KvSettings, require, serve
@@ -50,5 +53,5 @@ def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: 
     with build_progress(quiet) as progress:
         session = open_session(r, engines, build=not no_build, progress=progress, remote=remote)
     kv = KvSettings(kv_cache, kv_memory, kv_blocks, prefill_chunk, not no_prefix_cache, not no_mixed_step,
-                  not no_overlap)
+                    not no_overlap, captured_chunks)
     serve(session, host=host, port=port, max_queue=max_queue, log_level="warning" if quiet else "info", kv=kv)

@@ -39,6 +39,7 @@ class PagedSteps:
     observer: Any
     rows: int
     chunk_tokens: int
+    chunk_buckets: list[tuple[int, int]]
     mixed: bool
     overlap: bool
     step_s: float
@@ -180,7 +181,12 @@ class PagedSteps:
         left-padded to the longest, so the budget counts what the call computes, padding included: k rows of at
         most `chunk_tokens / k` tokens each, and a row is not added where the rows before it are already longer
         than that. Eight 64-token questions after a cached prefix still go together in a 512-token budget;
-        a 500-token chunk and six 2-token prompts no longer make a call of 7 x 500 tokens."""
+        a 500-token chunk and six 2-token prompts no longer make a call of 7 x 500 tokens. Where the engine
+        replays captured chunk graphs, the chunks are planned to their shapes (`_plan_bucketed`)."""
+        budget = min(self.chunk_tokens, max((t for _, t in self.chunk_buckets), default=0))
+        widths = sorted({t for _, t in self.chunk_buckets if t <= budget})
+        if widths:
+            return self._plan_bucketed(budget, widths)
         budget, longest = self.chunk_tokens, 0
         plan: list[tuple[Request, int]] = []
         for r in self._running:
@@ -193,6 +199,32 @@ class PagedSteps:
                 break
             plan.append((r, n))
             longest = max(longest, n)
+        return plan
+
+    def _plan_bucketed(self, budget: int, widths: list[int]) -> list[tuple[Request, int]]:
+        """This step's chunks planned to a captured chunk graph's (rows, tokens) shape, whose padding is computed
+        too: the first prompt's chunk sets the width, the bucket just above it where it fills three quarters of it,
+        else the widest one below it (the rest of the prompt goes next step, in chunks that fit better); each
+        later prompt joins with a chunk of at most that width, and at least half of it, while a bucket of one row
+        more holds the call. `widths`: the buckets' tokens a row, up to `budget`."""
+        plan: list[tuple[Request, int]] = []
+        width = 0
+        for r in self._running:
+            rest = r.sequence_len() - r.filled
+            if rest <= 0:
+                continue
+            if not plan:
+                want = min(rest, budget)
+                above = next((w for w in widths if w >= want), widths[-1])
+                below = [w for w in widths if w <= want]
+                width = above if 4 * want >= 3 * above or not below else below[-1]
+                plan.append((r, min(want, width)))
+                continue
+            n = min(rest, width)
+            if 2 * n < width or (len(plan) + 1) * width > budget or not any(
+                    k > len(plan) and t >= width for k, t in self.chunk_buckets):
+                break
+            plan.append((r, n))
         return plan
 
     def _prefill_chunks(self, plan: list[tuple[Request, int]]) -> None:

@@ -157,6 +157,9 @@ class Scheduler(PagedSteps):
         self.rows = self.buckets[-1] if pool is not None else engine.max_batch_size  # rows a decode step holds
         # a chunk is one call of the engine's prompt graph, which takes at most max_input_len tokens
         self.chunk_tokens = min(chunk_tokens or engine.max_input_len, engine.max_input_len)
+        # paged: the (rows, tokens a row) shapes of the engine's captured chunk graphs, where its steps replay them
+        # (serve --captured-chunks): chunks are then planned to those shapes (PagedSteps._plan_bucketed)
+        self.chunk_buckets: list[tuple[int, int]] = sorted(getattr(engine, "chunk_buckets", None) or [])
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order
         self._free: list[int] = list(range(engine.max_batch_size))  # a heap: the lowest row first

@@ -69,6 +69,9 @@ class KvSettings:
     prefix: bool = True  # prefix caching
     mixed: bool = True  # a step's decode rows and prompt chunks in one call, where the engine has the mixed step
     overlap: bool = True  # each step launched before the step before is read back (Scheduler._launch)
+    # a step's prompt chunks replayed from their captured graphs beside the decode rows', planned to their shapes,
+    # instead of the uncaptured mixed step (PagedSlots.captured_chunks)
+    captured_chunks: bool = False
 
 
 # -- the server -----------------------------------------------------------------------------------------------
@@ -158,7 +161,7 @@ class Server:
                 self.status = "ready"
                 self.metrics.ready.set(1)
                 for line in startup_lines(session, engine, buckets, self.url, self.scheduler.mixed,
-                                          self.scheduler.overlap):
+                                          self.scheduler.overlap, self.kv.captured_chunks):
                     self._announce(line)
                 self.scheduler.run()
         except BaseException as exc:  # nothing to serve: say why and make uvicorn exit
@@ -180,7 +183,7 @@ class Server:
                                 hint="build the recipe with `options: {kv_cache: paged}` (backend torch)")
         from trtbuild.serving.kv_blocks import BlockPool
 
-        n = engine.open_pool(self.kv.memory, self.kv.blocks)
+        n = engine.open_pool(self.kv.memory, self.kv.blocks, captured_chunks=self.kv.captured_chunks)
         return BlockPool(n, engine.paged.block_size, prefix_caching=self.kv.prefix)
 
     @staticmethod
@@ -254,10 +257,11 @@ class Server:
 
 
 def startup_lines(session: Any, engine: Any, buckets: list[int], url: str, mixed: bool = False,
-                  overlap: bool = False) -> list[str]:
+                  overlap: bool = False, captured: bool = False) -> list[str]:
     """What an operator reads at start: the engine and where it came from, its shapes, the KV cache's
-    capacity (and, paged, whether a step's decode rows and prompt chunks go in one call: `mixed`; whether a step
-    is launched before the one before is read back: `overlap`), and where it listens."""
+    capacity (and, paged, whether a step's decode rows and prompt chunks go in one call: `mixed`, or in two
+    captured ones; whether a step is launched before the one before is read back: `overlap`; whether captured
+    chunk graphs were asked for and are not there: `captured`), and where it listens."""
     outcome = session.outcome
     if not outcome.cache_hit:
         where = "built now"
@@ -269,8 +273,12 @@ def startup_lines(session: Any, engine: Any, buckets: list[int], url: str, mixed
     tokens = int(getattr(engine, "kv_capacity_tokens", engine.max_batch_size * full))
     layout = getattr(engine, "kv_layout", f"{engine.max_batch_size} rows of {full} tokens")
     if getattr(engine, "paged", None) is not None:
-        layout += "; decode rows and prompt chunks in " + ("one call a step" if mixed else "two calls a step")
+        layout += "; decode rows and prompt chunks in " + (
+            "two captured calls a step where a chunk graph holds the chunks" if mixed and getattr(
+                engine, "chunk_buckets", None) else "one call a step" if mixed else "two calls a step")
         layout += "; each step launched " + ("before the step before is read back" if overlap else "after it")
+        if captured and not getattr(engine, "chunk_buckets", None):
+            layout += "; --captured-chunks: this engine has no captured chunk graphs (CUDA only)"
     return [f"engine   {outcome.key} ({where}: {outcome.entry.path})",
             f"shapes   decode buckets {', '.join(map(str, buckets))}; prompts up to {engine.max_input_len} "
             f"tokens, sequences up to {full}",

@@ -31,6 +31,10 @@ class PagedSlots:
     _prompts: dict[int, list[int]]
     _generated: dict[int, list[int]]
     _launched: "LaunchedStep | None"  # the last step `launch_paged` launched; None after any other paged call
+    # A step's prompt chunks replay their captured chunk graph beside the decode rows' graph (two captured calls)
+    # where a chunk bucket holds them, instead of the mixed step: its ~200 kernels are launched from the host one by
+    # one, which a busy host can fall behind (`open_pool`'s `captured_chunks`; serve --captured-chunks)
+    captured_chunks: bool = False
 
     def _sample(self, logits: Any, slots: list[int], positions: list[int], params: list[Sampling]) -> Any:
         raise NotImplementedError
@@ -39,22 +43,49 @@ class PagedSlots:
     def can_page(self) -> bool:
         return "paged" in self._packages
 
-    def open_pool(self, fraction: float = 0.9, blocks: int | None = None) -> int:
+    def open_pool(self, fraction: float = 0.9, blocks: int | None = None, captured_chunks: bool = False) -> int:
         """Allocate the block pools (`paged_runtime.pool_blocks` says how many blocks); their count. From now on
-        the paged calls' keys are requests' ids, not cache rows (a server uses one API or the other)."""
+        the paged calls' keys are requests' ids, not cache rows (a server uses one API or the other).
+        `captured_chunks`: see the attribute."""
         dtype = self._consts["model.tok_embeddings.weight"].dtype
         n = pool_blocks(self.cfg, dtype.itemsize, self.device, self.max_seq_len, fraction, blocks)
         self.paged = PagedCache(self._packages["paged"], self.cfg, n, dtype, self.device, self.max_seq_len,
                                 max_input_len=self.max_input_len, mixed=self._packages.get("paged_mixed"))
         sync(self.device)
+        self.captured_chunks = captured_chunks
         self.kv_capacity_tokens = n * self.paged.block_size
         self.kv_layout = f"paged: {n} blocks of {self.paged.block_size} tokens"
         return n
 
     @property
     def can_mix(self) -> bool:
-        """Whether a step's decode rows and prompt chunks can go in one call (`step_paged`)."""
-        return self.paged is not None and self.paged.mixed_package is not None
+        """Whether a step's decode rows and prompt chunks can go in one step (`step_paged`): one call of the mixed
+        step, or two captured ones."""
+        return self.paged is not None and (self.paged.mixed_package is not None or bool(self.chunk_buckets))
+
+    @property
+    def chunk_buckets(self) -> list[tuple[int, int]]:
+        """The (rows, tokens a row) shapes whose captured graphs a step's chunks replay (`captured_chunks`), for
+        the scheduler to plan chunks to; [] where steps do not use them."""
+        if not self.captured_chunks or self.paged is None or self.paged.chunks is None:
+            return []
+        return list(self.paged.chunks.sizes)
+
+    def _rows_and_chunks(self, blocks: list[list[int]], tokens: list[int], positions: list[int],
+                         cblocks: list[list[int]], ctokens: list[list[int]], starts: list[int],
+                         feed: Callable[[Any], None] | None = None, logits: bool = True) -> tuple[Any, Any] | None:
+        """A step's decode rows and prompt chunks: (greedy (Bd + Bc, 1), logits (Bd + Bc, V) or None where not
+        `logits`), the rows' first; the chunks' captured graph, then the rows', where `captured_chunks` and a
+        bucket holds the chunks, else one call of the mixed step. None where neither can take them."""
+        import torch
+
+        if self.chunk_buckets:
+            chunked = self.paged.chunks.run(cblocks, ctokens, starts)
+            if chunked is not None:
+                rows = self.paged.decode(blocks, tokens, positions, feed)
+                return (torch.cat([rows[0], chunked[0]]),
+                        torch.cat([rows[1], chunked[1]]) if logits else None)
+        return self.paged.mixed(blocks, tokens, positions, cblocks, ctokens, starts, feed)
 
     def prefill_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
                       sampling: list[Sampling], lasts: list[bool]) -> list[int | None]:
@@ -90,7 +121,7 @@ class PagedSlots:
         self._check_chunks(*chunks)
         ckeys, cblocks, ctokens, starts, csampling, lasts = chunks
         self._launched = None
-        out = self.paged.mixed(blocks, tokens, positions, cblocks, ctokens, starts)
+        out = self._rows_and_chunks(blocks, tokens, positions, cblocks, ctokens, starts)
         if out is None:
             return None
         greedy, logits = out
@@ -127,7 +158,7 @@ class PagedSlots:
             lasts: list[bool] = []
         else:
             ckeys, cblocks, ctokens, starts, _, lasts = chunks
-            out = self.paged.mixed(blocks, tokens, positions, cblocks, ctokens, starts, feed)
+            out = self._rows_and_chunks(blocks, tokens, positions, cblocks, ctokens, starts, feed, logits=False)
             if out is None:
                 return None
             greedy = out[0]
