@@ -98,6 +98,10 @@ STEPS = {
                         "cold in each (119 s on the first); results/2026-12-07-h100-gate-2: ~117 s building the paged engine (the paged and mixed "
                         "programs, 43 s each side by side, the others reused) and 78 s serving (three servers' load "
                         "and captures, four random levels, the shared prefix on and off)"),
+    # not in a part: serve --captured-chunks against the mixed step, taken in turn on one machine
+    "serve_captured": Step("serve 1B paged, captured chunks vs the mixed step, 64 clients", 0, 150, 130,
+                           "estimated: four servers' load and captures (~25 s each) and a 64-client level; the "
+                           "paged engine built by serve_paged (~120 s more where it was not)"),
     "paged_probe": Step("paged chunk and decode step alone", 3, 20, 20,
                         "results/2026-12-07-h100-gate-2: 16 s (the paged engine found in the store)"),
     # not in a part: the GPU tests of the kernels and paths a change touched, run where the gate runs (`--only`)
@@ -113,7 +117,7 @@ STEPS = {
 
 # The steps whose rows move with the host's speed (compiling; a server's Python under load): judged beside it
 # (gate_report.HOST_TOLERANCE)
-HOST_BOUND = {"build_bf16", "build_fp8", "build_int4", "build_int4_head", "serve", "serve_paged"}
+HOST_BOUND = {"build_bf16", "build_fp8", "build_int4", "build_int4_head", "serve", "serve_paged", "serve_captured"}
 
 
 def plan_text(seeded: bool) -> str:
@@ -432,6 +436,47 @@ def serve_step(g: Gate) -> None:
     g.add(row(names[2], fig["ttft_ms"]["p99"], "ms", part, status=status))
 
 
+def paged_serve_bench(g: Gate, key: str, path: str, workload: str, conc: str, flags: str) -> dict[str, Any]:
+    """serve_bench.py --paged of one workload at the `conc` client counts with `flags` for serve: its levels by
+    client count, or {"error": why}."""
+    out = g.work / f"serve-paged-{key}"
+    shutil.rmtree(out, ignore_errors=True)
+    rc, text = g.child(f"serve-paged-{key}", [
+        sys.executable, "benchmarks/serve_bench.py", path, "--paged", "--engines", str(g.store), "--out", str(out),
+        "--workload", workload, "--concurrency", conc, f"--serve-flags={flags}",
+        "--load-timeout", str(max(30, int(g.left() - 60)))] + (["--quick"] if g.args.tiny else []),
+        reserve=g.args.reserve)
+    try:
+        rec = json.loads((out / "serve_bench.json").read_text())["recipes"][0]
+        return rec["levels"] | ({"error": rec["error"]} if "error" in rec else {})
+    except (OSError, ValueError, IndexError, KeyError):
+        return {"error": f"{'cut off' if rc is None else f'exit {rc}'}: {text.strip()[-300:]}"}
+
+
+def serve_captured_step(g: Gate) -> None:
+    """`serve --captured-chunks` against serve's default (the mixed step) on the same machine, the random workload
+    at 64 clients (8 with --smoke), two servers each, taken in turn: each one's mean tok/s, and the ratio."""
+    path = recipes(g)["bf16"]
+    n = "8" if g.args.tiny else "64"
+    got: dict[str, list[float]] = {"captured": [], "mixed": []}
+    notes: list[str] = []
+    for i in range(2):
+        for mode, flags in (("captured", "--captured-chunks"), ("mixed", "")):
+            f = paged_serve_bench(g, f"{mode}-{i}", path, "random", n, flags).get(n)
+            if f and f.get("requests") and not f.get("errors"):
+                got[mode].append(f["output_tok_per_s"])
+                notes.append(f"{mode} {f['output_tok_per_s']:.0f} tok/s, TPOT p50 {f['tpot_ms']['p50']:.2f} ms"
+                             + (f", busy {f['device_busy']:.2f}" if f.get("device_busy") else ""))
+    tag = f"{label(g)} paged serve {n} clients, captured chunks"
+    mean = {mode: sum(v) / len(v) if v else None for mode, v in got.items()}
+    note = "; ".join(notes) or "no level ran"
+    g.add(row(f"{tag}: output tok/s", mean["captured"], "tok/s", g.part, note=note,
+              status="ok" if mean["captured"] else "error"))
+    ok = bool(mean["captured"] and mean["mixed"])
+    g.add(row(f"{tag}: tok/s vs the mixed step", mean["captured"] / mean["mixed"] if ok else None, "x gain",
+              g.part, note=note, status="ok" if ok else "error"))
+
+
 def serve_paged_step(g: Gate) -> None:
     """`trtbuild serve` of the bf16 recipe with the paged KV cache (serve_bench.py --paged): the random workload at
     1, 16, 64 and 256 clients, and the shared-prefix one at 64 clients with the prefix cache on and off."""
@@ -441,20 +486,7 @@ def serve_paged_step(g: Gate) -> None:
     top, mid = levels.split(",")[-1], levels.split(",")[-2]
     runs = {"random": ("random", levels, ""), "prefix": ("shared-prefix", mid, ""),
             "no-prefix": ("shared-prefix", mid, "--no-prefix-cache")}
-    figs: dict[str, dict[str, Any]] = {}
-    for key, (workload, conc, flags) in runs.items():
-        out = g.work / f"serve-paged-{key}"
-        shutil.rmtree(out, ignore_errors=True)
-        rc, text = g.child(f"serve-paged-{key}", [
-            sys.executable, "benchmarks/serve_bench.py", path, "--paged", "--engines", str(g.store), "--out", str(out),
-            "--workload", workload, "--concurrency", conc, f"--serve-flags={flags}",
-            "--load-timeout", str(max(30, int(g.left() - 60)))] + (["--quick"] if g.args.tiny else []),
-            reserve=g.args.reserve)
-        try:
-            rec = json.loads((out / "serve_bench.json").read_text())["recipes"][0]
-            figs[key] = rec["levels"] | ({"error": rec["error"]} if "error" in rec else {})
-        except (OSError, ValueError, IndexError, KeyError):
-            figs[key] = {"error": f"{'cut off' if rc is None else f'exit {rc}'}: {text.strip()[-300:]}"}
+    figs = {key: paged_serve_bench(g, key, path, workload, conc, flags) for key, (workload, conc, flags) in runs.items()}
 
     def level(key: str, n: str) -> dict[str, Any] | None:
         f = figs.get(key, {}).get(n)
@@ -624,13 +656,14 @@ RUNNERS: dict[str, Callable[[Gate], None]] = {
     "bench_quant_head": lambda g: bench_quant_step(g, ("fp8", "int4", "int4_head")),
     "bench_head": lambda g: bench_quant_step(g, ("int4_head",)),
     "profile_int4_head": lambda g: profile_step(g, "int4_head", "1,8"),
-    "serve_paged": serve_paged_step, "paged_probe": paged_probe_step, "smollm2": smollm2_step,
+    "serve_paged": serve_paged_step, "serve_captured": serve_captured_step, "paged_probe": paged_probe_step,
+    "smollm2": smollm2_step,
     "gpu_tests": gpu_tests_step,
 }
 # One call (--part all): part 2's short steps before part 1's torch.compile, whose tail is the longest
 ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "bench_int4", "profile_int4",
              "build_int4_head", "bench_int4_head", "bench_quant_head", "bench_head", "profile_int4_head",
-             "serve_paged", "paged_probe", "gpu_tests", "smollm2", "bench_bf16")
+             "serve_paged", "serve_captured", "paged_probe", "gpu_tests", "smollm2", "bench_bf16")
 
 
 # -- seeds ----------------------------------------------------------------------------------------------------------------
