@@ -571,7 +571,9 @@ def paged_probe_step(g: Gate) -> None:
     m = report.get("mixed")
     if m:  # the step a server runs where both are due: one call of the mixed step, against the two calls
         g.add(row(f"{label(g)} paged mixed step, {m['rows']} decode rows and a {m['tokens']}-token chunk",
-                  m["one_call_ms"], "ms", g.part, note=f"two calls (chunk, then decode): {m['two_calls_ms']:.3f} ms"))
+                  m["one_call_ms"], "ms", g.part, note=f"two calls (chunk, then decode): {m['two_calls_ms']:.3f} ms"
+                  + (f"; with the host busy (a thread encoding JSON): {m['one_call_loaded_ms']:.3f} ms in one call, "
+                     f"{m['two_calls_loaded_ms']:.3f} ms in two" if "one_call_loaded_ms" in m else "")))
     for n in rows:
         d = next((d for d in report["decode"] if str(d["rows"]) == n), None)
         rname = f"{label(g)} paged decode step {n} rows"

@@ -32,7 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,36 @@ def timed(fn: Callable[[], Any], device: str, iters: int) -> float:
         sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+@contextmanager
+def host_load() -> Iterator[None]:
+    """A thread that keeps the GIL busy as a loaded server's event loop does (encoding small JSON chunks, never
+    sleeping), at the switch interval `serve` sets: a call timed inside it shows what the host's share of the call
+    (its launches) costs when the host is busy, as it is under many streams."""
+    import threading
+
+    try:
+        from trtbuild.serving.server import SWITCH_INTERVAL_S
+    except ImportError:  # no FastAPI here: the interpreter's own interval
+        SWITCH_INTERVAL_S = sys.getswitchinterval()
+    stop = threading.Event()
+    chunk = {"id": "cmpl-0", "object": "text_completion", "choices": [{"index": 0, "text": " the", "logprobs": None}]}
+
+    def busy() -> None:
+        while not stop.is_set():
+            json.dumps(chunk)
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(before)
 
 
 def kernel_split(fn: Callable[[], Any], device: str) -> dict[str, float] | None:
@@ -214,7 +245,8 @@ def main() -> None:
                 save()
                 m = report["mixed"]
                 print(f"[paged_probe] {mix_rows} decode rows and a {mix_tokens}-token chunk: {m['one_call_ms']:.3f} ms "
-                      f"in one call, {m['two_calls_ms']:.3f} ms in two", flush=True)
+                      f"in one call, {m['two_calls_ms']:.3f} ms in two; with the host busy "
+                      f"{m['one_call_loaded_ms']:.3f} and {m['two_calls_loaded_ms']:.3f} ms", flush=True)
     save()
     print(table_text(report))
     try:
@@ -226,7 +258,9 @@ def main() -> None:
 def mixed_row(paged: Any, device: str, iters: int, rows: int, tokens: int, start: int, context: int,
               vocab: int) -> dict[str, Any]:
     """A decode step of `rows` rows at `context` tokens and a chunk of `tokens` after `start`, through the mixed
-    step and as the chunk call then the decode call (what a step runs without it)."""
+    step and as the chunk call then the decode call (what a step runs without it; on CUDA both captured where a
+    chunk bucket holds the chunk, as `serve --captured-chunks` runs a step), each timed alone and again with a
+    thread keeping the host busy (`host_load`)."""
     block = paged.block_size
     per_row = -(-(context + 1) // block)
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
@@ -241,9 +275,13 @@ def mixed_row(paged: Any, device: str, iters: int, rows: int, tokens: int, start
         paged.prefill(chunk_table, chunk, start)
         return paged.decode(tables, toks, pos)
 
-    return {"rows": rows, "tokens": tokens, "context": start, "decode_context": context,
-            "one_call_ms": timed(one, device, iters) * 1e3, "two_calls_ms": timed(two, device, iters) * 1e3,
-            "split": kernel_split(one, device)}
+    out = {"rows": rows, "tokens": tokens, "context": start, "decode_context": context,
+           "one_call_ms": timed(one, device, iters) * 1e3, "two_calls_ms": timed(two, device, iters) * 1e3,
+           "split": kernel_split(one, device)}
+    with host_load():
+        out |= {"one_call_loaded_ms": timed(one, device, iters) * 1e3,
+                "two_calls_loaded_ms": timed(two, device, iters) * 1e3}
+    return out
 
 
 def table_text(report: dict[str, Any]) -> str:
@@ -262,7 +300,8 @@ def table_text(report: dict[str, Any]) -> str:
                      f"{t['one_call_each_ms']:.3f} ms in one call each")
     if (m := report.get("mixed")):
         lines.append(f"{m['rows']} decode rows and a {m['tokens']}-token chunk after {m['context']}: "
-                     f"{m['one_call_ms']:.3f} ms in one call (mixed), {m['two_calls_ms']:.3f} ms in two")
+                     f"{m['one_call_ms']:.3f} ms in one call (mixed), {m['two_calls_ms']:.3f} ms in two; with the "
+                     f"host busy {m['one_call_loaded_ms']:.3f} and {m['two_calls_loaded_ms']:.3f} ms")
     lines.append(f"{'rows':>6} {'context':>8} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
     for d in report["decode"]:
         lines.append(f"{d['rows']:>6} {d['context']:>8} {d['ms']:8.3f} {d['floor_ms']:9.3f} {d['x_floor']:8.2f}")
