@@ -533,7 +533,10 @@ def serve_paged_step(g: Gate) -> None:
         g.add(row(name, gain, "x gain", g.part, target=f">= {target:g}x", met=gain >= target,
                   note=f"with: TTFT p50 {on['ttft_ms']['p50']:.0f} ms, {on['output_tok_per_s']:.0f} tok/s, "
                        f"{on['prefix_hits']:.0f} block hits; without: {off['ttft_ms']['p50']:.0f} ms, "
-                       f"{off['output_tok_per_s']:.0f} tok/s"))
+                       f"{off['output_tok_per_s']:.0f} tok/s" + "".join(
+                           f"; {side} TTFT p50 {f['ttft_ms_first_wave_p50']:.0f} ms in the first wave, "
+                           f"{f['ttft_ms_after_p50']:.0f} after it" for side, f in (("with", on), ("without", off))
+                           if f.get("ttft_ms_first_wave_p50") is not None and f.get("ttft_ms_after_p50") is not None)))
 
 
 def paged_probe_step(g: Gate) -> None:

@@ -286,6 +286,28 @@ def workload_floor(reqs: list[dict[str, Any]], cfg: dict[str, Any], weight_bytes
     return flops / ceilings["matmul_flops_per_s"] + (steps * weight_bytes + context * kv_per_token) / ceilings["copy_Bps"]
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f} ms"
+
+
+def ttft_waves(results: list[dict[str, Any]], clients: int) -> dict[str, Any]:
+    """Where a level's TTFT comes from: the p50 of the first wave (each client's first request, all sent at
+    once, the whole wave's prompts queued for the prefill budget together) against the requests after it,
+    the p50 and p99 of how many requests were waiting for their first token when each was sent, and each
+    request as [sent s, prompt tokens, waiting ahead, TTFT ms, TPOT ms or None]."""
+    ok = sorted((r for r in results if "error" not in r), key=lambda r: r["sent_s"])
+    first, rest = ok[:clients], ok[clients:]
+
+    def p50(rs: list[dict[str, Any]]) -> float | None:
+        return percentile([r["ttft_s"] for r in rs], 50) * 1e3 if rs else None
+
+    ahead = [r["ahead"] for r in ok]
+    return {"ttft_ms_first_wave_p50": p50(first), "ttft_ms_after_p50": p50(rest),
+            "ahead": {"p50": percentile(ahead, 50), "p99": percentile(ahead, 99)} if ahead else None,
+            "per_request": [[round(r["sent_s"], 4), r["prompt"], r["ahead"], round(r["ttft_s"] * 1e3, 2),
+                             None if r["tpot_s"] is None else round(r["tpot_s"] * 1e3, 3)] for r in ok]}
+
+
 def level_figures(results: list[dict[str, Any]], wall: float, before: dict[str, float], after: dict[str, float],
                   ceilings: dict[str, Any], lone: dict[str, float] | None) -> dict[str, Any]:
     ok = [r for r in results if "error" not in r]
@@ -362,6 +384,7 @@ def bench_recipe(path: Path, args: argparse.Namespace, ceilings: dict[str, Any],
             after = scrape(port)
             fig = level_figures(clients.results, wall, before, after, ceilings, lone)
             fig["peak_running"] = peak.running
+            fig |= ttft_waves(clients.results, n)
             floor = workload_floor(reqs, doc["model"].get("config", {}) or {}, after.get("trtbuild_engine_weight_bytes", 0.0),
                                    after.get("trtbuild_engine_kv_bytes_per_token", 0.0), ceilings, n)
             fig["floor_s"], fig["fraction_of_floor"] = floor, floor / wall if wall else None
@@ -370,7 +393,8 @@ def bench_recipe(path: Path, args: argparse.Namespace, ceilings: dict[str, Any],
             res["levels"][str(n)] = fig
             save()
             print(f"[serve_bench]   N={n}: {fig['output_tok_per_s']:.1f} tok/s, TTFT p50 {fig['ttft_ms']['p50']:.1f} ms "
-                  f"p99 {fig['ttft_ms']['p99']:.1f} ms, TPOT p50 {fig['tpot_ms']['p50']:.2f} ms, "
+                  f"p99 {fig['ttft_ms']['p99']:.1f} ms (p50 {_ms(fig['ttft_ms_first_wave_p50'])} in the first wave, "
+                  f"{_ms(fig['ttft_ms_after_p50'])} after it), TPOT p50 {fig['tpot_ms']['p50']:.2f} ms, "
                   f"{len(fig['errors'])} errors", flush=True)
     finally:
         res["server_exit"] = stop_server(proc)
