@@ -40,6 +40,8 @@ class PagedSteps:
     rows: int
     chunk_tokens: int
     chunk_buckets: list[tuple[int, int]]
+    chunk_budget: int
+    chunk_widths: list[int]
     mixed: bool
     overlap: bool
     step_s: float
@@ -183,10 +185,8 @@ class PagedSteps:
         than that. Eight 64-token questions after a cached prefix still go together in a 512-token budget;
         a 500-token chunk and six 2-token prompts no longer make a call of 7 x 500 tokens. Where the engine
         replays captured chunk graphs, the chunks are planned to their shapes (`_plan_bucketed`)."""
-        budget = min(self.chunk_tokens, max((t for _, t in self.chunk_buckets), default=0))
-        widths = sorted({t for _, t in self.chunk_buckets if t <= budget})
-        if widths:
-            return self._plan_bucketed(budget, widths)
+        if self.chunk_widths:
+            return self._plan_bucketed()
         budget, longest = self.chunk_tokens, 0
         plan: list[tuple[Request, int]] = []
         for r in self._running:
@@ -201,12 +201,13 @@ class PagedSteps:
             longest = max(longest, n)
         return plan
 
-    def _plan_bucketed(self, budget: int, widths: list[int]) -> list[tuple[Request, int]]:
+    def _plan_bucketed(self) -> list[tuple[Request, int]]:
         """This step's chunks planned to a captured chunk graph's (rows, tokens) shape, whose padding is computed
         too: the first prompt's chunk sets the width, the bucket just above it where it fills three quarters of it,
         else the widest one below it (the rest of the prompt goes next step, in chunks that fit better); each
         later prompt joins with a chunk of at most that width, and at least half of it, while a bucket of one row
-        more holds the call. `widths`: the buckets' tokens a row, up to `budget`."""
+        more holds the call, within `chunk_budget`."""
+        budget, widths = self.chunk_budget, self.chunk_widths
         plan: list[tuple[Request, int]] = []
         width = 0
         for r in self._running:

@@ -160,6 +160,10 @@ class Scheduler(PagedSteps):
         # paged: the (rows, tokens a row) shapes of the engine's captured chunk graphs, where its steps replay them
         # (serve --captured-chunks): chunks are then planned to those shapes (PagedSteps._plan_bucketed)
         self.chunk_buckets: list[tuple[int, int]] = sorted(getattr(engine, "chunk_buckets", None) or [])
+        # the budget such a step's chunks are planned in, and the buckets' tokens a row within it (none: chunks are
+        # planned without the shapes, as a budget below every bucket's tokens leaves them)
+        self.chunk_budget = min(self.chunk_tokens, max((t for _, t in self.chunk_buckets), default=0))
+        self.chunk_widths = sorted({t for _, t in self.chunk_buckets if t <= self.chunk_budget})
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order
         self._free: list[int] = list(range(engine.max_batch_size))  # a heap: the lowest row first

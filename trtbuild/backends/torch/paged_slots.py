@@ -79,7 +79,7 @@ class PagedSlots:
         bucket holds the chunks, else one call of the mixed step. None where neither can take them."""
         import torch
 
-        if self.chunk_buckets:
+        if self.captured_chunks and self.paged.chunks is not None:
             chunked = self.paged.chunks.run(cblocks, ctokens, starts)
             if chunked is not None:
                 rows = self.paged.decode(blocks, tokens, positions, feed)
