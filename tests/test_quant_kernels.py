@@ -103,14 +103,25 @@ def test_candidates_are_pruned_by_what_cannot_win_at_the_shape() -> None:
     """Llama 1B's down projection (2048 x 8192) at batch 1 keeps split-K, where 4-row blocks give 512 programs
     for 132 SMs; 8B's gate/up (28672 x 4096) has programs enough and keeps none. Narrow matrices drop the steps
     and blocks more than twice their size; int4 keeps only whole groups, at most 16 a step, and on one row tiles
-    whose partial sums fit the registers."""
-    from trtbuild.kernels.matmul_configs import QUANT_ONE_ROW, quant_candidates
+    whose partial sums fit the registers (fp8 and int8 too, whose one-row tile is twice int4's for a step). On
+    one row, stages that compile to the same code are timed once."""
+    from trtbuild.kernels.matmul_configs import QUANT_ONE_ROW, one_stage, quant_candidates
 
     down = quant_candidates("int4", 1, 2048, 8192, 128)
     assert {c.name for c in down if c.split > 1} >= {"n4k512w4s1p2", "n4k512w4s1p4", "n8k1024w4s1p4"}
-    # every unsplit one-row candidate but the 16 x 2048 tile, whose partial sums would not fit the registers
-    assert [c for c in down if c.split == 1] == [c for c in QUANT_ONE_ROW["int4"] if c.block_n * c.block_k < 32768]
+    # every unsplit one-row candidate but the 16 x 2048 tile, whose partial sums would not fit the registers,
+    # one of each pair that differs only in stages
+    assert [c for c in down if c.split == 1] == one_stage(
+        [c for c in QUANT_ONE_ROW["int4"] if c.block_n * c.block_k < 32768])
     assert any(c.block_n * c.block_k >= 32768 for c in QUANT_ONE_ROW["int4"])
+    assert len({(c.block_n, c.block_k, c.warps, c.split) for c in down}) == len(down)
+    assert {c.stages for c in QUANT_ONE_ROW["int4"]} == {1, 3}
+    int8_down = quant_candidates("int8", 1, 2048, 8192)
+    assert max(c.block_n * c.block_k for c in int8_down) == 8192  # n4k2048 in, n8k2048 and n16k1024 out
+    gated = quant_candidates("fp8", 1, 8192, 2048, epilogue="gate")
+    assert max(c.block_n * c.block_k for c in gated) == 4096  # two weight rows a column
+    # several rows keep their stages: there the tensor-core loop is pipelined
+    assert {c.stages for c in quant_candidates("int4", 8, 2048, 2048, 128)} == {1, 3}
     assert not any(c.split > 1 for c in quant_candidates("int4", 1, 28672, 4096, 128))
     assert not any(c.split > 1 for c in quant_candidates("fp8", 1, 2048, 8192, 0, sms=16))  # a small GPU is full
     small = quant_candidates("int4", 1, 6, 576, 64)

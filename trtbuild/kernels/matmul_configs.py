@@ -86,6 +86,8 @@ def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0,
     if not full:
         plain = [c for c in plain if c.name in LIKELY]
     listed = plain + (ONE_ROW_SPLIT if rows == 1 else ROWS_SPLIT) if split and fusion == "none" else plain
+    if rows == 1:
+        listed = one_stage(listed)
     if not (n and k):
         return listed
     floor_n = 16 if rows > 1 else 1  # the tensor-core dot needs 16 columns, whatever the matrix
@@ -94,6 +96,18 @@ def candidates(rows: int, fusion: str = "none", split: bool = False, k: int = 0,
         covers = (max(floor_n, min(c.block_n, _pow2(n))), min(c.block_k, _pow2(k)), c.warps, c.stages,
                   min(c.split, max(1, k // 16)))
         kept.setdefault(covers, c)
+    return list(kept.values())
+
+
+def one_stage(configs: list[MatmulConfig]) -> list[MatmulConfig]:
+    """The one-row configurations without those that differ from an earlier one only in their stages: a
+    one-row loop has no tensor-core dot, so Triton's software pipelining (`num_stages`) leaves it alone, and the
+    two compile to the same machine code (stages 1 and 3 of the dense, int4, int8 and fp8 one-row kernels
+    compared instruction by instruction for the H100, Triton 3.6: `benchmarks/probes/codegen_probe.py`). Timing
+    both only doubled the compiles and let timing noise choose between equals."""
+    kept: dict[tuple[int, int, int, int], MatmulConfig] = {}
+    for c in configs:
+        kept.setdefault((c.block_n, c.block_k, c.warps, c.split), c)
     return list(kept.values())
 
 
@@ -136,7 +150,9 @@ def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: i
     - a step or a block of columns at least twice the matrix's (half of every step masked: the half-size
       candidate reads the same bytes in fewer, fuller steps), the list's smallest excepted;
     - int4 steps that are not whole groups, or more than MAX_GROUPS_A_STEP of them; int4 steps
-      whose dequantized tile is larger than INT4_TILE for four warps;
+      whose dequantized tile is larger than INT4_TILE for four warps, and fp8/int8 one-row steps whose tile of
+      partial sums is (past it, the registers spill: 255 a thread and a stack, in the compiled code);
+    - at one row, a configuration that differs from an earlier one only in its stages (`one_stage`);
     - split-K where the unsplit launch already gives every one of `sms` multiprocessors 4 programs or more (the
       split only adds a reduction), or where a slice of k would be shorter than one step. (With an epilogue,
       the gating or the add, the reduction does it.)
@@ -144,6 +160,8 @@ def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: i
     family = "int4" if fmt == "int4" else "fp8"
     plain = (QUANT_ONE_ROW if rows == 1 else QUANT_ROWS)[family]
     split = QUANT_ONE_ROW_SPLIT if rows == 1 else QUANT_ROWS_SPLIT
+    if rows == 1:
+        plain, split = one_stage(plain), one_stage(split)
     # (the list's smallest step and block always stay: a matrix narrower than them still needs a candidate)
     width = max(_pow2(k), min(c.block_k for c in plain))
     height = max(_pow2(n), min(c.block_n for c in plain))
@@ -155,6 +173,9 @@ def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: i
         if family == "int4" and (c.block_k % group or c.block_k // group > MAX_GROUPS_A_STEP):
             return False
         if family == "int4" and rows_read * c.block_n * c.block_k // 2 > INT4_TILE * c.warps // 4:
+            return False
+        # fp8 and int8 on one row keep a [block_n, block_k] fp32 tile of partial sums a weight matrix
+        if family == "fp8" and rows == 1 and rows_read * c.block_n * c.block_k > INT4_TILE * c.warps // 4:
             return False
         return c.split == 1 or (-(-n // c.block_n) < 4 * sms and k // c.split >= c.block_k)
 

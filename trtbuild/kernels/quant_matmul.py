@@ -91,6 +91,22 @@ def _int4_weights(q3, s_ptr, z_ptr, s3, k0, g_mask, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _x_halves(x_ptr, col, k0, k_end, offs_g, offs_h, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """One row of x for one int4 step, as fp32 (the columns of the step's low nibbles, and of its high ones),
+    each [BLOCK_N, NG, GROUP / 2]: loaded at the weights' full shape, not [NG, GROUP / 2] broadcast, so that it
+    is loaded in the weights' layout. Loaded at the smaller shape, the compiler chose another layout for it and
+    moved it into the weights' through shared memory, with three barriers a step (seen in the compiled
+    code for the H100, Triton 3.6); repeating the row's loads for each weight row costs only cache hits."""
+    HALF: tl.constexpr = GROUP // 2
+    NG: tl.constexpr = col.shape[0]
+    live = (k0 + offs_g * GROUP) < k_end  # [NG]
+    x_mask = tl.broadcast_to((live[:, None] & (offs_h < HALF)[None, :])[None, :, :], (BLOCK_N, NG, HALF))
+    x_at = x_ptr + k0 + tl.broadcast_to(col[None, :, :], (BLOCK_N, NG, HALF))
+    return (tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32),
+            tl.load(x_at + HALF, mask=x_mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, K_SLICE, stride_xm, stride_qn, stride_sn,
                          stride_ym, stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          INT4: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
@@ -155,17 +171,19 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, K_SL
             else:
                 # One row: the products added lane by lane into a tile of the step's shape, summed across threads
                 # once, after the loop
-                x_mask = live[:, None] & (offs_h < HALF)[None, :]
-                x_lo = tl.load(x_ptr + k0 + col, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
-                x_hi = tl.load(x_ptr + k0 + HALF + col, mask=x_mask, other=0.0).to(tl.float32)[None, :, :]
-                tile += x_lo * w_lo + x_hi * w_hi
+                x_lo, x_hi = _x_halves(x_ptr, col, k0, k_end, offs_g, offs_h, BLOCK_N, GROUP)
+                # two fused multiply-adds a byte: `tile + x_lo * w_lo + x_hi * w_hi` compiled to a multiply, a
+                # multiply-add and an add
+                tile += x_lo * w_lo
+                tile += x_hi * w_hi
                 if GATE:
-                    tile_up += x_lo * u_lo + x_hi * u_hi
+                    tile_up += x_lo * u_lo
+                    tile_up += x_hi * u_hi
         if not USE_DOT:
             acc += tl.sum(tl.sum(tile, axis=2), axis=1)[None, :]
             if GATE:
                 acc_up += tl.sum(tl.sum(tile_up, axis=2), axis=1)[None, :]
-    else:
+    elif USE_DOT:
         offs_k = tl.arange(0, BLOCK_K)
         for k0 in range(k_start, k_end, BLOCK_K):
             k = k0 + offs_k
@@ -177,12 +195,44 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, K_SL
                 x_mask = m_mask[:, None] & (k < K)[None, :]
             x = tl.load(x_rows + k[None, :], mask=x_mask, other=0.0)
             # no `other`: an integer fill does not cast to fp8 (Triton's interpreter refuses it); masked lanes
-            # are zeroed after the widening instead. One row: straight to fp32, the sum's dtype.
-            wide = x.dtype if USE_DOT else tl.float32
-            acc = dot_acc(acc, x, tl.where(w_mask, tl.load(q_rows + k[None, :], mask=w_mask).to(wide), 0.0), USE_DOT)
+            # are zeroed after the widening instead
+            acc = dot_acc(acc, x, tl.where(w_mask, tl.load(q_rows + k[None, :], mask=w_mask).to(x.dtype), 0.0), True)
             if GATE:
-                acc_up = dot_acc(acc_up, x, tl.where(w_mask, tl.load(u_rows + k[None, :], mask=w_mask).to(wide), 0.0),
-                                 USE_DOT)
+                acc_up = dot_acc(acc_up, x, tl.where(w_mask, tl.load(u_rows + k[None, :], mask=w_mask).to(x.dtype),
+                                                     0.0), True)
+    else:
+        # One row: the products added lane by lane into a [BLOCK_N, BLOCK_K] tile, summed across threads once,
+        # after the loop. (Summed every step, the compiled loop moved partial sums through shared memory with
+        # barriers; Triton 3.6, H100.) x is loaded at the tile's shape, so in the weights' layout (repeated
+        # loads of the row are cache hits).
+        offs_k = tl.arange(0, BLOCK_K)
+        tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        tile_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + offs_k
+            x_at = x_ptr + tl.broadcast_to(k[None, :], (BLOCK_N, BLOCK_K))
+            if EVEN_K:
+                w_mask = tl.broadcast_to(n_mask[:, None], (BLOCK_N, BLOCK_K))
+                x = tl.load(x_at).to(tl.float32)
+            else:
+                w_mask = n_mask[:, None] & (k < K)[None, :]
+                x = tl.load(x_at, mask=tl.broadcast_to((k < K)[None, :], (BLOCK_N, BLOCK_K)), other=0.0).to(tl.float32)
+            w = tl.load(q_rows + k[None, :], mask=w_mask).to(tl.float32)
+            if GATE:
+                u = tl.load(u_rows + k[None, :], mask=w_mask).to(tl.float32)
+            if not EVEN_K:  # masked lanes zeroed after the widening, as above
+                w = tl.where(w_mask, w, 0.0)
+                if GATE:
+                    u = tl.where(w_mask, u, 0.0)
+            # (with whole steps, only rows past N are masked: whatever their lanes hold stays in their own sums,
+            # which are never stored)
+            tile += x * w
+            if GATE:
+                tile_up += x * u
+        acc += tl.sum(tile, axis=1)[None, :]
+        if GATE:
+            acc_up += tl.sum(tile_up, axis=1)[None, :]
+    if not INT4:  # the per-channel scale, once
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATE:
             acc_up = acc_up * tl.load(s_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
