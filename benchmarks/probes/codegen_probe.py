@@ -74,7 +74,7 @@ def compile_kernel(fmt: str, config: MatmulConfig, rows: int, gate: bool) -> Any
                 "stride_rm": "i32"}
         consts = {"BLOCK_M": 1 if one else 16, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
                   "INT4": fmt == "int4", "GROUP": GROUP if fmt == "int4" else 2, "USE_DOT": not one,
-                  "EVEN_K": True, "GATE": gate, "RESIDUAL": False, "PDL": False, "SPLIT": 1}
+                  "EVEN_K": True, "GATE": gate, "RESIDUAL": False, "PDL": False, "SPLIT": 1, "ASM": True}
     if one:  # a launch with one row passes M = 1, which Triton makes a constant
         consts["M"] = 1
     signature = {name: ("constexpr" if name in consts else kind) for name, kind in args.items()}

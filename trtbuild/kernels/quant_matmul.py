@@ -74,20 +74,47 @@ def source_digest() -> str:
                           + wait_digest().encode()).hexdigest()[:16]
 
 
+# 1 + q/16 as fp32 for the eight nibbles of four packed bytes, on the GPU: each nibble shifted straight from
+# the 32-bit register holding the four bytes into bits 19-22 (byte i's low nibble by 19 - 8i, its high one by
+# 15 - 8i; a negative shift is to the right), masked, 1.0's exponent OR-ed in. Outputs $0-$3: the low nibbles of
+# bytes 0-3, $4-$7 their high ones; $8 the four bytes.
+_NIBBLES_PTX = tl.constexpr("{ .reg .b32 t; " + " ".join(
+    f"{'shl' if s >= 0 else 'shr'}.b32 t, $8, {abs(s)}; lop3.b32 ${j}, t, 0x780000, 0x3F800000, 0xEA;"
+    for j, s in enumerate([19, 11, 3, -5, 15, 7, -1, -9])) + " }")
+
+
 @triton.jit
-def _int4_weights(q3, s_ptr, z_ptr, s3, k0, g_mask, GROUP: tl.constexpr):
+def _int4_nibbles(packed, ASM: tl.constexpr):
+    """A step's packed int4 bytes (int8, [.., bytes]) as fp32 1 + q/16: (low nibbles', high nibbles'). With ASM
+    four bytes at a time from the register that holds them (`_NIBBLES_PTX`): two instructions a weight. Without,
+    each byte is first taken into a register of its own, as the compiler does for an int8 widened to int32 (the
+    machine code reads three a weight); Triton's interpreter, which runs no PTX, takes this path."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            _NIBBLES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+            dtype=(tl.int32, tl.int32), is_pure=True, pack=4)
+    else:
+        wide = packed.to(tl.int32)
+        # the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
+        lo = ((wide << 19) & 0x780000) | 0x3F800000
+        hi = ((wide << 15) & 0x780000) | 0x3F800000
+    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_weights(q3, s_ptr, z_ptr, s3, k0, g_mask, GROUP: tl.constexpr, ASM: tl.constexpr):
     """One step's int4 weights of a block of rows, dequantized to fp32: (low nibbles' columns, high nibbles'),
     each [BLOCK_N, NG groups, GROUP / 2]. `q3` addresses the step's bytes of each row, `s3` each row's groups."""
-    packed = tl.load(q3 + k0 // 2, mask=g_mask[:, :, None], other=0).to(tl.int32)
+    packed = tl.load(q3 + k0 // 2, mask=g_mask[:, :, None], other=0)
     scale = tl.load(s_ptr + s3 + k0 // GROUP, mask=g_mask, other=0.0).to(tl.float32)
     zero = tl.load(z_ptr + s3 + k0 // GROUP, mask=g_mask, other=0.0).to(tl.float32)
     # (q - z) s = (1 + q/16) * 16 s - (16 + z) s: one multiply-add a weight after the bit trick
     mul = (16.0 * scale)[:, :, None]
     add = (-(16.0 + zero) * scale)[:, :, None]
-    # 1 + q/16 as fp32: the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
-    w_lo = (((packed << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
-    w_hi = (((packed << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True) * mul + add
-    return w_lo, w_hi
+    f_lo, f_hi = _int4_nibbles(packed, ASM)
+    # an explicit fma: written `f * mul + add`, the compiler contracted add's own product into each weight's
+    # multiply-add instead, a multiply and a multiply-add a weight
+    return tl.fma(f_lo, mul, add), tl.fma(f_hi, mul, add)
 
 
 @triton.jit
@@ -110,7 +137,8 @@ def _x_halves(x_ptr, col, k0, k_end, offs_g, offs_h, BLOCK_N: tl.constexpr, GROU
 def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, K_SLICE, stride_xm, stride_qn, stride_sn,
                          stride_ym, stride_rm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          INT4: tl.constexpr, GROUP: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
-                         GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr):
+                         GATE: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
+                         ASM: tl.constexpr):
     # y[m, n] = sum_k x[m, k] * w[n, k]. Program (i, j) owns columns i * BLOCK_N.. of y and reads k from
     # j * K_SLICE to (j + 1) * K_SLICE (all of k without split-K; K_SLICE is then K). With SPLIT > 1 it writes
     # its fp32 partial sums to rows j * M .. j * M + M - 1 of y (a workspace), which the reduction adds up.
@@ -154,9 +182,9 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, K_SL
             # K is whole groups and k_end a group boundary, so a group is in or out
             live = (k0 + offs_g * GROUP) < k_end  # [NG]
             g_mask = n_mask[:, None] & live[None, :]
-            w_lo, w_hi = _int4_weights(q3, s_ptr, z_ptr, s3, k0, g_mask, GROUP)
+            w_lo, w_hi = _int4_weights(q3, s_ptr, z_ptr, s3, k0, g_mask, GROUP, ASM)
             if GATE:
-                u_lo, u_hi = _int4_weights(q3 + N * stride_qn, s_ptr, z_ptr, s3 + N * stride_sn, k0, g_mask, GROUP)
+                u_lo, u_hi = _int4_weights(q3 + N * stride_qn, s_ptr, z_ptr, s3 + N * stride_sn, k0, g_mask, GROUP, ASM)
             if USE_DOT:
                 # Several rows: the dequantized weights, rounded to x's dtype as the reference rounds them, into
                 # the tensor cores, the step's low nibbles' columns in one dot and the high ones' in another
@@ -337,6 +365,7 @@ def _launch(kernel: Any, x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor
         # EVEN_K is read by fp8/int8 only: int4 always passes True, so that it compiles no variant for it
         BLOCK_N=block_n, BLOCK_K=block_k, INT4=int4, GROUP=max(group, 2), USE_DOT=dot,
         EVEN_K=int4 or k % block_k == 0, GATE=gate, RESIDUAL=residual is not None, PDL=pdl, SPLIT=split,
+        ASM=x.device.type == "cuda",  # PTX only where it is compiled for a GPU, not in the interpreter
         num_warps=config.warps, num_stages=config.stages)
     if split > 1:  # the reduction, with the epilogue where there is one
         reduce(_split_reduce_epilogue_kernel)[(triton.cdiv(m * n, REDUCE_BLOCK),)](
