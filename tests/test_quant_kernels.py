@@ -427,3 +427,32 @@ def test_a_compile_worker_launches_a_fused_site_as_the_timing_will() -> None:
         kernel_warmup._launch_quantized(inputs, site, "n8k128w4s1", DEVICE)
         x, q, s, z, y, residual = inputs[site]
         assert y.shape == (1, width) and (residual is not None) == (kind == "int4+residual")
+
+
+def test_the_nibble_ptx_turns_each_of_four_bytes_nibbles_into_one_plus_q_over_16() -> None:
+    """The inline PTX that the GPU runs in place of the byte-by-byte path (the interpreter cannot run it), read
+    and executed instruction by instruction here: for every byte value in each of the four positions, output j
+    (0-3: bytes 0-3's low nibbles, 4-7: their high ones) is the fp32 1 + q/16."""
+    import re
+    import struct
+
+    from trtbuild.kernels import quant_matmul as qm
+
+    ptx = str(qm._NIBBLES_PTX.value if hasattr(qm._NIBBLES_PTX, "value") else qm._NIBBLES_PTX)
+    program = re.findall(r"(shl|shr)\.b32 t, \$8, (\d+); lop3\.b32 \$(\d), t, (0x[0-9A-Fa-f]+), (0x[0-9A-Fa-f]+), "
+                         r"(0x[0-9A-Fa-f]+);", ptx)
+    assert len(program) == 8 and ptx.count(";") == 16 + 1  # the eight pairs and the register's declaration
+
+    def lop3(a: int, b: int, c: int, lut: int) -> int:
+        return sum(((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i
+                   for i in range(32))
+
+    for value in range(256):
+        for position in range(4):
+            register = (value << (8 * position)) | (0x5A << (8 * ((position + 1) % 4)))  # a neighbour byte too
+            outs = {}
+            for op, amount, j, b, c, lut in program:
+                t = (register << int(amount)) & 0xFFFFFFFF if op == "shl" else register >> int(amount)
+                outs[int(j)] = struct.unpack("<f", struct.pack("<I", lop3(t, int(b, 16), int(c, 16), int(lut, 16))))[0]
+            assert outs[position] == 1 + (value & 15) / 16
+            assert outs[4 + position] == 1 + (value >> 4) / 16
