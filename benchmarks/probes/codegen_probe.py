@@ -3,9 +3,9 @@ does per weight.
 
 Triton compiles for any target on the host (its wheel carries ptxas and nvdisasm), so the code a build would
 run on an H100 can be read here, on the CPU, before a GPU is lent. For each configuration this compiles
-`quant_matmul`'s kernel (int4, int8, fp8) or `decode_matmul`'s (bf16) exactly as a launch specializes it
-(pointers and the widths, strides and row count of the 1B shapes: divisible by 16; one row a constant) and
-reports, from the cubin:
+`quant_matmul`'s kernel (int4, int8, fp8) or `decode_matmul`'s (bf16) exactly as a launch on a Hopper GPU
+specializes it (pointers and the widths, strides and row count of the 1B shapes: divisible by 16; one row a
+constant; the wait for the previous kernel compiled in, int4's nibbles by PTX) and reports, from the cubin:
   - registers a thread and stack bytes (a stack is spilled registers);
   - the main loop's instructions (the body between its label and the branch back), and per weight of a step
     (block_n x block_k / threads, doubled when gated): an issue-bound loop runs at most at four warp
@@ -63,7 +63,7 @@ def compile_kernel(fmt: str, config: MatmulConfig, rows: int, gate: bool) -> Any
                 "stride_rm": "i32"}
         consts = {"BLOCK_M": 1 if one else 16, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
                   "USE_DOT": not one, "EVEN_K": True, "NORM": False, "GAIN": False, "EPS": 1e-5, "GATE": gate,
-                  "RESIDUAL": False, "PDL": False, "SPLIT": 1, "K_SLICE": 0}
+                  "RESIDUAL": False, "PDL": True, "SPLIT": 1, "K_SLICE": 0}
     else:
         from trtbuild.kernels import quant_matmul as qm
 
@@ -74,7 +74,7 @@ def compile_kernel(fmt: str, config: MatmulConfig, rows: int, gate: bool) -> Any
                 "stride_rm": "i32"}
         consts = {"BLOCK_M": 1 if one else 16, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
                   "INT4": fmt == "int4", "GROUP": GROUP if fmt == "int4" else 2, "USE_DOT": not one,
-                  "EVEN_K": True, "GATE": gate, "RESIDUAL": False, "PDL": False, "SPLIT": 1, "ASM": True}
+                  "EVEN_K": True, "GATE": gate, "RESIDUAL": False, "PDL": True, "SPLIT": 1, "ASM": True}
     if one:  # a launch with one row passes M = 1, which Triton makes a constant
         consts["M"] = 1
     signature = {name: ("constexpr" if name in consts else kind) for name, kind in args.items()}
