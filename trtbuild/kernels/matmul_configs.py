@@ -127,7 +127,10 @@ QUANT_ONE_ROW = {
     "fp8": [MatmulConfig(n, k, 4, s) for n in (2, 4, 8, 16) for k in (512, 1024, 2048) for s in (1, 3)],
 }
 QUANT_ROWS = {
-    "int4": [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (256, 512) for s in (1, 3)],
+    # no 16-column blocks: their dequantized tile goes to the tensor cores through three times the
+    # instructions a weight of 32 or 64 columns (22-26 against 6-8, codegen_probe, Triton 3.6), and none won a
+    # 1B or 8B shape in the H100 probe (RESULTS.md)
+    "int4": [MatmulConfig(n, k, 4, s) for n in (32, 64) for k in (256, 512) for s in (1, 3)],
     "fp8": [MatmulConfig(n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3,)],
 }
 QUANT_ONE_ROW_SPLIT = [MatmulConfig(n, k, 4, 1, p) for n, k in ((4, 512), (8, 512), (8, 1024), (16, 1024))
@@ -160,6 +163,8 @@ def quant_candidates(fmt: str, rows: int, n: int, k: int, group: int = 0, sms: i
     family = "int4" if fmt == "int4" else "fp8"
     plain = (QUANT_ONE_ROW if rows == 1 else QUANT_ROWS)[family]
     split = QUANT_ONE_ROW_SPLIT if rows == 1 else QUANT_ROWS_SPLIT
+    if rows > 1 and family == "int4":  # as its QUANT_ROWS list: no 16-column blocks
+        split = [c for c in split if c.block_n >= 32]
     if rows == 1:
         plain, split = one_stage(plain), one_stage(split)
     # (the list's smallest step and block always stay: a matrix narrower than them still needs a candidate)

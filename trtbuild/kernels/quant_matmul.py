@@ -74,25 +74,29 @@ def source_digest() -> str:
                           + wait_digest().encode()).hexdigest()[:16]
 
 
-# 1 + q/16 as fp32 for the eight nibbles of four packed bytes, on the GPU: each nibble shifted straight from
-# the 32-bit register holding the four bytes into bits 19-22 (byte i's low nibble by 19 - 8i, its high one by
-# 15 - 8i; a negative shift is to the right), masked, 1.0's exponent OR-ed in. Outputs $0-$3: the low nibbles of
-# bytes 0-3, $4-$7 their high ones; $8 the four bytes.
-_NIBBLES_PTX = tl.constexpr("{ .reg .b32 t; " + " ".join(
-    f"{'shl' if s >= 0 else 'shr'}.b32 t, $8, {abs(s)}; lop3.b32 ${j}, t, 0x780000, 0x3F800000, 0xEA;"
-    for j, s in enumerate([19, 11, 3, -5, 15, 7, -1, -9])) + " }")
-
-
 @triton.jit
 def _int4_nibbles(packed, ASM: tl.constexpr):
     """A step's packed int4 bytes (int8, [.., bytes]) as fp32 1 + q/16: (low nibbles', high nibbles'). With ASM
-    four bytes at a time from the register that holds them (`_NIBBLES_PTX`): two instructions a weight. Without,
+    four bytes at a time from the register that holds them (inline PTX): two instructions a weight. Without,
     each byte is first taken into a register of its own, as the compiler does for an int8 widened to int32 (the
     machine code reads three a weight); Triton's interpreter, which runs no PTX, takes this path."""
     if ASM:
+        # $8 holds four bytes; $0-$3 get bytes 0-3's low nibbles, $4-$7 their high ones: each shifted into bits
+        # 19-22 (byte i's low nibble by 19 - 8i, its high one by 15 - 8i; shr for a negative shift), then
+        # lop3 0xEA = (t & 0x780000) | 0x3F800000, 1.0's exponent OR-ed in. One line: AOTInductor writes the
+        # kernel's source into a file, where a line break in the string would break it.
         lo, hi = tl.inline_asm_elementwise(
-            _NIBBLES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
-            dtype=(tl.int32, tl.int32), is_pure=True, pack=4)
+            "{ .reg .b32 t; "
+            "shl.b32 t, $8, 19; lop3.b32 $0, t, 0x780000, 0x3F800000, 0xEA; "
+            "shl.b32 t, $8, 11; lop3.b32 $1, t, 0x780000, 0x3F800000, 0xEA; "
+            "shl.b32 t, $8, 3; lop3.b32 $2, t, 0x780000, 0x3F800000, 0xEA; "
+            "shr.b32 t, $8, 5; lop3.b32 $3, t, 0x780000, 0x3F800000, 0xEA; "
+            "shl.b32 t, $8, 15; lop3.b32 $4, t, 0x780000, 0x3F800000, 0xEA; "
+            "shl.b32 t, $8, 7; lop3.b32 $5, t, 0x780000, 0x3F800000, 0xEA; "
+            "shr.b32 t, $8, 1; lop3.b32 $6, t, 0x780000, 0x3F800000, 0xEA; "
+            "shr.b32 t, $8, 9; lop3.b32 $7, t, 0x780000, 0x3F800000, 0xEA; "
+            "}",
+            "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed], dtype=(tl.int32, tl.int32), is_pure=True, pack=4)
     else:
         wide = packed.to(tl.int32)
         # the low nibble shifted to bits 19-22 (by 19), the high one (by 15)
