@@ -107,7 +107,8 @@ STEPS = {
     # not in a part: the GPU tests of the kernels and paths a change touched, run where the gate runs (`--only`)
     "gpu_tests": Step("GPU tests: quantized op, paged steps", 0, 100, 100,
                       "results/2026-12-07-h100-gate-3: 89 s (the quantized op's 15 tests 32 s; the paged test 57 s, "
-                      "a 2-layer paged bf16 engine built and its steps captured)"),
+                      "a 2-layer paged bf16 engine built and its steps captured); results/2026-12-07-h100-quant-loops: "
+                      "78 s (27 s and 50 s)"),
     # last, where its time is left
     "smollm2": Step("SmolLM2 greedy vs transformers", 3, 115, 115,
                     "results/2026-12-06-h100-gate-2: 111 s (unpack, a 135M engine at tactics level none, "
