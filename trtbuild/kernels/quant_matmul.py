@@ -122,7 +122,7 @@ def _int4_weights(q3, s_ptr, z_ptr, s3, k0, g_mask, GROUP: tl.constexpr, ASM: tl
 
 
 @triton.jit
-def _x_halves(x_ptr, col, k0, k_end, offs_g, offs_h, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+def _x_halves(x_ptr, col, k0, live, offs_h, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """One row of x for one int4 step, as fp32 (the columns of the step's low nibbles, and of its high ones),
     each [BLOCK_N, NG, GROUP / 2]: loaded at the weights' full shape, not [NG, GROUP / 2] broadcast, so that it
     is loaded in the weights' layout. Loaded at the smaller shape, the compiler chose another layout for it and
@@ -130,7 +130,7 @@ def _x_halves(x_ptr, col, k0, k_end, offs_g, offs_h, BLOCK_N: tl.constexpr, GROU
     code for the H100, Triton 3.6); repeating the row's loads for each weight row costs only cache hits."""
     HALF: tl.constexpr = GROUP // 2
     NG: tl.constexpr = col.shape[0]
-    live = (k0 + offs_g * GROUP) < k_end  # [NG]
+    # live: [NG], the step's groups that are in k
     x_mask = tl.broadcast_to((live[:, None] & (offs_h < HALF)[None, :])[None, :, :], (BLOCK_N, NG, HALF))
     x_at = x_ptr + k0 + tl.broadcast_to(col[None, :, :], (BLOCK_N, NG, HALF))
     return (tl.load(x_at, mask=x_mask, other=0.0).to(tl.float32),
@@ -203,7 +203,7 @@ def _quant_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, r_ptr, M, N, K, K_SL
             else:
                 # One row: the products added lane by lane into a tile of the step's shape, summed across threads
                 # once, after the loop
-                x_lo, x_hi = _x_halves(x_ptr, col, k0, k_end, offs_g, offs_h, BLOCK_N, GROUP)
+                x_lo, x_hi = _x_halves(x_ptr, col, k0, live, offs_h, BLOCK_N, GROUP)
                 # two fused multiply-adds a byte: `tile + x_lo * w_lo + x_hi * w_hi` compiled to a multiply, a
                 # multiply-add and an add
                 tile += x_lo * w_lo
