@@ -203,3 +203,22 @@ def test_only_runs_the_named_steps_in_the_order_every_step_runs() -> None:
     assert "bench_int4" not in gate.steps_to_run("all", None)
     with pytest.raises(SystemExit, match="unknown step\\(s\\) build_fp4"):
         gate.steps_to_run("all", "build_fp4")
+
+
+def test_a_paged_step_is_judged_on_its_kernels_and_its_wall_time_only_past_a_wider_tolerance() -> None:
+    """The wall time of a captured decode step moved 14% between two runs of one commit on one H100 while its
+    kernels' device time did not: a 12% slower wall with the same kernels passes, 6% slower kernels fail."""
+    split = {"kernel_ms": 1.9, "attention_ms": 0.3, "matmul_ms": 1.4, "other_ms": 0.2, "kernels": 214}
+    report = {"prefill_graph": [], "chunks": [], "together": None, "mixed": None,
+              "decode": [{"rows": 64, "ms": 2.3, "floor_ms": 1.2, "context": 512, "captured": True, "split": split},
+                         {"rows": 256, "ms": 4.3, "floor_ms": 2.2, "context": 512, "captured": True, "split": None}]}
+    rows = {r["name"]: r for r in gate.paged_rows(report, "1B", 3, tiny=False)}
+    wall, kernels = rows["1B paged decode step 64 rows"], rows["1B paged decode step 64 rows, kernels"]
+    assert kernels["value"] == 1.9 and abs(kernels["x_floor"] - 1.9 / 1.2) < 1e-9
+    assert "1B paged decode step 256 rows, kernels" not in rows  # not profiled: no device time to judge
+    assert rows["1B paged prompt chunk 512 after 1024"]["status"] == "not run"
+    later = {r["name"]: r for r in gate.paged_rows(
+        report | {"decode": [report["decode"][0] | {"ms": 2.3 * 1.12, "split": split | {"kernel_ms": 1.9 * 1.06}}]},
+        "1B", 3, tiny=False)}
+    assert _judge(later[wall["name"]], wall)["verdict"] == "ok"
+    assert _judge(later[kernels["name"]], kernels)["verdict"] == "REGRESSION"
