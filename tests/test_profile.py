@@ -371,3 +371,27 @@ def test_the_profile_table_fits_the_terminal_keeps_call_sites_whole_and_puts_the
     assert step.index("145.1 µs as `run` times the engine") < step.index("61,243.6")
     floor = phase["floor_s"]
     assert f"the engine's step is {145.1e-6 / floor:.2f}x its floor" in out
+
+
+def test_a_quantized_engines_matmul_bytes_are_its_stored_bytes() -> None:
+    """An int4_wo engine's weights are half a byte each plus their groups' scales and zeros (its down projections
+    kept int8): the profile's floor counts those bytes, not two a weight, and a dense model's are unchanged."""
+    from trtbuild.models.calibrate import rtn_state
+    from trtbuild.measure.profile import stored_weight_bytes
+
+    cfg = LlamaConfig.from_hf(TINY_CONFIG)
+    torch.manual_seed(0)
+    dense = {k: v for k, v in Transformer(cfg, 2, 48, torch.float32).state_dict().items()}
+    assert stored_weight_bytes(dense)[QKV] == cfg.num_layers * 4 * cfg.hidden_size * (
+        cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    packed = rtn_state(dense, "int4")
+    stored = stored_weight_bytes(packed)
+    qkv = [k for k in packed if ".wqkv." in k]
+    assert {k.rsplit(".", 1)[1] for k in qkv} == {"qweight", "scale", "zero"}
+    assert stored[QKV] == sum(packed[k].numel() * packed[k].element_size() for k in qkv)
+    assert stored[QKV] < 0.2 * stored_weight_bytes(dense)[QKV]  # about 0.5 + 4/32 bytes against 4 a weight
+    plain, quant = call_sites(cfg, 1, 1, 7, 4), call_sites(cfg, 1, 1, 7, 4, stored)
+    weights = stored_weight_bytes(dense)
+    for site in (QKV, LM_HEAD):
+        assert quant[site].bytes == plain[site].bytes - weights[site] + stored[site]
+        assert quant[site].flops == plain[site].flops

@@ -68,25 +68,49 @@ class Op:
     us: float
 
 
-def call_sites(cfg: Any, batch: int, tokens: int, start: float, elem: int) -> dict[str, Site]:
+# The stored tensors of each matmul call site's Linear (the model's names, every layer's together)
+_SITE_WEIGHTS = {QKV: re.compile(r"^layers\.\d+\.attention\.wqkv\.(weight|qweight|scale|zero)$"),
+                 O_PROJ: re.compile(r"^layers\.\d+\.attention\.wo\.(weight|qweight|scale|zero)$"),
+                 GATE_UP: re.compile(r"^layers\.\d+\.feed_forward\.w13\.(weight|qweight|scale|zero)$"),
+                 DOWN: re.compile(r"^layers\.\d+\.feed_forward\.w2\.(weight|qweight|scale|zero)$"),
+                 LM_HEAD: re.compile(r"^output\.(weight|qweight|scale|zero)$")}
+
+
+def stored_weight_bytes(weights: dict[str, Any]) -> dict[str, float]:
+    """Each matmul call site's weight bytes as the engine stores them (`weights`: the model's names to tensors),
+    its scales and zeros included: a quantized engine reads a byte or half a byte a weight, not the compute
+    dtype's two. Sites whose tensors are not found (a tied LM head, MoE experts) are left out."""
+    out: dict[str, float] = {}
+    for site, pattern in _SITE_WEIGHTS.items():
+        total = sum(t.numel() * t.element_size() for name, t in weights.items() if pattern.match(name))
+        if total:
+            out[site] = float(total)
+    return out
+
+
+def call_sites(cfg: Any, batch: int, tokens: int, start: float, elem: int,
+               weight_bytes: dict[str, float] | None = None) -> dict[str, Site]:
     """Bytes and FLOPs of each modelled call site for a step of `batch` rows of `tokens` tokens each at
     positions start..start+tokens-1 (decode: tokens 1; prefill: start 0), weights and activations of `elem`
-    bytes. Bytes are weights read once, inputs read and outputs written; the LM head sees one row a sequence."""
+    bytes, or a site's weights of `weight_bytes[site]` bytes in all where given (`stored_weight_bytes`). Bytes
+    are weights read once, inputs read and outputs written; the LM head sees one row a sequence."""
     d, f, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     n = batch * tokens
+    stored = weight_bytes or {}
 
-    def linear(k: int, m: int, rows: int, layers: int, bias: bool = False) -> Site:
-        return Site(layers * elem * (k * m + rows * k + rows * m + (m if bias else 0)), layers * 2.0 * rows * k * m)
+    def linear(site: str, k: int, m: int, rows: int, layers: int, bias: bool = False) -> Site:
+        weights = stored.get(site, layers * elem * k * m)
+        return Site(weights + layers * elem * (rows * k + rows * m + (m if bias else 0)), layers * 2.0 * rows * k * m)
 
     # Each query row at position p sees p + 1 keys; the cache slots read are the last position's + 1.
     visible = tokens * start + tokens * (tokens + 1) / 2
     slots = start + tokens
     attention = Site(L * elem * (2 * n * q + 2 * batch * kv * slots + 2 * n * kv), L * 4.0 * batch * cfg.num_heads
                      * cfg.head_dim * visible)
-    return {QKV: linear(d, q + 2 * kv, n, L, cfg.qkv_bias), ATTENTION: attention,
-            O_PROJ: linear(q, d, n, L, cfg.o_bias), GATE_UP: linear(d, 2 * f, n, L, cfg.mlp_bias),
-            DOWN: linear(f, d, n, L, cfg.mlp_bias), LM_HEAD: linear(d, v, batch, 1)}
+    return {QKV: linear(QKV, d, q + 2 * kv, n, L, cfg.qkv_bias), ATTENTION: attention,
+            O_PROJ: linear(O_PROJ, q, d, n, L, cfg.o_bias), GATE_UP: linear(GATE_UP, d, 2 * f, n, L, cfg.mlp_bias),
+            DOWN: linear(DOWN, f, d, n, L, cfg.mlp_bias), LM_HEAD: linear(LM_HEAD, d, v, batch, 1)}
 
 
 def kind_of(name: str) -> str:
@@ -323,6 +347,7 @@ def profile_engine(session: Any, phases: tuple[str, ...], batch_size: int, input
     steps = max(1, min(STEPS, engine.spec["max_seq_len"] - input_len - 1))
     prompts = [[(7 * i + r) % cfg.vocab_size for i in range(input_len)] for r in range(batch_size)]
     elem = engine._consts["model.tok_embeddings.weight"].element_size()
+    stored = stored_weight_bytes({k.removeprefix("model."): v for k, v in engine._consts.items()})
     session.warmup(batch_size, input_len, steps + 1)
     # as `run` times it, unprofiled: medians over dozens of steps, robust to a stray slow one (a busy CPU)
     new = max(steps + 1, min(33, engine.spec["max_seq_len"] - input_len))
@@ -339,7 +364,7 @@ def profile_engine(session: Any, phases: tuple[str, ...], batch_size: int, input
     try:
         if "prefill" in phases:
             runs, walls, note = _collect(lambda: engine.generate(prompts, 1), PREFILLS, device)
-            sites = call_sites(cfg, bucket, input_len, 0, elem)
+            sites = call_sites(cfg, bucket, input_len, 0, elem, stored)
             own = statistics.median(g.prefill_s for g in timed)
             step_s, profiled = _step(own, walls, cuda)
             phase = _noted(table(runs, step_s, sites, cfg.num_layers, ceilings, profiled), note)
@@ -362,7 +387,7 @@ def profile_engine(session: Any, phases: tuple[str, ...], batch_size: int, input
                 eager = ("the profiler saw no kernel inside the CUDA graphs: the step's kernels were launched eagerly "
                          "(no graph, no programmatic launch)")
                 note = "; ".join(n for n in (note, eager) if n)
-            sites = call_sites(cfg, bucket, 1, input_len + (steps - 1) / 2, elem)
+            sites = call_sites(cfg, bucket, 1, input_len + (steps - 1) / 2, elem, stored)
             own = statistics.median(s for g in timed for s in g.decode_step_s)
             step_s, profiled = _step(own, walls, cuda)
             phase = _noted(table(runs, step_s, sites, cfg.num_layers, ceilings, profiled), note)
