@@ -35,6 +35,7 @@ QUANTIZED = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward
 HEAD = "output"  # the LM head's module: quantized only where the recipe asks (options.lm_head)
 METHODS = ("gptq", "rtn")  # int4's; fp8 and int8 are always round to nearest
 GPTQ_BLOCK = 128  # columns updated together (a multiple of every int4 group)
+CHANNEL_BLOCK_KERNEL = True  # fp8/int8 GPTQ's column loop in one launch a block on CUDA (settable for probes)
 GPTQ_DAMP = 0.01  # share of H's mean diagonal added to it, for a well-conditioned inverse
 # columns in order of decreasing input energy (H's diagonal), the groups' parameters fixed first: off, +12.4%
 # perplexity on SmolLM2-135M against +10.0% without (benchmarks/RESULTS.md)
@@ -262,31 +263,50 @@ def gptq_channel(w: Tensor, hessian: Tensor, fmt: str) -> dict[str, Tensor]:
         dead = torch.diag(H) == 0
         H[dead, dead] = 1.0
         W[:, dead] = 0.0
-        scale = quantize.quantize(fmt, W)["scale"].float()[:, None]
-        top = quantize.FP8_MAX if fmt == "fp8" else 127.0
-
-        def grid(x: Tensor) -> Tensor:  # x in units of the scale, onto the format's values
-            x = x.clamp(-top, top)
-            return x.to(torch.float8_e4m3fn).float() if fmt == "fp8" else torch.round(x)
-
+        scale = quantize.quantize(fmt, W)["scale"].float()
         H += torch.eye(k, device=H.device) * (GPTQ_DAMP * torch.diag(H).mean())
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
         codes = torch.zeros(n, k, device=W.device)
+        block = _channel_block_kernel(W.device) or channel_block
         for i1 in range(0, k, GPTQ_BLOCK):
             i2 = min(i1 + GPTQ_BLOCK, k)
-            W1, E1, Hinv1 = W[:, i1:i2].clone(), torch.zeros(n, i2 - i1, device=W.device), Hinv[i1:i2, i1:i2]
-            for i in range(i2 - i1):
-                wcol = W1[:, i:i + 1]
-                q = grid(wcol / scale)
-                codes[:, i1 + i] = q[:, 0]
-                err = (wcol - q * scale) / Hinv1[i, i]
-                W1[:, i:] -= err * Hinv1[i:i + 1, i:]
-                E1[:, i:i + 1] = err
+            codes[:, i1:i2], E1 = block(W[:, i1:i2], Hinv[i1:i2, i1:i2], scale, fmt)
             W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
     finally:
         torch.set_num_threads(threads)
     qweight = codes.to(torch.float8_e4m3fn) if fmt == "fp8" else codes.to(torch.int8)
-    return {"qweight": qweight, "scale": scale[:, 0]}
+    return {"qweight": qweight, "scale": scale}
+
+
+def channel_block(w: Tensor, hinv: Tensor, scale: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    """GPTQ's column loop over one block (`gptq_block.channel_block`'s contract, in torch): the block's columns
+    of `w` (N, B) rounded in turn in units of each row's `scale` (N,), each one's error divided by its diagonal
+    entry of `hinv` (B, B) and spread over the columns after it. (codes, errors), both (N, B) fp32."""
+    n, b = w.shape
+    top = quantize.FP8_MAX if fmt == "fp8" else 127.0
+    s = scale[:, None]
+    W1, codes, E1 = w.clone(), torch.zeros(n, b, device=w.device), torch.zeros(n, b, device=w.device)
+    for i in range(b):
+        wcol = W1[:, i:i + 1]
+        x = (wcol / s).clamp(-top, top)
+        q = x.to(torch.float8_e4m3fn).float() if fmt == "fp8" else torch.round(x)
+        codes[:, i] = q[:, 0]
+        err = (wcol - q * s) / hinv[i, i]
+        W1[:, i:] -= err * hinv[i:i + 1, i:]
+        E1[:, i:i + 1] = err
+    return codes, E1
+
+
+def _channel_block_kernel(device: torch.device) -> Callable[[Tensor, Tensor, Tensor, str], tuple[Tensor, Tensor]] | None:
+    """`gptq_block.channel_block` where it runs (a CUDA device, Triton importable); None elsewhere, where the
+    torch loop runs (on the CPU a launch costs little: the loop's time is its arithmetic)."""
+    if device.type != "cuda" or not CHANNEL_BLOCK_KERNEL:
+        return None
+    try:
+        from trtbuild.kernels.gptq_block import channel_block as kernel
+    except ImportError:
+        return None
+    return kernel
 
 
 def gptq_int4(w: Tensor, hessian: Tensor, group: int | None = None) -> dict[str, Tensor]:
