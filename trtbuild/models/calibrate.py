@@ -22,6 +22,7 @@ Layers are calibrated in order, each on the outputs of the layers before it as a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -298,13 +299,37 @@ def channel_block(w: Tensor, hinv: Tensor, scale: Tensor, fmt: str) -> tuple[Ten
 
 
 def _channel_block_kernel(device: torch.device) -> Callable[[Tensor, Tensor, Tensor, str], tuple[Tensor, Tensor]] | None:
-    """`gptq_block.channel_block` where it runs (a CUDA device, Triton importable); None elsewhere, where the
-    torch loop runs (on the CPU a launch costs little: the loop's time is its arithmetic)."""
+    """`gptq_block.channel_block` where it runs (a CUDA device, Triton importable) and gives the torch loop's
+    codes on a test block (checked once a process: the kernel's first compile on a new GPU or Triton is where
+    it could fail); None elsewhere, where the torch loop runs (on the CPU a launch costs little: the loop's
+    time is its arithmetic)."""
     if device.type != "cuda" or not CHANNEL_BLOCK_KERNEL:
         return None
+    if device.type not in _KERNEL_CHECKED:
+        _KERNEL_CHECKED[device.type] = _checked_kernel(device)
+    return _KERNEL_CHECKED[device.type]
+
+
+_KERNEL_CHECKED: dict[str, Any] = {}
+
+
+def _checked_kernel(device: torch.device) -> Callable[[Tensor, Tensor, Tensor, str], tuple[Tensor, Tensor]] | None:
     try:
         from trtbuild.kernels.gptq_block import channel_block as kernel
-    except ImportError:
+
+        g = torch.Generator(device="cpu").manual_seed(0)
+        w, x = torch.randn(40, 128, generator=g), torch.randn(256, 128, generator=g)
+        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(x.T @ x / 256 + 0.01 * torch.eye(128))),
+                                     upper=True)
+        for fmt in ("fp8", "int8"):
+            scale = w.abs().amax(dim=1) / (quantize.FP8_MAX if fmt == "fp8" else 127.0)
+            want = channel_block(w, hinv, scale, fmt)[0]
+            got = kernel(w.to(device), hinv.to(device), scale.to(device), fmt)[0].cpu()
+            if not torch.equal(got, want):
+                raise RuntimeError(f"{fmt} codes differ from the torch loop's in {int((got != want).sum())} places")
+    except Exception as e:  # noqa: BLE001 - any failure means the torch loop, which is always right
+        logging.getLogger("trtbuild.models.calibrate").warning(
+            "GPTQ's block kernel is not used (%s: %s); its column loop runs in torch, more slowly", type(e).__name__, e)
         return None
     return kernel
 
