@@ -7,7 +7,8 @@ CUDA graphs:
     (`DENSE`: its usual winners on the H100/H200, RESULTS.md), the bf16 engine's two ways;
   - every candidate of `trtbuild.kernels.quant_matmul` for int4 (groups of 128) and fp8, exactly as the build's
     selection (`quant_matmul.select`: each checked against the dequantized matmul first);
-  - torchao's int4 and float8 weight-only Linears where `import torchao` works (eager; skipped cleanly if not);
+  - torchao's int4 (tinygemm) and float8 weight-only Linears where `import torchao` works, through torch.compile
+    (skipped cleanly, with the reason, if not);
 and sets each against its bytes floor: the weight and scale bytes read at the copy rate measured in the same
 run (bytes read + written per second, as bench.py counts it). Each shape is timed over enough distinct
 matrices (at least a model's layers, and 256 MiB) that none is served from the 50 MB L2 as a repeat.
@@ -199,8 +200,12 @@ def torchao_linears(fmt: str, layers: list[tuple[Any, Any, Any]], count: int) ->
         import torchao.quantization as tq
 
         if fmt == "int4":
-            config = tq.Int4WeightOnlyConfig(group_size=GROUP) if hasattr(tq, "Int4WeightOnlyConfig") else \
-                tq.int4_weight_only(group_size=GROUP)
+            # tinygemm (torch's _weight_int4pack_mm): torchao 0.18's default packing needs the mslk package
+            fields = getattr(tq.Int4WeightOnlyConfig, "__dataclass_fields__", {}) \
+                if hasattr(tq, "Int4WeightOnlyConfig") else {}
+            config = tq.Int4WeightOnlyConfig(group_size=GROUP, int4_packing_format="tile_packed_to_4d") \
+                if "int4_packing_format" in fields else tq.Int4WeightOnlyConfig(group_size=GROUP) \
+                if hasattr(tq, "Int4WeightOnlyConfig") else tq.int4_weight_only(group_size=GROUP)
         else:
             config = tq.Float8WeightOnlyConfig() if hasattr(tq, "Float8WeightOnlyConfig") else tq.float8_weight_only()
         n, k = layers[0][0].shape[0], layers[0][0].shape[1] * (2 if fmt == "int4" else 1)
@@ -215,19 +220,26 @@ def torchao_linears(fmt: str, layers: list[tuple[Any, Any, Any]], count: int) ->
 
 
 def time_torchao(mods: list[Any] | str, rows: int, reps: int) -> float | str:
-    """µs a call of torchao's Linears (eager, inside a CUDA graph), or why not."""
+    """µs a call of torchao's Linears through torch.compile (as torchao's own figures are measured: eager, its
+    float8 weight-only Linear dequantizes the whole weight every call), inside a CUDA graph, or why not. One
+    compiled function takes each Linear's weight as an input, so the shape compiles once."""
     if isinstance(mods, str):
         return mods
     try:
         import torch
+        import torch.nn.functional as F
 
         from trtbuild.timing import graph_seconds
 
         x = torch.randn(rows, mods[0].in_features, device="cuda", dtype=torch.bfloat16)
+        linear = torch.compile(lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs")
+        for m in mods[:2]:  # compiled and tuned outside the timing and the capture
+            linear(x, m.weight)
+        torch.cuda.synchronize()
 
         def calls() -> None:
             for m in mods:
-                m(x)
+                linear(x, m.weight)
 
         return graph_seconds(calls, reps) / len(mods) * 1e6
     except Exception as e:

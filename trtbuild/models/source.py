@@ -38,6 +38,9 @@ class ResolvedModel:
     identity: dict[str, Any]
     folder: Path | None  # None until materialized (synthetic) or for ONNX files
     _store_models: Path | None = field(default=None, repr=False)
+    # seconds `materialize` spent writing a synthetic checkpoint (0 where it was already there): a build's phases
+    # report it apart from loading, which a real checkpoint pays alone
+    synthesized_s: float = 0.0
 
     def materialize(self) -> Path:
         """The model as files on disk; writes a synthetic model the first time it is needed."""
@@ -56,8 +59,10 @@ class ResolvedModel:
                 tmp = folder.with_name(folder.name + f".tmp-{socket.gethostname()}-{os.getpid()}")
                 _remove_tree(tmp)
                 assert self.spec.config is not None
+                t = time.perf_counter()
                 write_synthetic(tmp, self.spec.config, self.spec.seed)
                 os.replace(tmp, folder)  # published whole, like an engine
+                self.synthesized_s = time.perf_counter() - t
         self.folder = folder
         return folder
 

@@ -165,7 +165,9 @@ def build(job: BuildJob, dtype: Any, device: str, save_weights: Callable[[dict[s
     raw, cfg = read_config(folder)
     parallel.check_divisible(cfg, tp, "model.config" if job.recipe.model.kind == "synthetic" else f"{folder}/config.json")
     state = convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg)
-    phases["load_weights_s"] = time.perf_counter() - t
+    phases["load_weights_s"] = time.perf_counter() - t - job.model.synthesized_s
+    if job.model.synthesized_s:
+        phases["write_synthetic_model_s"] = job.model.synthesized_s
 
     t = time.perf_counter()
     for rank in range(tp):
