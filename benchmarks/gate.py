@@ -650,6 +650,7 @@ def smollm2_step(g: Gate) -> None:
 
 # label -> pytest's arguments: each a correctness row, its value the tests passed, met where none failed
 GPU_TESTS = {"quantized op": ["tests/test_quant_kernels.py"],
+             "GPTQ block loops": ["tests/test_gptq_kernel.py"],
              "paged decode and mixed steps": ["tests/test_gpu.py", "-k", "paged_decode_through_the_kernel"]}
 
 

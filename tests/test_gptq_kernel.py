@@ -131,3 +131,49 @@ def test_the_kernel_compiles_for_the_h100_in_registers_without_contracted_multip
         pytest.skip(result["skip"])
     for fmt, code in result.items():
         assert code["regs"] <= 255 and code["stack"] == 0 and code["fma"] == 0, (fmt, code)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_on_the_gpu_a_whole_weight_by_the_kernel_is_the_torch_loops(fmt: str) -> None:
+    """A 1B gate/up-sized weight's GPTQ with the block kernel and with the torch loop (replayed from captured
+    graphs, then eager), on the GPU: the same codes and scales, bit for bit."""
+    from trtbuild.models import calibrate
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(4096, 2048, device="cuda", generator=g) * 0.02
+    x = torch.randn(1024, 2048, device="cuda", generator=g)
+    h = 2 * x.T @ x / 1024
+    results = []
+    for kernel, capture in ((True, True), (False, True), (False, False)):
+        calibrate.CHANNEL_BLOCK_KERNEL, calibrate.BlockGraphs.CAPTURE = kernel, capture
+        try:
+            results.append(calibrate.gptq_channel(w, h, fmt))
+        finally:
+            calibrate.CHANNEL_BLOCK_KERNEL, calibrate.BlockGraphs.CAPTURE = True, True
+            calibrate._GRAPHS.clear()
+    for other in results[1:]:
+        assert torch.equal(results[0]["qweight"].float(), other["qweight"].float())
+        assert torch.equal(results[0]["scale"], other["scale"])
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_int4_gptq_replayed_from_graphs_is_the_eager_loops() -> None:
+    """int4 GPTQ's block loop (groups of 128 and of 64, the clipping search) replayed from captured CUDA graphs
+    gives the eager loop's codes, scales and zeros, bit for bit: the same kernels on the same numbers."""
+    from trtbuild.models import calibrate
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for n, k, group in ((3072, 2048, 128), (1024, 576, 64)):
+        w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+        x = torch.randn(1024, k, device="cuda", generator=g)
+        h = 2 * x.T @ x / 1024
+        calibrate.BlockGraphs.CAPTURE = False
+        try:
+            eager = calibrate.gptq_int4(w, h, group)
+        finally:
+            calibrate.BlockGraphs.CAPTURE = True
+        replayed = calibrate.gptq_int4(w, h, group)
+        calibrate._GRAPHS.clear()
+        for name in eager:
+            assert torch.equal(eager[name], replayed[name]), name

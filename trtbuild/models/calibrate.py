@@ -248,6 +248,7 @@ def gptq_state(model: Any, tokens: Tensor, progress: Callable[[str], None] = lam
             out.update({f"layers.{i}.{name}.{k}": v.cpu() for k, v in stored.items()})
         x = layer(x, *args[1:], **kwargs)
         progress(f"GPTQ: layer {i + 1} of {len(layers)} quantized")
+    _GRAPHS.clear()  # the captured block loops' memory, for the build's next phases
     return out
 
 
@@ -268,10 +269,11 @@ def gptq_channel(w: Tensor, hessian: Tensor, fmt: str) -> dict[str, Tensor]:
         H += torch.eye(k, device=H.device) * (GPTQ_DAMP * torch.diag(H).mean())
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
         codes = torch.zeros(n, k, device=W.device)
-        block = _channel_block_kernel(W.device) or channel_block
+        kernel = _channel_block_kernel(W.device)
         for i1 in range(0, k, GPTQ_BLOCK):
             i2 = min(i1 + GPTQ_BLOCK, k)
-            codes[:, i1:i2], E1 = block(W[:, i1:i2], Hinv[i1:i2, i1:i2], scale, fmt)
+            codes[:, i1:i2], E1 = kernel(W[:, i1:i2], Hinv[i1:i2, i1:i2], scale, fmt) if kernel is not None else \
+                _GRAPHS.run(channel_block, W[:, i1:i2], Hinv[i1:i2, i1:i2], scale, fmt=fmt)
             W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
     finally:
         torch.set_num_threads(threads)
@@ -361,32 +363,33 @@ def _gptq_int4(w: Tensor, hessian: Tensor, group: int | None, act_order: bool | 
     dead = torch.diag(H) == 0  # inputs never seen: their weights do not matter
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    static = act_order
-    if static:
+    if act_order:
         # every group's scale and zero fixed before the columns move (act_order visits a group's columns
         # out of order, so they cannot be read off the group as it stands)
-        fixed = clipped_params(W, group, torch.diag(H)) if clip else quantize.int4_params(W, group)
-    order = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(k, device=W.device)
-    W, H = W[:, order], H[order][:, order]
+        scales, zeros = clipped_params(W, group, torch.diag(H)) if clip else quantize.int4_params(W, group)
+        order = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, order], H[order][:, order]
     H += torch.eye(k, device=H.device) * (GPTQ_DAMP * torch.diag(H).mean())
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     codes = torch.zeros(n, k, dtype=torch.uint8, device=W.device)
-    scales = torch.zeros(n, k // group, device=W.device)
-    zeros = torch.zeros(n, k // group, device=W.device)
-    if static:
-        scales, zeros = fixed
+    if not act_order:  # the columns in order: a block of whole groups at a time (GPTQ_BLOCK is a multiple)
+        scales = torch.zeros(n, k // group, device=W.device)
+        zeros = torch.zeros(n, k // group, device=W.device)
+        importance = torch.diag(H)
+        for i1 in range(0, k, GPTQ_BLOCK):
+            i2 = min(i1 + GPTQ_BLOCK, k)
+            codes[:, i1:i2], scales[:, i1 // group:i2 // group], zeros[:, i1 // group:i2 // group], E1 = \
+                _GRAPHS.run(int4_block, W[:, i1:i2], Hinv[i1:i2, i1:i2], importance[i1:i2], group=group, clip=clip)
+            W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
+        return {"qweight": quantize.pack_int4(codes, group), "scale": scales.to(torch.bfloat16),
+                "zero": zeros.to(torch.bfloat16)}
+    columns = order.tolist()  # read once: a read per column would wait for the device each time
     for i1 in range(0, k, GPTQ_BLOCK):
         i2 = min(i1 + GPTQ_BLOCK, k)
         W1, E1, Hinv1 = W[:, i1:i2].clone(), torch.zeros(n, i2 - i1, device=W.device), Hinv[i1:i2, i1:i2]
-        s = z = W1[:, :1]  # set at the first column, a group boundary
         for i in range(i2 - i1):
-            col = int(order[i1 + i])  # the original column
-            if static:
-                s, z = scales[:, col // group, None], zeros[:, col // group, None]
-            elif col % group == 0:
-                s, z = (clipped_params(W1[:, i:i + group], group, torch.diag(H)[i1 + i:i1 + i + group]) if clip
-                        else quantize.int4_params(W1[:, i:i + group], group))
-                scales[:, col // group], zeros[:, col // group] = s[:, 0], z[:, 0]
+            col = columns[i1 + i]  # the original column
+            s, z = scales[:, col // group, None], zeros[:, col // group, None]
             wcol = W1[:, i:i + 1]
             q = torch.round(wcol / s + z).clamp(0, 15)
             codes[:, col] = q[:, 0].to(torch.uint8)
@@ -396,6 +399,81 @@ def _gptq_int4(w: Tensor, hessian: Tensor, group: int | None, act_order: bool | 
         W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
     return {"qweight": quantize.pack_int4(codes, group), "scale": scales.to(torch.bfloat16),
             "zero": zeros.to(torch.bfloat16)}
+
+
+def int4_block(w: Tensor, hinv: Tensor, importance: Tensor, group: int, clip: bool) -> tuple[Tensor, ...]:
+    """GPTQ's int4 column loop over one block of whole groups, in order: each group's scale and zero set from its
+    columns as they stand when its first column is reached (a clipping search weighted by `importance`, H's
+    diagonal, where `clip`), then each column rounded and its error spread over the columns after it.
+    (codes (N, B) uint8, scales and zeros (N, B / group) fp32, errors (N, B) fp32); `w` is left as it was."""
+    n, b = w.shape
+    W1, E1 = w.clone(), torch.zeros(n, b, device=w.device)
+    codes = torch.zeros(n, b, dtype=torch.uint8, device=w.device)
+    scales, zeros = torch.zeros(n, b // group, device=w.device), torch.zeros(n, b // group, device=w.device)
+    s = z = W1[:, :1]
+    for i in range(b):
+        if i % group == 0:
+            s, z = (clipped_params(W1[:, i:i + group], group, importance[i:i + group]) if clip
+                    else quantize.int4_params(W1[:, i:i + group], group))
+            scales[:, i // group], zeros[:, i // group] = s[:, 0], z[:, 0]
+        wcol = W1[:, i:i + 1]
+        q = torch.round(wcol / s + z).clamp(0, 15)
+        codes[:, i] = q[:, 0].to(torch.uint8)
+        err = (wcol - (q - z) * s) / hinv[i, i]
+        W1[:, i:] -= err * hinv[i:i + 1, i:]
+        E1[:, i:i + 1] = err
+    return codes, scales, zeros, E1
+
+
+class BlockGraphs:
+    """GPTQ's torch block loops replayed from CUDA graphs, one captured a block shape: the loop is hundreds of
+    small kernels a block, each launched from Python for ~10 µs in eager mode against ~2 µs of work, and a
+    replay launches them all at once. The graph runs the same kernels on the same numbers, so the result is
+    the eager loop's. Eager on the CPU, where `CAPTURE` is off, and where a capture fails (warned once)."""
+
+    CAPTURE = True
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple[Any, ...], Any] = {}
+
+    def run(self, fn: Callable[..., tuple[Tensor, ...]], *tensors: Tensor, **consts: Any) -> tuple[Tensor, ...]:
+        if tensors[0].device.type != "cuda" or not self.CAPTURE:
+            return fn(*tensors, **consts)
+        key = (fn.__name__, tuple((tuple(t.shape), t.dtype) for t in tensors), tuple(sorted(consts.items())))
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(fn, tensors, consts)
+        captured = self._graphs[key]
+        if captured is None:
+            return fn(*tensors, **consts)
+        inputs, graph, outputs = captured
+        for into, t in zip(inputs, tensors, strict=True):
+            into.copy_(t)
+        graph.replay()
+        return tuple(o.clone() for o in outputs)  # the next replay writes over them
+
+    @staticmethod
+    def _capture(fn: Callable[..., tuple[Tensor, ...]], tensors: tuple[Tensor, ...], consts: dict[str, Any]) -> Any:
+        try:
+            inputs = [t.clone() for t in tensors]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warmed outside the capture (the allocator's blocks, lazy inits)
+                fn(*inputs, **consts)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs = fn(*inputs, **consts)
+            return inputs, graph, outputs
+        except Exception as e:  # noqa: BLE001 - the eager loop computes the same, more slowly
+            logging.getLogger("trtbuild.models.calibrate").warning(
+                "GPTQ's %s is not captured (%s: %s); it runs eagerly", fn.__name__, type(e).__name__, e)
+            return None
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+
+_GRAPHS = BlockGraphs()
 
 
 def clipped_params(w: Tensor, group: int, importance: Tensor) -> tuple[Tensor, Tensor]:
