@@ -1,5 +1,5 @@
 """GPTQ's per-channel column loop as one Triton launch a block (kernels/gptq_block.py) against the torch loop
-(`calibrate.channel_block`): through Triton's interpreter on the CPU, compiled on a GPU. Skipped where Triton is
+(`gptq.channel_block`): through Triton's interpreter on the CPU, compiled on a GPU. Skipped where Triton is
 not installed."""
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ def test_the_block_matches_the_torch_loop(fmt: str, n: int, b: int) -> None:
     weight: the codes and the errors are the torch loop's, bit for bit (IEEE division, no contracted
     multiply-adds, the same order)."""
     from trtbuild.kernels.gptq_block import channel_block
-    from trtbuild.models import calibrate
+    from trtbuild.models import gptq
 
     g = torch.Generator().manual_seed(n + b)
     whole = torch.randn(n, b + 64, generator=g) * torch.linspace(0.02, 1.0, n)[:, None]
     w = whole[:, 16:16 + b]
     hinv = _hinv(b, g)
     scale = whole.abs().amax(dim=1) / (448.0 if fmt == "fp8" else 127.0)
-    want_codes, want_errors = calibrate.channel_block(w, hinv, scale, fmt)
+    want_codes, want_errors = gptq.channel_block(w, hinv, scale, fmt)
     codes, errors = channel_block(w.to(DEVICE), hinv.to(DEVICE), scale.to(DEVICE), fmt)
     assert torch.equal(codes.cpu(), want_codes) and torch.equal(errors.cpu(), want_errors)
     assert torch.equal(whole[:, 16:16 + b], w)  # the weight is left as it was
@@ -67,10 +67,10 @@ def test_the_kernel_is_used_only_where_it_gives_the_torch_loops_codes(monkeypatc
     """Checked once a process on a test block: a kernel that rounds one code differently (or fails to compile) is
     set aside with a warning, and GPTQ runs its torch loop."""
     from trtbuild.kernels import gptq_block
-    from trtbuild.models import calibrate
+    from trtbuild.models import gptq
 
     device = torch.device(DEVICE)
-    assert calibrate._checked_kernel(device) is gptq_block.channel_block
+    assert gptq._checked_kernel(device) is gptq_block.channel_block
     real = gptq_block.channel_block
 
     def off_by_one(w: torch.Tensor, hinv: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +80,7 @@ def test_the_kernel_is_used_only_where_it_gives_the_torch_loops_codes(monkeypatc
 
     monkeypatch.setattr(gptq_block, "channel_block", off_by_one)
     with caplog.at_level("WARNING"):
-        assert calibrate._checked_kernel(device) is None
+        assert gptq._checked_kernel(device) is None
     assert "differ from the torch loop's in 1 places" in caplog.text
 
 
@@ -138,7 +138,7 @@ def test_the_kernel_compiles_for_the_h100_in_registers_without_contracted_multip
 def test_on_the_gpu_a_whole_weight_by_the_kernel_is_the_torch_loops(fmt: str) -> None:
     """A 1B gate/up-sized weight's GPTQ with the block kernel and with the torch loop (replayed from captured
     graphs, then eager), on the GPU: the same codes and scales, bit for bit."""
-    from trtbuild.models import calibrate
+    from trtbuild.models import gptq
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(4096, 2048, device="cuda", generator=g) * 0.02
@@ -146,12 +146,12 @@ def test_on_the_gpu_a_whole_weight_by_the_kernel_is_the_torch_loops(fmt: str) ->
     h = 2 * x.T @ x / 1024
     results = []
     for kernel, capture in ((True, True), (False, True), (False, False)):
-        calibrate.CHANNEL_BLOCK_KERNEL, calibrate.BlockGraphs.CAPTURE = kernel, capture
+        gptq.CHANNEL_BLOCK_KERNEL, gptq.BlockGraphs.CAPTURE = kernel, capture
         try:
-            results.append(calibrate.gptq_channel(w, h, fmt))
+            results.append(gptq.gptq_channel(w, h, fmt))
         finally:
-            calibrate.CHANNEL_BLOCK_KERNEL, calibrate.BlockGraphs.CAPTURE = True, True
-            calibrate._GRAPHS.clear()
+            gptq.CHANNEL_BLOCK_KERNEL, gptq.BlockGraphs.CAPTURE = True, True
+            gptq.BLOCK_GRAPHS.clear()
     for other in results[1:]:
         assert torch.equal(results[0]["qweight"].float(), other["qweight"].float())
         assert torch.equal(results[0]["scale"], other["scale"])
@@ -161,19 +161,19 @@ def test_on_the_gpu_a_whole_weight_by_the_kernel_is_the_torch_loops(fmt: str) ->
 def test_on_the_gpu_int4_gptq_replayed_from_graphs_is_the_eager_loops() -> None:
     """int4 GPTQ's block loop (groups of 128 and of 64, the clipping search) replayed from captured CUDA graphs
     gives the eager loop's codes, scales and zeros, bit for bit: the same kernels on the same numbers."""
-    from trtbuild.models import calibrate
+    from trtbuild.models import gptq
 
     g = torch.Generator(device="cuda").manual_seed(1)
     for n, k, group in ((3072, 2048, 128), (1024, 576, 64)):
         w = torch.randn(n, k, device="cuda", generator=g) * 0.02
         x = torch.randn(1024, k, device="cuda", generator=g)
         h = 2 * x.T @ x / 1024
-        calibrate.BlockGraphs.CAPTURE = False
+        gptq.BlockGraphs.CAPTURE = False
         try:
-            eager = calibrate.gptq_int4(w, h, group)
+            eager = gptq.gptq_int4(w, h, group)
         finally:
-            calibrate.BlockGraphs.CAPTURE = True
-        replayed = calibrate.gptq_int4(w, h, group)
-        calibrate._GRAPHS.clear()
+            gptq.BlockGraphs.CAPTURE = True
+        replayed = gptq.gptq_int4(w, h, group)
+        gptq.BLOCK_GRAPHS.clear()
         for name in eager:
             assert torch.equal(eager[name], replayed[name]), name

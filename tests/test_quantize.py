@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from trtbuild.errors import RecipeError
-from trtbuild.models import calibrate, quantize
+from trtbuild.models import calibrate, gptq, quantize
 from trtbuild.recipe import load_recipe
 
 from .conftest import TINY_CONFIG, make_hf_folder, read_json_line, run_cli, tiny_recipe_doc, write_recipe
@@ -85,7 +85,7 @@ def test_gptq_keeps_a_layers_output_closer_than_round_to_nearest() -> None:
     # correlated inputs with a few large channels, as a real layer's are
     x = torch.randn(1024, 128, generator=g) @ (torch.eye(128) + 0.3 * torch.randn(128, 128, generator=g))
     x[:, :4] *= 8
-    stored = calibrate.gptq_int4(w, x.T @ x)
+    stored = gptq.gptq_int4(w, x.T @ x)
     rtn = quantize.quantize_int4(w)
     out = {name: quantize.dequantize("int4", s["qweight"], s["scale"], s["zero"], torch.float32)
            for name, s in (("gptq", stored), ("rtn", rtn))}
@@ -175,7 +175,7 @@ def test_keys_differ_by_precision_and_by_int4_and_fp8_method(tmp_path: Path, eng
     from trtbuild.builder import engine_code_files
 
     names = {f.name for f in engine_code_files(backends.get("torch"))}
-    assert {"quantize.py", "calibrate.py", "calibration_text.py", "quantized.py"} <= names
+    assert {"quantize.py", "calibrate.py", "gptq.py", "gptq_block.py", "calibration_text.py", "quantized.py"} <= names
 
 
 def _tiny_state(folder: Path) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -448,16 +448,16 @@ def test_awq_scales_move_into_the_norm_gain_so_the_product_is_kept(tmp_path: Pat
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_gptq_per_channel_keeps_the_output_closer_than_round_to_nearest(fmt: str) -> None:
-    """calibrate.gptq_channel: the stored format of round to nearest (same scales), and a smaller output error
+    """gptq.gptq_channel: the stored format of round to nearest (same scales), and a smaller output error
     tr(dW H dW^T) under correlated inputs, which is what it is for."""
     g = torch.Generator().manual_seed(0)
     w = _weight(64, 256)
     x = torch.randn(2048, 256, generator=g) @ (torch.eye(256) + 0.5 * torch.randn(256, 256, generator=g) / 16)
     h = x.T @ x / x.shape[0]
-    gptq, rtn = calibrate.gptq_channel(w, h, fmt), quantize.quantize(fmt, w)
-    assert gptq["qweight"].dtype == rtn["qweight"].dtype and torch.allclose(gptq["scale"], rtn["scale"])
+    calibrated, rtn = gptq.gptq_channel(w, h, fmt), quantize.quantize(fmt, w)
+    assert calibrated["qweight"].dtype == rtn["qweight"].dtype and torch.allclose(calibrated["scale"], rtn["scale"])
 
     def err(stored: dict[str, torch.Tensor]) -> float:
         dw = quantize.dequantize(fmt, stored["qweight"], stored["scale"], None, torch.float32) - w
         return float(((dw @ h) * dw).sum())
-    assert err(gptq) < 0.8 * err(rtn)
+    assert err(calibrated) < 0.8 * err(rtn)

@@ -1,7 +1,7 @@
 """GPTQ per output channel (fp8, int8): the column loop in torch against one Triton launch a block.
 
-For Llama-3.2-1B's and Llama-3.1-8B's Linear shapes, times `calibrate.gptq_channel` on a random weight and a
-random input Hessian both ways (`calibrate.CHANNEL_BLOCK_KERNEL` off and on, the GPU synchronized around each),
+For Llama-3.2-1B's and Llama-3.1-8B's Linear shapes, times `gptq.gptq_channel` on a random weight and a
+random input Hessian both ways (`gptq.CHANNEL_BLOCK_KERNEL` off and on, the GPU synchronized around each),
 and reports the seconds, how many codes agree, and each way's relative output error tr(dW H dW^T) / tr(W H W^T).
 The model's total is each shape's time times its layers: what a build's quantize phase spends in the loop (its
 calibration forward passes apart). Writes gptq_probe.json and gptq_probe.md under --out. Needs CUDA and Triton.
@@ -38,7 +38,7 @@ def timed(fn: Any) -> tuple[Any, float]:
 def main() -> None:
     import torch
 
-    from trtbuild.models import calibrate, quantize
+    from trtbuild.models import gptq, quantize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -59,10 +59,10 @@ def main() -> None:
             for fmt in args.formats:
                 result: dict[str, Any] = {"model": model, "shape": name, "n": n, "k": k, "format": fmt, "layers": layers}
                 for way, kernel in (("torch", False), ("kernel", True)):
-                    calibrate.CHANNEL_BLOCK_KERNEL = kernel
+                    gptq.CHANNEL_BLOCK_KERNEL = kernel
                     if kernel:  # compiled outside the timing
-                        calibrate.gptq_channel(w[:64], h, fmt)
-                    stored, seconds = timed(lambda: calibrate.gptq_channel(w, h, fmt))
+                        gptq.gptq_channel(w[:64], h, fmt)
+                    stored, seconds = timed(lambda: gptq.gptq_channel(w, h, fmt))
                     back = quantize.dequantize(fmt, stored["qweight"], stored["scale"], None, torch.float32)
                     dw = back - w
                     result[way] = {"s": seconds, "error": float(((dw @ h) * dw).sum() / ref)}

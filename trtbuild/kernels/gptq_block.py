@@ -7,7 +7,7 @@ column; an 8B model has 852k columns in its Linears, and its fp8 build spent 142
 fixed before the loop, and the error of row r moves only row r), so one program takes a band of rows and
 carries all of the block's columns in registers through the whole loop: one launch a block of 128 columns.
 
-It does what `calibrate.gptq_channel`'s torch loop does, in the same order and with the same roundings (IEEE
+It does what `gptq.gptq_channel`'s torch loop does, in the same order and with the same roundings (IEEE
 division, no contracted multiply-adds). The grid rounding is written out in arithmetic (round half to even by
 the 1.5 * 2^23 addition; fp8 e4m3's grid step taken from the exponent bits), not the hardware's fp8
 conversion, so the interpreter on a CPU computes what the GPU does: the tests compare codes with the torch

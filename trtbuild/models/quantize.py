@@ -18,7 +18,7 @@ The zero point is stored as a bf16 number of quantization steps, not rounded to 
 per group (what `quantize_int4` does), q = 0 and q = 15 then land exactly on the group's extremes.
 
 This module is a leaf (torch only): the model (`llama.Linear`) dequantizes through it, and the calibrated
-methods (`calibrate.py`) quantize through it.
+methods (`calibrate.py`, `gptq.py`) quantize through it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ CALIBRATION_WINDOW = 512  # tokens a calibration prompt holds; fixed, so that th
 # documentation (docs/quantization.md has the table).
 GENERATED_SEQUENCES = 8
 GENERATION_SEED = 0
-# The per-channel formats calibrated by GPTQ (calibrate.gptq_channel) instead of rounded to nearest, unless the
+# The per-channel formats calibrated by GPTQ (gptq.gptq_channel) instead of rounded to nearest, unless the
 # recipe's fp8_method says rtn. int8_wo met its budget rounded to nearest, so it is not calibrated.
 CHANNEL_GPTQ: tuple[str, ...] = ("fp8",)
 
