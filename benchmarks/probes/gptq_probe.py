@@ -1,10 +1,13 @@
-"""GPTQ per output channel (fp8, int8): the column loop in torch against one Triton launch a block.
+"""GPTQ's column loops on a GPU, each way they can run: eager torch, torch replayed from captured CUDA graphs, and
+(fp8/int8) the Triton block kernel.
 
-For Llama-3.2-1B's and Llama-3.1-8B's Linear shapes, times `gptq.gptq_channel` on a random weight and a
-random input Hessian both ways (`gptq.CHANNEL_BLOCK_KERNEL` off and on, the GPU synchronized around each),
-and reports the seconds, how many codes agree, and each way's relative output error tr(dW H dW^T) / tr(W H W^T).
-The model's total is each shape's time times its layers: what a build's quantize phase spends in the loop (its
-calibration forward passes apart). Writes gptq_probe.json and gptq_probe.md under --out. Needs CUDA and Triton.
+For Llama-3.2-1B's and Llama-3.1-8B's Linear shapes, runs `gptq.gptq_channel` (fp8, int8) and `gptq.gptq_int4` on
+a random weight and a random input Hessian each way (`gptq.CHANNEL_BLOCK_KERNEL` and `gptq.BlockGraphs.CAPTURE`
+set in turn, the GPU synchronized around each, a first call outside the timing for compiles and captures) and
+reports the seconds, whether every way stored the same tensors as the eager loop (they should, bit for bit), and
+the relative output error tr(dW H dW^T) / tr(W H W^T). The model's total is each shape's time times its layers:
+what a build's quantize phase spends in the loops (its calibration forward passes apart). Writes gptq_probe.json
+and gptq_probe.md under --out. Needs CUDA (and Triton for the kernel).
 
     python3 benchmarks/probes/gptq_probe.py --out $OUT
 """
@@ -23,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 # Linear shapes (out, in) a layer and the layers: Llama-3.2-1B, Llama-3.1-8B
 MODELS = {"1b": ({"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}, 16),
           "8b": ({"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}, 32)}
+# way -> (the block kernel, captured graphs); int4 has no kernel
+WAYS = {"eager": (False, False), "graphs": (False, True), "kernel": (True, True)}
 
 
 def timed(fn: Any) -> tuple[Any, float]:
@@ -43,7 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", nargs="+", default=["1b", "8b"], choices=sorted(MODELS))
-    ap.add_argument("--formats", nargs="+", default=["fp8"], choices=["fp8", "int8"])
+    ap.add_argument("--formats", nargs="+", default=["fp8", "int4"], choices=["fp8", "int8", "int4"])
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,36 +62,48 @@ def main() -> None:
             h = 2 * x.T @ x / x.shape[0]
             ref = ((w @ h) * w).sum()
             for fmt in args.formats:
-                result: dict[str, Any] = {"model": model, "shape": name, "n": n, "k": k, "format": fmt, "layers": layers}
-                for way, kernel in (("torch", False), ("kernel", True)):
-                    gptq.CHANNEL_BLOCK_KERNEL = kernel
-                    if kernel:  # compiled outside the timing
-                        gptq.gptq_channel(w[:64], h, fmt)
-                    stored, seconds = timed(lambda: gptq.gptq_channel(w, h, fmt))
-                    back = quantize.dequantize(fmt, stored["qweight"], stored["scale"], None, torch.float32)
+                row: dict[str, Any] = {"model": model, "shape": name, "n": n, "k": k, "format": fmt, "layers": layers}
+
+                def run(weight: Any, fmt: str = fmt) -> dict[str, Any]:
+                    return gptq.gptq_int4(weight, h) if fmt == "int4" else gptq.gptq_channel(weight, h, fmt)
+
+                stored_by_way = {}
+                for way, (kernel, capture) in WAYS.items():
+                    if way == "kernel" and fmt == "int4":
+                        continue
+                    gptq.CHANNEL_BLOCK_KERNEL, gptq.BlockGraphs.CAPTURE = kernel, capture
+                    try:
+                        run(w)  # compiles and captures outside the timing (the same shapes)
+                        stored, seconds = timed(lambda: run(w))
+                    finally:
+                        gptq.CHANNEL_BLOCK_KERNEL, gptq.BlockGraphs.CAPTURE = True, True
+                        gptq.BLOCK_GRAPHS.clear()
+                    back = quantize.dequantize(fmt, stored["qweight"], stored["scale"],
+                                               stored.get("zero"), torch.float32)
                     dw = back - w
-                    result[way] = {"s": seconds, "error": float(((dw @ h) * dw).sum() / ref)}
-                    result[f"{way}_codes"] = stored["qweight"].float()
-                same = (result.pop("torch_codes") == result.pop("kernel_codes")).float().mean().item()
-                result["codes_equal"] = same
-                result["speedup"] = result["torch"]["s"] / result["kernel"]["s"]
-                rows.append(result)
-                print(f"{model} {name:8} {fmt} torch {result['torch']['s']:.3f} s, kernel {result['kernel']['s']:.4f} s "
-                      f"({result['speedup']:.0f}x); codes equal {same:.5f}; error {result['torch']['error']:.3e} / "
-                      f"{result['kernel']['error']:.3e}", flush=True)
-    lines = ["| model | shape | format | torch s | kernel s | × | codes equal | error torch / kernel |",
+                    row[way] = {"s": seconds, "error": float(((dw @ h) * dw).sum() / ref)}
+                    stored_by_way[way] = stored
+                eager = stored_by_way["eager"]
+                row["same_as_eager"] = {way: all(torch.equal(s[t].float(), eager[t].float()) for t in eager)
+                                        for way, s in stored_by_way.items() if way != "eager"}
+                rows.append(row)
+                print(f"{model} {name:8} {fmt}: " + ", ".join(f"{way} {row[way]['s']:.3f} s" for way in WAYS if way in row)
+                      + f"; the same as eager: {row['same_as_eager']}; error {row['eager']['error']:.3e}", flush=True)
+    lines = ["| model | shape | format | eager s | graphs s | kernel s | the same as eager | error |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['shape']} {r['n']}x{r['k']} | {r['format']} | {r['torch']['s']:.3f} | "
-                     f"{r['kernel']['s']:.4f} | {r['speedup']:.0f} | {r['codes_equal']:.5f} | "
-                     f"{r['torch']['error']:.3e} / {r['kernel']['error']:.3e} |")
-    lines += ["", "| model | format | the loop over every layer, torch s | kernel s |", "|---|---|---|---|"]
+        cells = [f"{r[way]['s']:.4f}" if way in r else "-" for way in WAYS]
+        same = ", ".join(f"{way} {'yes' if ok else 'NO'}" for way, ok in r["same_as_eager"].items())
+        lines.append(f"| {r['model']} | {r['shape']} {r['n']}x{r['k']} | {r['format']} | {' | '.join(cells)} | {same} | "
+                     f"{r['eager']['error']:.3e} |")
+    lines += ["", "| model | format | the loops over every layer, eager s | graphs s | kernel s |", "|---|---|---|---|---|"]
     for model in args.models:
         for fmt in args.formats:
             mine = [r for r in rows if r["model"] == model and r["format"] == fmt]
-            lines.append(f"| {model} | {fmt} | {sum(r['torch']['s'] * r['layers'] for r in mine):.1f} | "
-                         f"{sum(r['kernel']['s'] * r['layers'] for r in mine):.2f} |")
-    text = (f"# GPTQ per channel, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}\n\n"
+            totals = [f"{sum(r[way]['s'] * r['layers'] for r in mine):.1f}" if all(way in r for r in mine) else "-"
+                      for way in WAYS]
+            lines.append(f"| {model} | {fmt} | {' | '.join(totals)} |")
+    text = (f"# GPTQ's column loops, {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}\n\n"
             + "\n".join(lines) + "\n")
     print(text)
     (out / "gptq_probe.md").write_text(text)
