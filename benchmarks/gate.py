@@ -110,6 +110,10 @@ STEPS = {
                       "a 2-layer paged bf16 engine built and its steps captured); results/2026-12-07-h100-quant-loops: "
                       "78 s (27 s and 50 s); the GPTQ loops' 3 tests not yet timed (~20 s guessed: a pytest start, "
                       "one kernel compile, the eager loops over 2,048 + 2,624 columns)"),
+    # not in a part: GPTQ's column loops (a build's quantize phase) each way, at the 8B's shapes
+    "gptq": Step("GPTQ's loops at the 8B's shapes: eager, captured, kernel", 0, 60, 60,
+                 "estimated: the eager loops over one 8B layer's 26,624 columns twice (fp8, int4) at ~0.2 ms a "
+                 "column, the other ways in seconds"),
     # last, where its time is left
     "smollm2": Step("SmolLM2 greedy vs transformers", 3, 115, 115,
                     "results/2026-12-06-h100-gate-2: 111 s (unpack, a 135M engine at tactics level none, "
@@ -649,6 +653,40 @@ def smollm2_step(g: Gate) -> None:
               note="; ".join(f"{p['matched']}/{p['compared']} ({p['stop'][:60]})" for p in result["prompts"])))
 
 
+def gptq_step(g: Gate) -> None:
+    """benchmarks/probes/gptq_probe.py at the 8B's shapes, fp8 and int4 (CUDA only)."""
+    out = g.work / "gptq"
+    shutil.rmtree(out, ignore_errors=True)
+    rc, text = g.child("gptq", [sys.executable, "benchmarks/probes/gptq_probe.py", "--models", "8b", "--formats",
+                                "fp8", "int4", "--out", str(out)], reserve=g.args.reserve)
+    try:
+        report = json.loads((out / "gptq_probe.json").read_text())
+    except (OSError, ValueError):
+        g.add(row("GPTQ's ways store what the eager loop does", None, "tests", g.part, hard=True,
+                  status="error" if rc is not None else "not run", note=text.strip()[-300:]))
+        return
+    for r in gptq_rows(report["rows"], g.part):
+        g.add(r)
+
+
+def gptq_rows(probe: list[dict[str, Any]], part: int) -> list[dict[str, Any]]:
+    """The gate's rows of gptq_probe.json: per format, the loops over a model's every layer by its fastest way,
+    the eager loop's seconds beside; and one hard row, every way storing the eager loop's tensors."""
+    out: list[dict[str, Any]] = []
+    for (model, fmt) in dict.fromkeys((r["model"], r["format"]) for r in probe):
+        mine = [r for r in probe if (r["model"], r["format"]) == (model, fmt)]
+        ways = [w for w in ("kernel", "graphs", "eager") if all(w in r for r in mine)]
+        total = {w: sum(r[w]["s"] * r["layers"] for r in mine) for w in ways}
+        out.append(row(f"GPTQ {fmt} loops, every {model.upper()} layer ({ways[0]})", total[ways[0]], "s", part,
+                       tolerance=0.25, note=", ".join(f"{w} {t:.1f} s" for w, t in total.items())))
+    same = [r for r in probe if all(r["same_as_eager"].values())]
+    out.append(row("GPTQ's ways store what the eager loop does", len(same), "tests", part,
+                   target=f"all {len(probe)} shapes", met=len(same) == len(probe), hard=True,
+                   note="; ".join(f"{r['model']} {r['shape']} {r['format']}: {r['same_as_eager']}" for r in probe
+                                  if r not in same)[:300]))
+    return out
+
+
 # label -> pytest's arguments: each a correctness row, its value the tests passed, met where none failed
 GPU_TESTS = {"quantized op": ["tests/test_quant_kernels.py"],
              "GPTQ block loops": ["tests/test_gptq_kernel.py"],
@@ -693,12 +731,12 @@ RUNNERS: dict[str, Callable[[Gate], None]] = {
     "profile_int4_head": lambda g: profile_step(g, "int4_head", "1,8"),
     "serve_paged": serve_paged_step, "serve_captured": serve_captured_step, "paged_probe": paged_probe_step,
     "smollm2": smollm2_step,
-    "gpu_tests": gpu_tests_step,
+    "gpu_tests": gpu_tests_step, "gptq": lambda g: gptq_step(g),
 }
 # One call (--part all): part 2's short steps before part 1's torch.compile, whose tail is the longest
 ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "bench_int4", "profile_int4",
              "build_int4_head", "bench_int4_head", "bench_quant_head", "bench_head", "profile_int4_head",
-             "serve_paged", "serve_captured", "paged_probe", "gpu_tests", "smollm2", "bench_bf16")
+             "serve_paged", "serve_captured", "paged_probe", "gpu_tests", "gptq", "smollm2", "bench_bf16")
 
 
 # -- seeds ----------------------------------------------------------------------------------------------------------------

@@ -222,3 +222,21 @@ def test_a_paged_step_is_judged_on_its_kernels_and_its_wall_time_only_past_a_wid
         "1B", 3, tiny=False)}
     assert _judge(later[wall["name"]], wall)["verdict"] == "ok"
     assert _judge(later[kernels["name"]], kernels)["verdict"] == "REGRESSION"
+
+
+def test_the_gptq_rows_take_each_formats_fastest_way_and_fail_where_a_way_stored_other_numbers() -> None:
+    def shape(name: str, fmt: str, ways: dict[str, float], same: bool = True) -> dict[str, Any]:
+        return {"model": "8b", "shape": name, "format": fmt, "layers": 32, **{w: {"s": s} for w, s in ways.items()},
+                "same_as_eager": {w: same for w in ways if w != "eager"}}
+
+    probe = [shape("qkv", "fp8", {"eager": 1.0, "graphs": 0.2, "kernel": 0.01}),
+             shape("down", "fp8", {"eager": 3.0, "graphs": 0.6, "kernel": 0.03}),
+             shape("qkv", "int4", {"eager": 1.2, "graphs": 0.3})]
+    rows = {r["name"]: r for r in gate.gptq_rows(probe, 0)}
+    assert abs(rows["GPTQ fp8 loops, every 8B layer (kernel)"]["value"] - 32 * 0.04) < 1e-9
+    assert abs(rows["GPTQ int4 loops, every 8B layer (graphs)"]["value"] - 32 * 0.3) < 1e-9
+    assert "eager 38.4 s" in rows["GPTQ int4 loops, every 8B layer (graphs)"]["note"]
+    assert _judge(rows["GPTQ's ways store what the eager loop does"])["verdict"] != "FAILED"
+    probe[2]["same_as_eager"]["graphs"] = False
+    bad = {r["name"]: r for r in gate.gptq_rows(probe, 0)}["GPTQ's ways store what the eager loop does"]
+    assert bad["value"] == 2 and _judge(bad)["verdict"] == "FAILED" and "int4" in bad["note"]
