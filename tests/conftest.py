@@ -39,12 +39,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "needs_tensorrt" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="needs the real TensorRT / TensorRT-LLM and a GPU"))
-    # the longest file first: `pytest -n 2 --dist loadfile` hands files out in this order, so its minutes run
+    # the longest files first: `pytest -n 2 --dist loadfile` hands files out in this order, so their minutes run
     # beside the other worker's many files rather than alone at the end (CI: 24 minutes of tests with it last)
-    items.sort(key=lambda item: item.path.name not in FIRST)
+    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
 
 
-FIRST = ("test_quality.py",)  # SmolLM2's GPTQ calibrations and perplexities: ~7 minutes on 2 cores
+# the two longest files, one to each worker at the start: SmolLM2's GPTQ calibrations and perplexities (~7-9
+# minutes on 2 cores) and the gate's CPU smoke run (~5 minutes), which otherwise may come last, alone
+FIRST = ("test_quality.py", "test_gate.py")
 
 
 @pytest.fixture(autouse=True)
