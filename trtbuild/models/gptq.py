@@ -173,13 +173,7 @@ def _gptq_int4(w: Tensor, hessian: Tensor, group: int | None, act_order: bool | 
         W1, E1, Hinv1 = W[:, i1:i2].clone(), torch.zeros(n, i2 - i1, device=W.device), Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = columns[i1 + i]  # the original column
-            s, z = scales[:, col // group, None], zeros[:, col // group, None]
-            wcol = W1[:, i:i + 1]
-            q = torch.round(wcol / s + z).clamp(0, 15)
-            codes[:, col] = q[:, 0].to(torch.uint8)
-            err = (wcol - (q - z) * s) / Hinv1[i, i]
-            W1[:, i:] -= err * Hinv1[i:i + 1, i:]
-            E1[:, i:i + 1] = err
+            codes[:, col] = _int4_column(W1, E1, Hinv1, i, scales[:, col // group, None], zeros[:, col // group, None])
         W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
     return {"qweight": quantize.pack_int4(codes, group), "scale": scales.to(torch.bfloat16),
             "zero": zeros.to(torch.bfloat16)}
@@ -200,13 +194,19 @@ def int4_block(w: Tensor, hinv: Tensor, importance: Tensor, group: int, clip: bo
             s, z = (clipped_params(W1[:, i:i + group], group, importance[i:i + group]) if clip
                     else quantize.int4_params(W1[:, i:i + group], group))
             scales[:, i // group], zeros[:, i // group] = s[:, 0], z[:, 0]
-        wcol = W1[:, i:i + 1]
-        q = torch.round(wcol / s + z).clamp(0, 15)
-        codes[:, i] = q[:, 0].to(torch.uint8)
-        err = (wcol - (q - z) * s) / hinv[i, i]
-        W1[:, i:] -= err * hinv[i:i + 1, i:]
-        E1[:, i:i + 1] = err
+        codes[:, i] = _int4_column(W1, E1, hinv, i, s, z)
     return codes, scales, zeros, E1
+
+
+def _int4_column(W1: Tensor, E1: Tensor, hinv: Tensor, i: int, s: Tensor, z: Tensor) -> Tensor:
+    """Column i of a block (`W1`, updated in place) rounded under its group's scale and zero (N, 1), its error
+    divided by hinv[i, i] into `E1` and spread over the columns after it: its codes (N,) uint8."""
+    wcol = W1[:, i:i + 1]
+    q = torch.round(wcol / s + z).clamp(0, 15)
+    err = (wcol - (q - z) * s) / hinv[i, i]
+    W1[:, i:] -= err * hinv[i:i + 1, i:]
+    E1[:, i:i + 1] = err
+    return q[:, 0].to(torch.uint8)
 
 
 class BlockGraphs:
