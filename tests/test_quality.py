@@ -27,8 +27,9 @@ FP32 = {"prose.txt": (31.5, 33.0), "code.py.txt": (6.5, 6.9), "docs.md": (11.9, 
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> dict[str, Any]:
-    """The folder, each text's ids and fp32 perplexity, once for the module."""
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The folder, each text's ids and fp32 perplexity, once for the module; a folder where the first GPTQ
+    calibration keeps the sequences the model writes, which the next reads (as a store's next build does)."""
     from trtbuild.backends.torch.export import place_model
     from trtbuild.measure.evaluate import eager_scorer, perplexity, text_ids
     from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
@@ -47,7 +48,8 @@ def smollm2() -> dict[str, Any]:
     shapes = SimpleNamespace(max_batch_size=4, max_input_len=WINDOW, max_seq_len=WINDOW)
     score = eager_scorer(place_model(cfg, shapes, torch.float32, "cpu", dict(dense)))
     fp32 = {t: perplexity(score, i, WINDOW)["perplexity"] for t, i in ids.items()}
-    return {"folder": folder, "cfg": cfg, "ids": ids, "dense": dense, "shapes": shapes, "fp32": fp32}
+    return {"folder": folder, "cfg": cfg, "ids": ids, "dense": dense, "shapes": shapes, "fp32": fp32,
+            "generated": tmp_path_factory.mktemp("calibration")}
 
 
 @pytest.mark.parametrize("precision", ["fp8", "int8_wo", "int4_wo"])
@@ -59,7 +61,7 @@ def test_perplexity_of_the_stored_weights_is_within_budget_of_fp32_on_every_kind
 
     s = smollm2
     state, record = quantize_weights(dict(s["dense"]), s["cfg"], SimpleNamespace(precision=precision, options={}),
-                                     s["folder"] / "tokenizer.json", "cpu", lambda m: None)
+                                     s["folder"] / "tokenizer.json", "cpu", lambda m: None, s["generated"])
     assert record["method"] == ("rtn" if precision == "int8_wo" else "gptq")
     score = eager_scorer(place_model(s["cfg"], s["shapes"], torch.bfloat16, "cpu", state))
     over = {}

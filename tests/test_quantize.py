@@ -401,6 +401,34 @@ def test_data_free_calibration_samples_the_models_own_text_repeatably(tmp_path: 
     assert float(chosen.min()) > 1e-6  # sampled from the model's distribution, never an impossible token
 
 
+def test_the_sequences_a_model_writes_for_calibration_are_kept_for_its_next_build(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second quantized build of one checkpoint (int4 after fp8) reads the model's own sequences instead of
+    sampling them again, and stores what a build without the cache stores; an unreadable file is written again."""
+    from trtbuild.backends.torch.quantized import quantize_weights
+
+    cfg, dense = _tiny_state(make_hf_folder(tmp_path / "m"))
+    sampled: list[int] = []
+    real = calibrate.generated_tokens
+    monkeypatch.setattr(calibrate, "generated_tokens", lambda *a, **k: sampled.append(1) or real(*a, **k))
+    cache, lines = tmp_path / "calibration", []
+
+    def build(precision: str, where: Path | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return quantize_weights(dict(dense), cfg, SimpleNamespace(precision=precision, options={}), None, "cpu",
+                                lines.append, where)
+
+    _, fp8 = build("fp8", cache)
+    int4, record = build("int4_wo", cache)
+    assert len(sampled) == 1 and not fp8["calibration"]["generated_from_cache"]
+    assert record["calibration"]["generated_from_cache"] and any("written by an earlier build" in m for m in lines)
+    fresh, _ = build("int4_wo", None)
+    assert len(sampled) == 2 and fresh.keys() == int4.keys() and all(torch.equal(fresh[k], int4[k]) for k in fresh)
+    (kept,) = cache.glob("generated-*.pt")
+    kept.write_bytes(b"not a tensor")
+    _, again = build("fp8", cache)
+    assert len(sampled) == 3 and not again["calibration"]["generated_from_cache"]
+
+
 def test_int4_linears_kept_at_int8_are_int8_in_every_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """INT4_KEPT_INT8: the first layer's down projection stays int8 in GPTQ's result, round to nearest's, and the
     empty buffers a compile worker exports from, so that the build's graphs and the workers' are the same."""

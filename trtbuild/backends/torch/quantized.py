@@ -8,7 +8,12 @@ formats, group sizes, calibration text and GPTQ's settings are model code, whose
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import pickle
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,10 +58,11 @@ def check(recipe: Any) -> list[str]:
 
 
 def quantize_weights(state: dict[str, Any], cfg: Any, recipe: Any, tokenizer: Any, device: str,
-                     progress: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                     progress: Any, generated_cache: Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The checkpoint's dense `state` (the model's layout) as a quantized engine stores it, and what to
     record of how: round to nearest for fp8 and int8, GPTQ or round to nearest for int4. The tensors
-    left dense are cast to bf16, the compute dtype."""
+    left dense are cast to bf16, the compute dtype. `generated_cache`, a folder for this checkpoint alone,
+    keeps the sequences the model writes for its calibration, so its next quantized build reads them."""
     import torch
 
     from trtbuild.backends.torch.export import place_model
@@ -90,16 +96,18 @@ def quantize_weights(state: dict[str, Any], cfg: Any, recipe: Any, tokenizer: An
         model = place_model(cfg, shapes, state["tok_embeddings.weight"].dtype, device,
                             {k: v.clone() if v.device.type == device else v for k, v in state.items()})
         tokens = text
+        reused = False
         if generated:
-            progress(f"calibration: the model writes {generated} sequences of {text.shape[1]} tokens")
             starts = text.flatten()[torch.linspace(0, text.numel() - 1, generated, device=device).long()]
-            tokens = torch.cat([text, calibrate.generated_tokens(model, starts, text.shape[1], GENERATION_SEED)])
+            written, reused = _generated(model, starts, text.shape[1], generated_cache, progress)
+            tokens = torch.cat([text, written])
         errors: dict[str, float] = {}
         quantized = calibrate.gptq_state(model, tokens, progress, errors, fmt)
         del model
         state = {k: v for k, v in state.items() if k.removesuffix(".weight") not in names} | quantized
         record["calibration"] = {"text": "calibration_text.TEXT (Apache License 2.0)", "tokens": tokens.numel(),
                                  "generated_sequences": generated, "generation_seed": GENERATION_SEED,
+                                 "generated_from_cache": reused,
                                  # the most sensitive Linears: their relative output error on the calibration
                                  "largest_errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:8]),
                                  "tokenizer": "tokenizer.json" if tokenizer is not None else "bytes"}
@@ -111,3 +119,42 @@ def quantize_weights(state: dict[str, Any], cfg: Any, recipe: Any, tokenizer: An
                  k.endswith(".scale") else v).cpu() for k, v in state.items()}
     record["seconds"] = round(time.perf_counter() - t, 2)
     return state, record
+
+
+def _generated(model: Any, starts: Any, length: int, cache: Path | None,
+               progress: Any) -> tuple[Any, bool]:
+    """The sequences the model writes from `starts` (calibrate.generated_tokens), and whether they were read
+    from `cache`. They depend on the checkpoint (the cache folder is its own), the start tokens, their length,
+    the seed, the dtype the model runs in, the device's sampler and the code: all of it names the file. On a 2-core CPU
+    SmolLM2-135M takes about a minute to write them, half of its fp8 calibration."""
+    import torch
+
+    from trtbuild.models import calibrate
+    from trtbuild.store.tactics import write_atomic
+
+    from trtbuild.models import llama
+
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    # the code that samples them too: a change to the model or the sampler writes them again
+    code = hashlib.sha256(b"".join(Path(m.__file__ or "").read_bytes() for m in (calibrate, llama))).hexdigest()
+    what = {"starts": starts.tolist(), "length": length, "seed": GENERATION_SEED, "dtype": dtype,
+            "device": starts.device.type, "code": code}
+    path = None
+    if cache is not None:
+        digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+        path = cache / f"generated-{digest}.pt"
+        try:
+            kept = torch.load(path, map_location=starts.device, weights_only=True)
+            if kept.shape == (len(starts), length) and bool((kept[:, 0] == starts).all()):
+                progress(f"calibration: the model's own {len(starts)} sequences of {length} tokens, "
+                         "written by an earlier build")
+                return kept, True
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+            pass  # absent or unreadable: written again below
+    progress(f"calibration: the model writes {len(starts)} sequences of {length} tokens")
+    written = calibrate.generated_tokens(model, starts, length, GENERATION_SEED)
+    if path is not None:
+        buffer = io.BytesIO()
+        torch.save(written.cpu(), buffer)
+        write_atomic(path, buffer.getvalue())
+    return written, False
