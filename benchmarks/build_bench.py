@@ -138,7 +138,7 @@ def main() -> None:
     for r in rows:
         p = r["phases"]
         # the synthetic checkpoint's writing included: the tiny rows' model is synthetic (a real one is read instead)
-        weights = p.get("write_synthetic_model_s", 0) + p.get("load_weights_s", 0) + p.get("write_weights_s", 0)
+        weights = p.get("draw_synthetic_weights_s", 0) + p.get("load_weights_s", 0) + p.get("write_weights_s", 0)
         worker = max(r["workers"].values(), default=0.0)
         print(f"{r['build']:40s} {r['wall_s']:7.1f} {r['cpu_s']:6.1f} {r['load_1min']:5.1f} {r['startup_s']:7.1f} "
               f"{weights:9.1f} {p.get('export_s', 0):8.1f} {p.get('compile_s', 0):9.1f} "

@@ -51,8 +51,8 @@ def test_first_build_is_a_miss_and_publishes_a_complete_entry(built: dict[str, A
     assert manifest["key_material"]["recipe"]["shapes"]["batch_buckets"] == [1, 2]
     phases = manifest["build"]["phases"]
     assert {"export_s", "compile_s", "load_weights_s"} <= set(phases)
-    # the synthetic checkpoint written on the way is its own phase, not part of loading the weights
-    assert phases["write_synthetic_model_s"] > 0 and phases["load_weights_s"] >= 0
+    # the synthetic weights drawn on the way are their own phase, not part of loading the weights
+    assert phases["draw_synthetic_weights_s"] > 0 and phases["load_weights_s"] >= 0
     assert not any((built["store"] / "v1" / ".tmp").iterdir()), "the build folder must be gone after publish"
 
 

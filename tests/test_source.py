@@ -82,6 +82,26 @@ def test_materialized_weights_are_those_of_the_seed(engine_store: Path, tmp_path
     assert (folder / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
 
 
+def test_a_synthetic_checkpoint_is_drawn_in_memory_with_the_numbers_its_files_would_hold(engine_store: Path) -> None:
+    """A build reads a synthetic model's weights from memory, writing config.json alone; the files, written
+    where asked for, hold the same numbers; a tensor's numbers depend on the seed and its name, not on which
+    other tensors the config has."""
+    import torch
+    from safetensors.torch import load_file
+
+    resolved = resolve(synthetic({**TINY_CONFIG, "torch_dtype": "bfloat16"}, seed=5), engine_store)
+    folder, raw, cfg, tensors = resolved.checkpoint(torch.float32)
+    assert (folder / "config.json").is_file() and not list(engine_store.rglob("*.safetensors"))
+    assert cfg.num_layers == TINY_CONFIG["num_hidden_layers"] and raw["torch_dtype"] == "bfloat16"
+    assert resolved.synthesized_s > 0 and {t.dtype for t in tensors.values()} == {torch.float32}
+    stored = load_file(str(resolved.materialize() / "model.safetensors"))
+    assert stored.keys() == tensors.keys()
+    assert all(torch.equal(stored[k].float(), tensors[k]) and stored[k].dtype == torch.bfloat16 for k in stored)
+    _, deeper = checkpoint.synthetic_checkpoint({**TINY_CONFIG, "num_hidden_layers": 3}, 5)
+    _, again = checkpoint.synthetic_checkpoint(TINY_CONFIG, 5)
+    assert all(torch.equal(deeper[k], again[k]) for k in again)
+
+
 def test_different_seeds_materialize_into_different_folders(engine_store: Path) -> None:
     a = resolve(synthetic(seed=0), engine_store).materialize()
     b = resolve(synthetic(seed=1), engine_store).materialize()

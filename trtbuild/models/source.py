@@ -26,7 +26,7 @@ from trtbuild.errors import InputError, TrtbuildError
 from trtbuild.recipe import ModelSpec
 from trtbuild.store.tactics import write_atomic
 
-SYNTHETIC_GENERATOR = 1  # bump when write_synthetic's output for a (config, seed) changes
+SYNTHETIC_GENERATOR = 2  # bump when synthetic_checkpoint's output for a (config, seed) changes
 # chat_template.jinja: where newer checkpoints keep the chat template (trtbuild/serving/generate.py reads it first)
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "chat_template.jinja"]
 RACY_NS = 2_000_000_000  # files changed more recently than this are not memoized
@@ -65,6 +65,28 @@ class ResolvedModel:
                 self.synthesized_s = time.perf_counter() - t
         self.folder = folder
         return folder
+
+    def checkpoint(self, dtype: Any) -> tuple[Path, dict[str, Any], Any, dict[str, Any]]:
+        """(a folder holding config.json, config.json's contents, the checked config, every weight the config
+        needs cast to `dtype`). A synthetic model whose files were not asked for is drawn in memory: its folder
+        (in the store's models/) gets config.json alone, which compile workers read, and `materialize` writes
+        the weights where files are wanted. Writing an 8B model's 16 GB and reading them back had been a third
+        of its build."""
+        from trtbuild.models.checkpoint import load_weights, read_config, synthetic_checkpoint, write_config
+
+        if self.spec.kind == "synthetic" and self.folder is None and self._store_models is not None:
+            assert self.spec.config is not None
+            t = time.perf_counter()
+            raw, tensors = synthetic_checkpoint(self.spec.config, self.spec.seed)
+            self.synthesized_s = time.perf_counter() - t
+            folder = self._store_models / f"synthetic-{_digest(self.identity)[:16]}.config"
+            if not (folder / "config.json").is_file():
+                write_config(folder, raw)
+            _, cfg = read_config(folder)
+            return folder, raw, cfg, {name: t.to(dtype) for name, t in tensors.items()}
+        folder = self.materialize()
+        raw, cfg = read_config(folder)
+        return folder, raw, cfg, load_weights(folder, cfg, dtype)
 
     @property
     def tokenizer(self) -> Path | None:

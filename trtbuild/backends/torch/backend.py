@@ -103,7 +103,7 @@ class TorchAOTIBackend:
 
         from trtbuild.backends.torch import weights_preload
         from trtbuild.models import compressed
-        from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
+        from trtbuild.models.checkpoint import convert_hf_state_dict
         from trtbuild.models.families import model_paths, windows_within
 
         weights_preload.discard()  # a run's guess of another entry: its device memory is the build's now
@@ -117,17 +117,17 @@ class TorchAOTIBackend:
         phases: dict[str, float] = {}
 
         t = time.perf_counter()
-        folder = job.model.materialize()
-        raw, cfg = read_config(folder)
         quantizing = recipe.precision in quantized.QUANTIZED_PRECISIONS
         # a quantized engine is quantized from the checkpoint's own numbers (fp32 on the CPU; on a GPU, bf16)
         source_dtype = torch.float32 if quantizing and device == "cpu" else dtype
-        state = convert_hf_state_dict(load_weights(folder, cfg, source_dtype), cfg)
+        folder, raw, cfg, hf = job.model.checkpoint(source_dtype)
+        state = convert_hf_state_dict(hf, cfg)
+        del hf
         # a compressed-tensors FP8 checkpoint: its Linears as stored for an fp8 engine, dequantized otherwise
         state = compressed.apply(folder, raw, cfg.num_layers, state, keep_fp8=recipe.precision == "fp8")
         phases["load_weights_s"] = time.perf_counter() - t - job.model.synthesized_s
         if job.model.synthesized_s:
-            phases["write_synthetic_model_s"] = job.model.synthesized_s
+            phases["draw_synthetic_weights_s"] = job.model.synthesized_s
         quant: dict[str, Any] | None = None
         if quantizing:
             job.progress(f"quantizing the weights to {recipe.precision}")

@@ -156,18 +156,18 @@ def build(job: BuildJob, dtype: Any, device: str, save_weights: Callable[[dict[s
     from trtbuild.backends.torch import graph_cache
     from trtbuild.backends.torch.export import export_graph
     from trtbuild.backends.torch.inductor import inductor_caches, inductor_configs
-    from trtbuild.models.checkpoint import convert_hf_state_dict, load_weights, read_config
+    from trtbuild.models.checkpoint import convert_hf_state_dict
 
     recipe, shapes, tp = job.recipe, job.recipe.shapes, job.recipe.parallel.tp
     phases: dict[str, float] = {}
     t = time.perf_counter()
-    folder = job.model.materialize()
-    raw, cfg = read_config(folder)
+    folder, raw, cfg, hf = job.model.checkpoint(dtype)
     parallel.check_divisible(cfg, tp, "model.config" if job.recipe.model.kind == "synthetic" else f"{folder}/config.json")
-    state = convert_hf_state_dict(load_weights(folder, cfg, dtype), cfg)
+    state = convert_hf_state_dict(hf, cfg)
+    del hf
     phases["load_weights_s"] = time.perf_counter() - t - job.model.synthesized_s
     if job.model.synthesized_s:
-        phases["write_synthetic_model_s"] = job.model.synthesized_s
+        phases["draw_synthetic_weights_s"] = job.model.synthesized_s
 
     t = time.perf_counter()
     for rank in range(tp):
