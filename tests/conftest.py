@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 import yaml
 
-import trtbuild  # noqa: F401  - before torch, as a user's process would (trtbuild/backends/torch/cxx.py)
+# pytest-xdist's workers, as many as the cores: with torch's default of a thread a core each, twice as many
+# threads as cores, and a small op's threads wait on each other's time slices (the tiny GPTQ tests took 30-150
+# s beside SmolLM2's quality tests, 2-5 s alone). One thread a worker, and for the processes it starts.
+if os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import trtbuild  # noqa: F401,E402  - before torch, as a user's process would (trtbuild/backends/torch/cxx.py)
 
 REPO = Path(__file__).resolve().parent.parent
 

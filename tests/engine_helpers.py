@@ -42,9 +42,9 @@ def eager_disagreements(folder: Path, prompts: list[list[int]], tokens: list[lis
     (teacher forcing, so one early difference does not make every later token differ).
 
     A token counts as the eager model's if its logit is within two bf16 steps of the best one: a kernel
-    that sums in fp32 and rounds once may take the other side of a tie that bf16 rounding made (the tiny
-    test model's third token: 14 and 31 both 2.3906 in bf16, 2.3809 against 2.4002 in fp32; the H200's
-    fused kernels chose 31). A wrong kernel lands far outside that."""
+    that sums in fp32 and rounds once may take the other side of a tie that bf16 rounding made (on a tiny
+    test model's third token, 2026-12-04, two tokens were both 2.3906 in bf16, 2.3809 against 2.4002 in fp32,
+    and the H200's fused kernels chose the one bf16 eager did not). A wrong kernel lands far outside that."""
     model = _eager_model(folder, len(prompts), max_seq_len, dtype, device)
     t = len(prompts[0])
     chosen = torch.tensor(tokens, device=device)
