@@ -42,6 +42,11 @@ class ResolvedModel:
     # report it apart from loading, which a real checkpoint pays alone
     synthesized_s: float = 0.0
 
+    @property
+    def digest(self) -> str:
+        """The identity's sha256 (canonical JSON): what names the model's own folders in a store."""
+        return _digest(self.identity)
+
     def materialize(self) -> Path:
         """The model as files on disk; writes a synthetic model the first time it is needed."""
         if self.folder is not None and (self.folder / "config.json").is_file():
@@ -52,7 +57,7 @@ class ResolvedModel:
             raise TrtbuildError(f"model folder {self.folder} is gone")
         from trtbuild.models.checkpoint import write_synthetic
 
-        folder = self._store_models / f"synthetic-{_digest(self.identity)[:16]}"
+        folder = self._store_models / f"synthetic-{self.digest[:16]}"
         with FileLock(str(folder) + ".lock"):
             if not (folder / "config.json").is_file():
                 # named for its writer, so the next build on this host removes it if the writer died
@@ -79,7 +84,7 @@ class ResolvedModel:
             t = time.perf_counter()
             raw, tensors = synthetic_checkpoint(self.spec.config, self.spec.seed)
             self.synthesized_s = time.perf_counter() - t
-            folder = self._store_models / f"synthetic-{_digest(self.identity)[:16]}.config"
+            folder = self._store_models / f"synthetic-{self.digest[:16]}.config"
             if not (folder / "config.json").is_file():
                 write_config(folder, raw)
             _, cfg = read_config(folder)

@@ -133,8 +133,7 @@ class TorchAOTIBackend:
             job.progress(f"quantizing the weights to {recipe.precision}")
             # the sequences the model writes for its calibration, kept beside the tactics for its next build
             # (another precision, other shapes): a folder for each checkpoint
-            generated = job.tactics.path / "calibration" / hashlib.sha256(
-                json.dumps(job.model.identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+            generated = job.tactics.path / "calibration" / job.model.digest[:16]
             state, quant = quantized.quantize_weights(state, cfg, recipe, job.model.tokenizer, device, job.progress,
                                                       generated)
             phases["quantize_s"] = quant["seconds"]

@@ -125,14 +125,12 @@ def _generated(model: Any, starts: Any, length: int, cache: Path | None,
                progress: Any) -> tuple[Any, bool]:
     """The sequences the model writes from `starts` (calibrate.generated_tokens), and whether they were read
     from `cache`. They depend on the checkpoint (the cache folder is its own), the start tokens, their length,
-    the seed, the dtype the model runs in, the device's sampler and the code: all of it names the file. On a 2-core CPU
-    SmolLM2-135M takes about a minute to write them, half of its fp8 calibration."""
+    the seed, the dtype the model runs in, the device's sampler and the code: all of it names the file. On a
+    2-core CPU SmolLM2-135M takes about a minute to write them, half of its fp8 calibration."""
     import torch
 
-    from trtbuild.models import calibrate
+    from trtbuild.models import calibrate, llama
     from trtbuild.store.tactics import write_atomic
-
-    from trtbuild.models import llama
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     # the code that samples them too: a change to the model or the sampler writes them again
