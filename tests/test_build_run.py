@@ -15,6 +15,7 @@ from trtbuild.builder import build
 from trtbuild.errors import EngineMissingError
 from trtbuild.recipe import load_recipe
 from trtbuild.runner import open_session, run_report
+from trtbuild.store.digests import file_sha256
 from trtbuild.store.local import Store
 
 from .conftest import read_json_line, run_cli, tiny_recipe_doc, write_recipe
@@ -54,6 +55,9 @@ def test_first_build_is_a_miss_and_publishes_a_complete_entry(built: dict[str, A
     # the synthetic weights drawn on the way are their own phase, not part of loading the weights
     assert phases["draw_synthetic_weights_s"] > 0 and phases["load_weights_s"] >= 0
     assert not any((built["store"] / "v1" / ".tmp").iterdir()), "the build folder must be gone after publish"
+    # the weights were hashed while the graphs compiled; publish took that digest, and it is the file's
+    assert result["phases"]["hash_during_build_s"] > 0 and result["phases"]["publish_s"] >= 0
+    assert manifest["files"]["weights.safetensors"]["sha256"] == file_sha256(entry / "weights.safetensors")
 
 
 def test_on_the_cpu_the_prefill_and_the_decode_buckets_share_one_step_program_compiled_once(

@@ -32,6 +32,7 @@ from trtbuild.models.source import ResolvedModel, resolve
 from trtbuild.recipe import Recipe
 from trtbuild.store.fleet import read_through
 from trtbuild.store.remote import configured_url
+from trtbuild.store.digests import FileDigests
 from trtbuild.store.local import SCHEMA, Entry, Store, key_of
 from trtbuild.store.tactics import TacticCache
 from trtbuild.timing import apply_threads
@@ -225,11 +226,12 @@ def _build_locked(recipe: Recipe, store: Store, backend: backends.Backend, model
 
     t_build = time.perf_counter()
     workdir = store.new_workdir(recipe.name, key)
+    digests = FileDigests(workdir)  # the files the backend calls final are hashed while it goes on
     try:
         tactics = TacticCache.for_build(store.tactics_dir, recipe.backend, material["device"],
                                         material["backend"]["toolchain"])
         job = BuildJob(recipe=recipe, model=model, workdir=workdir, tactics=tactics,
-                       device=material["device"], progress=progress_with_faults)
+                       device=material["device"], progress=progress_with_faults, finished=digests.add)
         with framework_quiet():
             output = backend.build(job)
         fault_point("before_publish")
@@ -250,8 +252,11 @@ def _build_locked(recipe: Recipe, store: Store, backend: backends.Backend, model
             "last_used": now,
             "trtbuild_version": __version__,
         }
-        entry = store.publish(workdir, recipe.name, key, manifest)
+        t_publish = time.perf_counter()
+        entry = store.publish(workdir, recipe.name, key, manifest, known=digests.known())
+        publish_s = time.perf_counter() - t_publish
     except OSError as exc:
+        digests.cancel()
         shutil.rmtree(workdir, ignore_errors=True)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
             raise InputError(f"engine store {store.root}: {exc.strerror} while building '{recipe.name}'; "
@@ -259,11 +264,17 @@ def _build_locked(recipe: Recipe, store: Store, backend: backends.Backend, model
                              "writable disk") from None
         raise
     except BaseException:
+        digests.cancel()
         shutil.rmtree(workdir, ignore_errors=True)
         raise
+    # what the user waited for includes publishing (the manifest's total_s, written before it, does not)
+    build_s += publish_s
     store.record("build", key=key, name=recipe.name, build_s=build_s)
     reused = list(output.tactics.get("compiled_graphs_reused", [])) if isinstance(output.tactics, dict) else []
-    return BuildOutcome(entry, False, 0.0, build_s, model, phases=dict(output.phases), reused=reused)
+    phases = dict(output.phases) | {"publish_s": publish_s}
+    if digests.seconds:
+        phases["hash_during_build_s"] = digests.seconds  # overlapped the phases after the weights were written
+    return BuildOutcome(entry, False, 0.0, build_s, model, phases=phases, reused=reused)
 
 
 def _missing(recipe: Recipe, store: Store, material: dict[str, Any], key: str,

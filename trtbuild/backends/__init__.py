@@ -33,6 +33,8 @@ class BuildJob:
     tactics: "TacticCache"
     device: dict[str, Any]
     progress: Callable[[str], None] = lambda message: None
+    # a file in `workdir` is written for good: the store may hash it now, while the build goes on
+    finished: Callable[[Path], None] = lambda path: None
 
 
 @dataclass

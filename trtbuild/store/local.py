@@ -39,6 +39,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from trtbuild.errors import InputError
+from trtbuild.store.digests import file_sha256, fsync_file
 from trtbuild.store.tactics import write_atomic
 
 SCHEMA = "v1"  # the key schema and layout version; part of every key
@@ -265,13 +266,18 @@ class Store:
                     removed.append(path)
         return removed
 
-    def publish(self, workdir: Path, name: str, key: str, manifest: dict[str, Any]) -> Entry:
-        """Hash every file, write the manifest last, fsync, and rename the folder into place."""
+    def publish(self, workdir: Path, name: str, key: str, manifest: dict[str, Any],
+                known: dict[str, dict[str, Any]] | None = None) -> Entry:
+        """Hash every file, write the manifest last, fsync, and rename the folder into place. `known` holds the
+        digests a FileDigests took during the build (those files already flushed), each still matching its file."""
         files = {}
         for f in sorted(p for p in workdir.rglob("*") if p.is_file()):
             rel = f.relative_to(workdir).as_posix()
+            if known and rel in known and known[rel]["size"] == f.stat().st_size:
+                files[rel] = dict(known[rel])
+                continue
             files[rel] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
-            _fsync(f)
+            fsync_file(f)
         # verified stays False: the first process to use the entry hashes every file once more,
         # which catches what went wrong between this write and that use.
         manifest = {**manifest, "files": files, "verified": False}
@@ -385,18 +391,6 @@ def verify(entry: Entry, *, full: bool) -> list[str]:
             problems.append(f"{rel}: sha256 differs from the manifest")
     return problems
 
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

@@ -144,6 +144,7 @@ class TorchAOTIBackend:
         tied = cfg.tie_word_embeddings and "output.weight" in state
         stored = {k: v.contiguous() for k, v in state.items() if not (tied and k == "output.weight")}
         save_weights(stored, job.workdir / WEIGHTS)
+        job.finished(job.workdir / WEIGHTS)
         phases["write_weights_s"] = time.perf_counter() - t
         del state, stored
 

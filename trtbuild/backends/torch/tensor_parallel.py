@@ -177,6 +177,7 @@ def build(job: BuildJob, dtype: Any, device: str, save_weights: Callable[[dict[s
             del shards["output.weight"]  # the runtime ties it to the embedding's shard, as for one rank
         (job.workdir / f"rank{rank}").mkdir(parents=True)
         save_weights(shards, job.workdir / f"rank{rank}" / "weights.safetensors")
+        job.finished(job.workdir / f"rank{rank}" / "weights.safetensors")
     phases["write_weights_s"] = time.perf_counter() - t
 
     graphs: dict[str, dict[str, Any]] = {}
