@@ -44,6 +44,7 @@ from gate_report import row  # noqa: E402
 
 BF16, FP8, INT4 = "recipes/llama-3.2-1b.yaml", "recipes/llama-3.2-1b-fp8.yaml", "recipes/llama-3.2-1b-int4.yaml"
 TINY = "recipes/tiny-llama.yaml"
+BF16_8B = "recipes/llama-3.1-8b.yaml"
 SEED_PART = 15 << 20  # a returned file may have 16 MiB
 STARTUP_S = 20.0  # a cold machine's first `import torch` and CUDA context (results/2026-12-06-h100-1b/session.log)
 
@@ -102,6 +103,10 @@ STEPS = {
     "serve_captured": Step("serve 1B paged, captured chunks vs the mixed step, 64 clients", 0, 150, 130,
                            "estimated: four servers' load and captures (~25 s each) and a 64-client level; the "
                            "paged engine built by serve_paged (~120 s more where it was not)"),
+    # not in a part (a call of its own): the 8B served from its paged pool, 16 and 64 clients, the shared prefix
+    "serve_8b": Step("serve 8B paged: 16 and 64 clients, shared prefix", 0, 360, 150,
+                     "results/2026-12-07-h100-8b-serve: its paged engine built cold in ~220 s (Inductor 62 s), then "
+                     "three servers of ~25-35 s each (load, captures, the levels)"),
     "paged_probe": Step("paged chunk and decode step alone", 3, 20, 20,
                         "results/2026-12-07-h100-gate-2: 16 s (the paged engine found in the store)"),
     # not in a part: the GPU tests of the kernels and paths a change touched, run where the gate runs (`--only`)
@@ -123,7 +128,8 @@ STEPS = {
 
 # The steps whose rows move with the host's speed (compiling; a server's Python under load): judged beside it
 # (gate_report.HOST_TOLERANCE)
-HOST_BOUND = {"build_bf16", "build_fp8", "build_int4", "build_int4_head", "serve", "serve_paged", "serve_captured"}
+HOST_BOUND = {"build_bf16", "build_fp8", "build_int4", "build_int4_head", "serve", "serve_paged", "serve_captured",
+              "serve_8b"}
 
 
 def plan_text(seeded: bool) -> str:
@@ -486,13 +492,30 @@ def serve_captured_step(g: Gate) -> None:
 def serve_paged_step(g: Gate) -> None:
     """`trtbuild serve` of the bf16 recipe with the paged KV cache (serve_bench.py --paged): the random workload at
     1, 16, 64 and 256 clients, and the shared-prefix one at 64 clients with the prefix cache on and off."""
-    path = recipes(g)["bf16"]
-    tag = f"{label(g)} paged serve"
     levels = "1,4,8" if g.args.tiny else "1,16,64,256"
-    top, mid = levels.split(",")[-1], levels.split(",")[-2]
-    runs = {"random": ("random", levels, ""), "prefix": ("shared-prefix", mid, ""),
-            "no-prefix": ("shared-prefix", mid, "--no-prefix-cache")}
-    figs = {key: paged_serve_bench(g, key, path, workload, conc, flags) for key, (workload, conc, flags) in runs.items()}
+    paged_serving_rows(g, recipes(g)["bf16"], f"{label(g)} paged serve", levels, levels.split(",")[-2], work="")
+
+
+def serve_8b_step(g: Gate) -> None:
+    """The 8B bf16 recipe served from its paged pool: the random workload at 16 and 64 clients, the shared prefix
+    at 64 with the prefix cache on and off, and at 64 clients the TTFT p50 (<= 100 ms) and the time between a
+    stream's tokens against the decode step's floor (p99 <= 1.5x). The smoke run serves the tiny recipe."""
+    levels = "4,8" if g.args.tiny else "16,64"
+    paged_serving_rows(g, TINY if g.args.tiny else BF16_8B, "tiny paged serve (8B step)" if g.args.tiny else
+                       "8B paged serve", levels, levels.split(",")[-1], work="8b-", ttft_ms=100.0, between=1.5)
+
+
+def paged_serving_rows(g: Gate, path: str, tag: str, levels: str, at: str, work: str, ttft_ms: float | None = None,
+                       between: float | None = None) -> None:
+    """serve_bench.py --paged of `path`: the random workload at each of `levels` (0.6 of the floor the target at
+    `at`; the last level's clients all running at once), the shared prefix at `at` on and off, and optionally at
+    `at` the TTFT p50 against `ttft_ms` and the TPOT p99 against `between` x the decode step's floor. `work`
+    prefixes the children's folders."""
+    top = levels.split(",")[-1]
+    runs = {"random": ("random", levels, ""), "prefix": ("shared-prefix", at, ""),
+            "no-prefix": ("shared-prefix", at, "--no-prefix-cache")}
+    figs = {key: paged_serve_bench(g, f"{work}{key}", path, workload, conc, flags)
+            for key, (workload, conc, flags) in runs.items()}
 
     def level(key: str, n: str) -> dict[str, Any] | None:
         f = figs.get(key, {}).get(n)
@@ -512,8 +535,8 @@ def serve_paged_step(g: Gate) -> None:
             g.add(row(name, None, "tok/s", g.part, status=status, note=note))
             continue
         frac = f.get("fraction_of_floor")
-        g.add(row(name, f["output_tok_per_s"], "tok/s", g.part, target="0.6 of the workload's floor" if n == mid else "",
-                  met=(frac >= 0.6) if n == mid and frac is not None else None,
+        g.add(row(name, f["output_tok_per_s"], "tok/s", g.part, target="0.6 of the workload's floor" if n == at else "",
+                  met=(frac >= 0.6) if n == at and frac is not None else None,
                   note=f"{frac:.2f} of the workload's floor; TTFT p50 {f['ttft_ms']['p50']:.0f} ms, p99 "
                        f"{f['ttft_ms']['p99']:.0f} ms; TPOT p50 {f['tpot_ms']['p50']:.2f} ms; peak running "
                        f"{f.get('peak_running')}; {f['requests']} requests; preemptions {f['preemptions']:.0f}"
@@ -526,12 +549,33 @@ def serve_paged_step(g: Gate) -> None:
     else:
         g.add(row(name, f.get("peak_running"), "requests", g.part, target=f"{top} at once",
                   met=(f.get("peak_running") or 0) >= int(top), note="/metrics' running requests, read every 0.1 s"))
-    on, off = level("prefix", mid), level("no-prefix", mid)
+    f = level("random", at)
+    if ttft_ms is not None:
+        name = f"{tag} {at} clients TTFT p50"
+        g.add(row(name, f["ttft_ms"]["p50"], "ms", g.part, target=f"<= {ttft_ms:g} ms", met=f["ttft_ms"]["p50"] <= ttft_ms,
+                  note=f"{f.get('ttft_ms_first_wave_p50') or 0:.0f} ms in the first wave, "
+                       f"{f.get('ttft_ms_after_p50') or 0:.0f} after it") if f else
+              row(name, None, "ms", g.part, status=missing("random", at)[0], note=missing("random", at)[1]))
+    if between is not None:
+        name = f"{tag} {at} clients: TPOT p99 over the decode step's floor"
+        steps = (f or {}).get("decode_steps") or {}
+        widest = max(steps, key=int) if steps else None
+        floor = steps[widest].get("floor_ms") if widest else None
+        if f is None or not floor:
+            g.add(row(name, None, "x step floor", g.part, status="not run" if f else missing("random", at)[0],
+                      note="no decode step's floor (a device's copy rate and the engine's bytes)" if f
+                      else missing("random", at)[1]))
+        else:
+            ratio = f["tpot_ms"]["p99"] / floor
+            g.add(row(name, ratio, "x step floor", g.part, target=f"<= {between:g}x", met=ratio <= between,
+                      note=f"TPOT p99 {f['tpot_ms']['p99']:.2f} ms; the b{widest} step's floor {floor:.2f} ms "
+                           f"(its mean {steps[widest]['mean_ms']:.2f} ms at {steps[widest]['mean_rows']:.1f} rows)"))
+    on, off = level("prefix", at), level("no-prefix", at)
     for what, unit_key, target in (("TTFT p50", "ttft", 3.0), ("output tok/s", "tput", 2.0)):
-        name = f"{tag} shared prefix {mid} clients: {what} gain from the prefix cache"
+        name = f"{tag} shared prefix {at} clients: {what} gain from the prefix cache"
         if on is None or off is None:
             key = "prefix" if on is None else "no-prefix"
-            status, note = missing(key, mid)
+            status, note = missing(key, at)
             g.add(row(name, None, "x gain", g.part, status=status, note=note))
             continue
         gain = (off["ttft_ms"]["p50"] / on["ttft_ms"]["p50"] if unit_key == "ttft"
@@ -729,14 +773,15 @@ RUNNERS: dict[str, Callable[[Gate], None]] = {
     "bench_quant_head": lambda g: bench_quant_step(g, ("fp8", "int4", "int4_head")),
     "bench_head": lambda g: bench_quant_step(g, ("int4_head",)),
     "profile_int4_head": lambda g: profile_step(g, "int4_head", "1,8"),
-    "serve_paged": serve_paged_step, "serve_captured": serve_captured_step, "paged_probe": paged_probe_step,
+    "serve_paged": serve_paged_step, "serve_8b": serve_8b_step, "serve_captured": serve_captured_step,
+    "paged_probe": paged_probe_step,
     "smollm2": smollm2_step,
     "gpu_tests": gpu_tests_step, "gptq": lambda g: gptq_step(g),
 }
 # One call (--part all): part 2's short steps before part 1's torch.compile, whose tail is the longest
 ALL_ORDER = ("build_bf16", "profile", "serve", "build_fp8", "build_int4", "bench_quant", "bench_int4", "profile_int4",
              "build_int4_head", "bench_int4_head", "bench_quant_head", "bench_head", "profile_int4_head",
-             "serve_paged", "serve_captured", "paged_probe", "gpu_tests", "gptq", "smollm2", "bench_bf16")
+             "serve_paged", "serve_captured", "paged_probe", "serve_8b", "gpu_tests", "gptq", "smollm2", "bench_bf16")
 
 
 # -- seeds ----------------------------------------------------------------------------------------------------------------

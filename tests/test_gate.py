@@ -240,3 +240,39 @@ def test_the_gptq_rows_take_each_formats_fastest_way_and_fail_where_a_way_stored
     probe[2]["same_as_eager"]["graphs"] = False
     bad = {r["name"]: r for r in gate.gptq_rows(probe, 0)}["GPTQ's ways store what the eager loop does"]
     assert bad["value"] == 2 and _judge(bad)["verdict"] == "FAILED" and "int4" in bad["note"]
+
+
+def test_the_8b_serving_step_judges_ttft_and_the_time_between_tokens_at_64_clients(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its rows from serve_bench's figures: 0.6 of the floor at 64 clients, 64 running at once, TTFT p50 against
+    100 ms, TPOT p99 over the widest decode bucket's floor against 1.5x, and the prefix cache's two gains."""
+    def level(tput: float, ttft: float, tpot_p99: float) -> dict[str, Any]:
+        return {"requests": 256, "errors": [], "output_tok_per_s": tput, "fraction_of_floor": tput / 5000,
+                "ttft_ms": {"p50": ttft, "p99": 4 * ttft}, "tpot_ms": {"p50": tpot_p99 - 0.5, "p99": tpot_p99},
+                "peak_running": 64, "preemptions": 0.0, "prefix_hits": 100.0,
+                "decode_steps": {"8": {"mean_ms": 7.0, "floor_ms": 5.0, "mean_rows": 6.0},
+                                 "64": {"mean_ms": 8.3, "floor_ms": 6.4, "mean_rows": 60.0}}}
+
+    figs = {"8b-random": {"16": level(1700, 60, 8.8), "64": level(3700, 123, 15.8)},
+            "8b-prefix": {"64": level(6100, 70, 9.9)}, "8b-no-prefix": {"64": level(2600, 590, 19.3)}}
+    called: list[tuple[str, str, str]] = []
+
+    def fake(g: gate.Gate, key: str, path: str, workload: str, conc: str, flags: str) -> dict[str, Any]:
+        called.append((key, path, conc))
+        return figs[key]
+
+    monkeypatch.setattr(gate, "paged_serve_bench", fake)
+    g = gate.Gate(gate.parse(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                              "--engines", str(tmp_path / "e")]))
+    g.report, g.part = {"part": "all", "rows": []}, 0
+    gate.serve_8b_step(g)
+    assert {c[1] for c in called} == {"recipes/llama-3.1-8b.yaml"} and called[0][2] == "16,64"
+    rows = {r["name"]: r for r in g.report["rows"]}
+    assert rows["8B paged serve 64 clients output tok/s"]["met"] is True  # 0.74 of the floor
+    assert rows["8B paged serve 64 clients: most requests running at once"]["met"] is True
+    ttft = rows["8B paged serve 64 clients TTFT p50"]
+    assert ttft["value"] == 123 and ttft["met"] is False
+    between = rows["8B paged serve 64 clients: TPOT p99 over the decode step's floor"]
+    assert between["value"] == pytest.approx(15.8 / 6.4) and between["met"] is False
+    assert rows["8B paged serve shared prefix 64 clients: output tok/s gain from the prefix cache"]["value"] == \
+        pytest.approx(6100 / 2600)
