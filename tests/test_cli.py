@@ -196,3 +196,41 @@ def test_threads_default_to_the_free_cores_and_a_wide_tail_is_called_unstable(tm
         extra = ["--text", str(recipe)] if command == "eval" else []
         result = CliRunner().invoke(main, [command, str(recipe), *extra, "--threads", "0"])
         assert result.exit_code == 2 and "--threads" in result.output, (command, result.output)
+
+
+_ENTRY_PROBE = '''
+import atexit, sys
+{torch}
+from trtbuild.cli import entry
+
+
+class TornDown:
+    def __del__(self) -> None:
+        sys.__stderr__.write("torn down\\n")
+
+
+keep = TornDown()
+atexit.register(lambda: print("exit handlers ran", flush=True))
+sys.argv = ["trtbuild", *sys.argv[1:]]
+entry()
+'''
+
+
+@pytest.mark.parametrize("torch_loaded", [True, False])
+def test_the_process_entry_skips_the_teardown_once_torch_is_loaded_keeping_status_and_output(
+        tmp_path: Path, torch_loaded: bool) -> None:
+    """With torch imported, the process ends after the exit handlers without the interpreter tearing its modules
+    down (a module's object is never finalized); the status and every line written are the command's. Without
+    torch the process exits as any Python program (the object is finalized: the probe can tell)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(_ENTRY_PROBE.format(torch="import torch" if torch_loaded else ""))
+    ok = subprocess.run([sys.executable, str(script), "--version"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "version" in ok.stdout and "exit handlers ran" in ok.stdout, ok
+    assert ("torn down" in ok.stderr) is not torch_loaded
+    bad = subprocess.run([sys.executable, str(script), "build", str(tmp_path / "missing.yaml")], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "Error:" in bad.stderr and "recipe file not found" in bad.stderr, bad
+    assert "exit handlers ran" in bad.stdout and ("torn down" in bad.stderr) is not torch_loaded

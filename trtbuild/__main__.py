@@ -1,4 +1,4 @@
-from trtbuild.cli import main
+from trtbuild.cli import entry
 
 if __name__ == "__main__":  # not when a spawned worker process imports the parent's main module
-    main()
+    entry()
