@@ -61,7 +61,8 @@ class Step:
 # In the order they run: in each part the longest, least predictable tail last (torch.compile's autotuning in
 # part 1), so a cut-off costs the fewest rows. Estimates on an H100.
 STEPS = {
-    "build_bf16": Step("build 1B bf16", 1, 80, 75,
+    "build_bf16": Step("build 1B bf16", 1, 65, 60,
+                       "results/2026-12-07-h100-gate-5: 54 s cold on a fresh H100 (matmul selection 22 s, compile 23 s); "
                        "results/2026-12-07-h100-gate-2: 74 s cold on an H100 (matmul selection 27 s, compile 25 s); "
                        "results/2026-12-07-h100-gate: 107.7 s cold before CUDA builds skipped the vector-ISA checks; "
                        "results/2026-12-06-h100-gate-2: 105 s with the matmul timings seeded, the graphs compiled"),
@@ -72,9 +73,11 @@ STEPS = {
                        "max-autotune; a seeded Inductor cache skips the autotuning"),
     "serve": Step("serve 1B, 16 streams, 20 s", 2, 66, 55,
                   "results/2026-12-06-h100-gate-2: 54 s (server load and warm-up, 20 s of load, drain)"),
-    "build_fp8": Step("build 1B fp8", 2, 155, 120,
-                      "results/2026-12-06-h100-gate-3: 151 s on a fresh H100; -gate-2: 116 s after the bf16 build"),
-    "build_int4": Step("build 1B int4_wo", 2, 120, 120,
+    "build_fp8": Step("build 1B fp8", 2, 70, 65,
+                      "results/2026-12-07-h100-gate-5: 57 s after the bf16 build (selection 23 s, compile 24 s); "
+                      "results/2026-12-06-h100-gate-3: 151 s on a fresh H100 before the compile's changes"),
+    "build_int4": Step("build 1B int4_wo", 2, 70, 65,
+                       "results/2026-12-07-h100-gate-5: 58 s cold after the fp8 build (selection 23 s, compile 25 s); "
                        "results/2026-12-07-h100-gate-3: 107 s cold (matmul selection 67 s, compile 29 s); "
                        "-2026-12-06-h100-gate-4: 196 s with the matmul timings seeded and its graphs compiled "
                        "(int8 down projections, new graphs); -gate-3: 182 s on a fresh H100"),
@@ -110,14 +113,15 @@ STEPS = {
     "paged_probe": Step("paged chunk and decode step alone", 3, 20, 20,
                         "results/2026-12-07-h100-gate-2: 16 s (the paged engine found in the store)"),
     # not in a part: the GPU tests of the kernels and paths a change touched, run where the gate runs (`--only`)
-    "gpu_tests": Step("GPU tests: quantized op, GPTQ loops, paged steps", 0, 120, 120,
+    "gpu_tests": Step("GPU tests: quantized op, GPTQ loops, paged steps", 0, 100, 100,
+                      "results/2026-12-07-h100-gate-5: 93 s (quantized op 25 s, GPTQ loops 9 s, the paged test 59 s); "
                       "results/2026-12-07-h100-gate-3: 89 s (the quantized op's 15 tests 32 s; the paged test 57 s, "
                       "a 2-layer paged bf16 engine built and its steps captured); results/2026-12-07-h100-quant-loops: "
                       "78 s (27 s and 50 s); the GPTQ loops' 3 tests not yet timed (~20 s guessed: a pytest start, "
                       "one kernel compile, the eager loops over 2,048 + 2,624 columns)"),
     # not in a part: GPTQ's column loops (a build's quantize phase) each way, at the 8B's shapes
-    "gptq": Step("GPTQ's loops at the 8B's shapes: eager, captured, kernel", 0, 60, 60,
-                 "estimated: the eager loops over one 8B layer's 26,624 columns twice (fp8, int4) at ~0.2 ms a "
+    "gptq": Step("GPTQ's loops at the 8B's shapes: eager, captured, kernel", 0, 25, 25,
+                 "results/2026-12-07-h100-gate-5: 17 s; before it ran, estimated: the eager loops over one 8B layer's 26,624 columns twice (fp8, int4) at ~0.2 ms a "
                  "column, the other ways in seconds"),
     # last, where its time is left
     "smollm2": Step("SmolLM2 greedy vs transformers", 3, 115, 115,
