@@ -30,9 +30,9 @@ from trtbuild.backends import BuildJob
 from trtbuild.errors import EngineMissingError, InputError
 from trtbuild.models.source import ResolvedModel, resolve
 from trtbuild.recipe import Recipe
+from trtbuild.store.digests import FileDigests
 from trtbuild.store.fleet import read_through
 from trtbuild.store.remote import configured_url
-from trtbuild.store.digests import FileDigests
 from trtbuild.store.local import SCHEMA, Entry, Store, key_of
 from trtbuild.store.tactics import TacticCache
 from trtbuild.timing import apply_threads
