@@ -44,6 +44,19 @@ LEVELS = (1, 16, 64, 256)
 SYSTEM_PROMPT, QUESTION, OUT = 1000, 64, 128  # the shared-prefix workload: one system prompt, a question each
 
 
+def server_missing() -> str | None:
+    """Why `trtbuild serve` could not start here, checked before anything is built: a lent GPU machine's Python
+    lacks FastAPI and uvicorn until their wheels are installed (docs/gate.md), and a run that builds first finds
+    out minutes later. The check runs in a child as the server will (this interpreter and environment, from the
+    repository)."""
+    proc = subprocess.run([sys.executable, "-c", "from trtbuild.serving.server import require; require()"],
+                          capture_output=True, text=True, cwd=REPO)
+    if proc.returncode == 0:
+        return None
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit {proc.returncode}"
+
+
 # -- the workload ---------------------------------------------------------------------------------------------
 def workload(count: int, max_input: int, max_seq: int, quick: bool, vocab: int, seed: int = 0,
              kind: str = "random") -> list[dict[str, Any]]:
@@ -500,6 +513,8 @@ def main() -> None:
     ap.add_argument("--load-timeout", type=float, default=900.0, help="seconds for the server to load and warm up")
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    if why := server_missing():
+        sys.exit(f"serve_bench: trtbuild serve cannot start with this Python, nothing built or run: {why}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()

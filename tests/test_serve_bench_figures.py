@@ -22,3 +22,22 @@ def test_the_first_wave_s_ttft_is_told_apart_from_the_requests_after_it() -> Non
     assert [r[0] for r in fig["per_request"]] == [0.0, 0.001, 0.002, 0.5, 0.6]
     assert fig["per_request"][1] == [0.001, 512, 1, 200.0, 5.0]
     assert serve_bench.ttft_waves([], clients=4)["ttft_ms_first_wave_p50"] is None
+
+
+def test_a_python_without_the_servers_packages_is_refused_before_anything_is_built(tmp_path: Path) -> None:
+    """A lent GPU machine's Python lacked FastAPI: serve_bench built an 8B engine for minutes, then every server
+    failed. Now it stops first, naming the missing package, and builds nothing."""
+    import os
+    import subprocess
+
+    hidden = tmp_path / "hide"
+    hidden.mkdir()
+    (hidden / "fastapi.py").write_text("raise ImportError('hidden for this test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden), os.environ.get("PYTHONPATH", "")])}
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "serve_bench.py"), "recipes/tiny-llama.yaml",
+                           "--quick", "--engines", str(tmp_path / "engines"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=repo, env=env, timeout=120)
+    assert proc.returncode != 0 and "fastapi" in proc.stderr and "nothing built" in proc.stderr, proc.stderr[-800:]
+    assert not (tmp_path / "engines").exists() and not (tmp_path / "out").exists()
+    assert serve_bench.server_missing() is None  # this Python has them
