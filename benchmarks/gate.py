@@ -62,7 +62,8 @@ class Step:
 # part 1), so a cut-off costs the fewest rows. Estimates on an H100.
 STEPS = {
     "build_bf16": Step("build 1B bf16", 1, 65, 60,
-                       "results/2026-12-07-h100-gate-5: 54 s cold on a fresh H100 (matmul selection 22 s, compile 23 s); "
+                       "results/2026-12-07-h100-gate-5: 54 s cold on a fresh H100 (matmul selection 22 s, "
+                       "compile 23 s); "
                        "results/2026-12-07-h100-gate-2: 74 s cold on an H100 (matmul selection 27 s, compile 25 s); "
                        "results/2026-12-07-h100-gate: 107.7 s cold before CUDA builds skipped the vector-ISA checks; "
                        "results/2026-12-06-h100-gate-2: 105 s with the matmul timings seeded, the graphs compiled"),
@@ -121,8 +122,8 @@ STEPS = {
                       "one kernel compile, the eager loops over 2,048 + 2,624 columns)"),
     # not in a part: GPTQ's column loops (a build's quantize phase) each way, at the 8B's shapes
     "gptq": Step("GPTQ's loops at the 8B's shapes: eager, captured, kernel", 0, 25, 25,
-                 "results/2026-12-07-h100-gate-5: 17 s; before it ran, estimated: the eager loops over one 8B layer's 26,624 columns twice (fp8, int4) at ~0.2 ms a "
-                 "column, the other ways in seconds"),
+                 "results/2026-12-07-h100-gate-5: 17 s; before it ran, estimated: the eager loops over one 8B "
+                 "layer's 26,624 columns twice (fp8, int4) at ~0.2 ms a column, the other ways in seconds"),
     # last, where its time is left
     "smollm2": Step("SmolLM2 greedy vs transformers", 3, 115, 115,
                     "results/2026-12-06-h100-gate-2: 111 s (unpack, a 135M engine at tactics level none, "
@@ -554,21 +555,26 @@ def paged_serving_rows(g: Gate, path: str, tag: str, levels: str, at: str, work:
         g.add(row(name, f.get("peak_running"), "requests", g.part, target=f"{top} at once",
                   met=(f.get("peak_running") or 0) >= int(top), note="/metrics' running requests, read every 0.1 s"))
     f = level("random", at)
+    status, note = ("ok", "") if f else missing("random", at)
     if ttft_ms is not None:
         name = f"{tag} {at} clients TTFT p50"
-        g.add(row(name, f["ttft_ms"]["p50"], "ms", g.part, target=f"<= {ttft_ms:g} ms", met=f["ttft_ms"]["p50"] <= ttft_ms,
-                  note=f"{f.get('ttft_ms_first_wave_p50') or 0:.0f} ms in the first wave, "
-                       f"{f.get('ttft_ms_after_p50') or 0:.0f} after it") if f else
-              row(name, None, "ms", g.part, status=missing("random", at)[0], note=missing("random", at)[1]))
+        if f is None:
+            g.add(row(name, None, "ms", g.part, status=status, note=note))
+        else:
+            g.add(row(name, f["ttft_ms"]["p50"], "ms", g.part, target=f"<= {ttft_ms:g} ms",
+                      met=f["ttft_ms"]["p50"] <= ttft_ms,
+                      note=f"{f.get('ttft_ms_first_wave_p50') or 0:.0f} ms in the first wave, "
+                           f"{f.get('ttft_ms_after_p50') or 0:.0f} after it"))
     if between is not None:
         name = f"{tag} {at} clients: TPOT p99 over the decode step's floor"
         steps = (f or {}).get("decode_steps") or {}
         widest = max(steps, key=int) if steps else None
         floor = steps[widest].get("floor_ms") if widest else None
-        if f is None or not floor:
-            g.add(row(name, None, "x step floor", g.part, status="not run" if f else missing("random", at)[0],
-                      note="no decode step's floor (a device's copy rate and the engine's bytes)" if f
-                      else missing("random", at)[1]))
+        if f is None:
+            g.add(row(name, None, "x step floor", g.part, status=status, note=note))
+        elif not floor:
+            g.add(row(name, None, "x step floor", g.part, status="not run",
+                      note="no decode step's floor (a device's copy rate and the engine's bytes)"))
         else:
             ratio = f["tpot_ms"]["p99"] / floor
             g.add(row(name, ratio, "x step floor", g.part, target=f"<= {between:g}x", met=ratio <= between,

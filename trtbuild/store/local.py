@@ -392,7 +392,6 @@ def verify(entry: Entry, *, full: bool) -> list[str]:
     return problems
 
 
-
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
