@@ -99,15 +99,11 @@ def prefill_bytes(cfg: Any, elem: int, t: int) -> float:
 
 
 def prefill_flops(cfg: Any, t: int) -> float:
+    from trtbuild.models.families import token_matmul_flops
+
     c = cfg
-    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    per_layer += c.num_heads * c.head_dim * c.hidden_size
-    # each token's MLP: the dense one, or its k chosen experts where the layer has a mixture of experts
-    moe = sum(getattr(c, "moe_layers", ()))
-    mlps = 3 * c.hidden_size * ((c.num_layers - moe) * c.intermediate_size
-                                + moe * getattr(c, "experts_per_token", 0) * getattr(c, "moe_intermediate_size", 0))
     attention = 2 * 2 * c.num_layers * c.num_heads * c.head_dim * t * (t + 1) / 2  # causal QK^T and PV
-    return 2 * (per_layer * c.num_layers + mlps) * t + attention + 2 * c.hidden_size * c.vocab_size  # head: last position
+    return token_matmul_flops(c) * t + attention + 2 * c.hidden_size * c.vocab_size  # head: last position
 
 
 def prefill_floors(cfg: Any, elem: int, lens: Sequence[int], ceilings: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -321,8 +321,9 @@ def test_paged_decode_through_the_kernel_replays_bucket_graphs_with_the_direct_c
     same padded step called without a graph, the scratch block is the only block no row owns that changed.
     Then a fourth prompt is prefilled in two chunks by the mixed step, beside the three rows' decode steps, and
     all four decode on, then in launched steps, each fed on the device from the one before, two of which carry
-    a fifth prompt's chunks through a captured chunk graph. Each row's tokens (the fifth's first) are the eager
-    model's (within bf16 ties)."""
+    a fifth prompt's chunks through a captured chunk graph, then two more carrying a sixth prompt's chunks
+    beside the five rows through a captured graph of the mixed step. Each row's tokens (the fifth's and the
+    sixth's first) are the eager model's (within bf16 ties)."""
     from trtbuild.backends.sampling import GREEDY
     from trtbuild.backends.torch.paged_graphs import PagedDecodeGraphs
     from trtbuild.models.paged import BLOCK
@@ -407,6 +408,28 @@ def test_paged_decode_through_the_kernel_replays_bucket_graphs_with_the_direct_c
             st.append(tok)
         assert (1, 16) in paged.chunks.graphs and fifth_first is not None
         everyone, streams = everyone + [fifth], streams + [[fifth_first]]
+        # and a sixth prompt's chunks beside the five rows through a captured graph of the mixed step (serve's
+        # default for launched steps)
+        engine.captured_chunks = False
+        sixth, sixth_table, sixth_first = [(13 * i + 7) % 128 for i in range(20)], [33, 34, 35, 36, 37, 38], None
+        before = None
+        for i in range(6):
+            positions = [len(p) + len(st) - 1 + (before is not None) for p, st in zip(everyone, streams)]
+            fed = [] if before is None else [(j, j) for j in range(5)]
+            chunks = (([5], [sixth_table], [sixth[:12]], [0], [GREEDY], [False]) if i == 1 else
+                      ([5], [sixth_table], [sixth[12:]], [12], [GREEDY], [True]) if i == 2 else None)
+            step = engine.launch_paged(([0, 1, 2, 3, 4], tables + [fifth_table], [st[-1] for st in streams],
+                                        positions, [GREEDY] * 5), chunks, fed)
+            if before is not None:
+                decoded, firsts = before.result()
+                for st, tok in zip(streams, decoded):
+                    st.append(tok)
+                sixth_first = firsts[0] if firsts and firsts[0] is not None else sixth_first
+            before = step
+        for st, tok in zip(streams, before.result()[0]):
+            st.append(tok)
+        assert (16, 1, 16) in paged.mixed_graphs.graphs and sixth_first is not None
+        everyone, streams = everyone + [sixth], streams + [[sixth_first]]
     folder = outcome.model.materialize()
     for prompt, stream in zip(everyone, streams):
         assert eager_disagreements(folder, [prompt], [stream], 96, dtype=torch.bfloat16, device="cuda") == []

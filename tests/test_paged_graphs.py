@@ -211,3 +211,57 @@ def test_every_direct_call_hands_the_graph_contiguous_16_byte_aligned_inputs() -
     tokens, positions, tables = seen[1][:3]  # the chunk rows, left-padded to the longest, one row each
     assert tokens.shape == positions.shape == (3, 33) and tables.shape[0] == 3
     assert tokens[0, -3:].tolist() == [9, 3, 1] and positions[2, -4:].tolist() == [5, 6, 7, 8]
+
+
+def test_mixed_buckets_pad_decode_rows_from_16_and_take_a_graph_only_with_little_chunk_padding() -> None:
+    from trtbuild.backends.torch.mixed_graphs import MATMUL_FLOPS_PER_S, SAVED_S, PagedMixedGraphs, mixed_buckets
+
+    sizes = mixed_buckets(256, 4096)
+    assert sorted({d for d, _, _ in sizes}) == [16, 32, 64, 128, 256]
+    assert {(r, t) for _, r, t in sizes} >= {(1, 32), (1, 512), (2, 256), (8, 64)}
+    assert all(r * t <= 512 and t >= 32 for _, r, t in sizes)
+    assert sorted({d for d, _, _ in mixed_buckets(5, 64)}) == [8]  # a small pool's one bucket holds its rows
+    # a model whose token costs as many FLOPs as 100 padded tokens may add to a call (SAVED_S at the rate)
+    graphs = PagedMixedGraphs(None, [], "cpu", width=6, scratch=40, max_seq_len=4096, max_rows=256,
+                              max_input_len=4096, block=BLOCK, token_flops=SAVED_S * MATMUL_FLOPS_PER_S / 100)
+    assert graphs.most_padding == 100
+    assert graphs.bucket(3, 1, 20) == (16, 1, 32)  # 13 decode rows and 12 tokens of padding
+    assert graphs.bucket(60, 1, 500) == (64, 1, 512)
+    assert graphs.bucket(65, 2, 250) == (128, 2, 256)  # 63 rows and 12 tokens
+    assert graphs.bucket(65, 2, 200) is None and graphs.bucket(64, 1, 300) is None  # 175 and 212: direct
+    assert graphs.bucket(64, 1, 700) is None and graphs.bucket(300, 1, 32) is None  # no bucket that large
+    small = PagedMixedGraphs(None, [], "cpu", 6, 40, 4096, 256, 4096, BLOCK, token_flops=SAVED_S * MATMUL_FLOPS_PER_S / 600)
+    assert small.bucket(64, 1, 300) == (64, 1, 512)  # a small model's padding costs less than the launches
+
+
+def test_a_mixed_bucket_gives_the_direct_mixed_calls_tokens_and_writes_only_its_rows_and_the_scratch() -> None:
+    """Three decode rows and two chunks (one after a context, one from the start) through the (16, 2, 32) bucket,
+    every row and chunk padded onto the scratch block, beside the direct call of the mixed step: the same greedy
+    tokens, the decode rows' first, and the same pools but for the scratch block. A token fed on the device
+    (`feed`) replaces the host's."""
+    from trtbuild.backends.torch.mixed_graphs import PagedMixedGraphs
+    from trtbuild.models.paged import MixedStep
+
+    model = random_tiny_model(max_batch_size=1)
+    cfg, mixed = model.cfg, MixedStep(model)
+    direct = PagedCache(PagedStep(model), cfg, 20, torch.float32, "cpu", 96, graphs=False, mixed=mixed)
+    g = torch.Generator().manual_seed(4)
+    for pool in direct.pools:
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    padded = PagedMixedGraphs(mixed, [p.clone() for p in direct.pools], "cpu", direct.max_blocks, direct.scratch,
+                              96, 20, 64, BLOCK, token_flops=1.0)
+    tables, positions, tokens = [[3, 9, 0], [7], [11, 5]], [40, 3, 16], [5, 9, 17]
+    ctables, starts = [[2, 6], [12, 13]], [16, 0]
+    chunks = [[4, 1, 4, 2], [(3 * i) % cfg.vocab_size for i in range(21)]]
+    want, _ = direct.mixed(tables, tokens, positions, ctables, chunks, starts)
+    rows = [t[:-(-(p + 1) // BLOCK)] for t, p in zip(tables, positions)]
+
+    def feed(column: torch.Tensor) -> None:
+        column[1] = 9  # as the step before's output would: the host's token for row 1 was a placeholder
+
+    greedy = padded.run(rows, [5, 0, 17], positions, ctables, chunks, starts, feed)
+    assert sorted(padded.inputs) == [(16, 2, 32)] and not padded.graphs  # the CPU captures nothing
+    assert greedy.tolist() == want.tolist() and greedy.shape == (5, 1)
+    for got, exp in zip(padded.pools, direct.pools):
+        torch.testing.assert_close(got[:20], exp[:20], atol=1e-6, rtol=1e-5)
+    assert padded.run(rows, tokens, positions, [[2, 6]], [list(range(300))], [16]) is None  # past every bucket

@@ -97,6 +97,7 @@ def test_an_engine_built_by_regions_gives_the_eager_tokens_through_rows_and_page
     import os
 
     from trtbuild.backends.sampling import GREEDY
+    from trtbuild.backends.torch.mixed_graphs import PagedMixedGraphs
     from trtbuild.backends.torch.paged_graphs import PagedChunkGraphs
     from trtbuild.models.paged import BLOCK
 
@@ -165,5 +166,12 @@ def test_an_engine_built_by_regions_gives_the_eager_tokens_through_rows_and_page
         bucketed, first_bucketed = launched_steps([5, 6, 7])
         # the two prompts went through the (2, 16) bucket, the 6-token chunk beside the rows through (1, 16)
         assert sorted(paged.chunks.inputs) == [(1, 16), (2, 16)]
-    assert streams == launched == bucketed == eager_greedy(folder, prompts, 10, 48)
-    assert first == first_bucketed == eager_greedy(folder, [third], 1, 48)[0][0]
+        # and with the launched mixed step through a mixed graph's bucket (`captured_mixed`, serve's default)
+        engine.captured_chunks = False
+        paged.mixed_graphs = PagedMixedGraphs(paged.mixed_package, paged.pools, "cpu", max(2, paged.max_blocks),
+                                              paged.scratch, engine.max_seq_len, 10, engine.max_input_len, BLOCK,
+                                              token_flops=1.0)
+        mixed, first_mixed = launched_steps([8, 9, 10])
+        assert sorted(paged.mixed_graphs.inputs) == [(16, 1, 16)]  # prompts of 16 tokens at most
+    assert streams == launched == bucketed == mixed == eager_greedy(folder, prompts, 10, 48)
+    assert first == first_bucketed == first_mixed == eager_greedy(folder, [third], 1, 48)[0][0]

@@ -229,6 +229,17 @@ def unread_expert_parameters(cfg: Any, batch: int) -> float:
     return sum(cfg.moe_layers) * (e - distinct) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
+def token_matmul_flops(cfg: Any) -> float:
+    """The projections' and MLPs' FLOPs for one token through every layer (a mixture of experts' layer: its k
+    chosen experts), without attention over the context and without the head."""
+    c = cfg
+    per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    moe = sum(getattr(c, "moe_layers", ()))
+    mlps = 3 * c.hidden_size * ((c.num_layers - moe) * c.intermediate_size
+                                + moe * getattr(c, "experts_per_token", 0) * getattr(c, "moe_intermediate_size", 0))
+    return 2.0 * (per_layer * c.num_layers + mlps)
+
+
 def windows_within(cfg: Any, max_seq_len: int) -> Any:
     """`cfg` without the sliding windows that no position below max_seq_len can outgrow (a window of W hides
     slot j from position p only when j <= p - W, so never where p < W): an engine of Mistral's 4096-token

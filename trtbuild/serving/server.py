@@ -72,6 +72,9 @@ class KvSettings:
     # a step's prompt chunks replayed from their captured graphs beside the decode rows', planned to their shapes,
     # instead of the uncaptured mixed step (PagedSlots.captured_chunks)
     captured_chunks: bool = False
+    # a launched step's decode rows and chunks replayed from a captured graph of the mixed step, where a bucket
+    # holds them with little padding (PagedSlots.captured_mixed)
+    captured_mixed: bool = True
 
 
 # -- the server -----------------------------------------------------------------------------------------------
@@ -183,7 +186,8 @@ class Server:
                                 hint="build the recipe with `options: {kv_cache: paged}` (backend torch)")
         from trtbuild.serving.kv_blocks import BlockPool
 
-        n = engine.open_pool(self.kv.memory, self.kv.blocks, captured_chunks=self.kv.captured_chunks)
+        n = engine.open_pool(self.kv.memory, self.kv.blocks, captured_chunks=self.kv.captured_chunks,
+                             captured_mixed=self.kv.captured_mixed)
         return BlockPool(n, engine.paged.block_size, prefix_caching=self.kv.prefix)
 
     @staticmethod
@@ -275,7 +279,9 @@ def startup_lines(session: Any, engine: Any, buckets: list[int], url: str, mixed
     if getattr(engine, "paged", None) is not None:
         layout += "; decode rows and prompt chunks in " + (
             "two captured calls a step where a chunk graph holds the chunks" if mixed and getattr(
-                engine, "chunk_buckets", None) else "one call a step" if mixed else "two calls a step")
+                engine, "chunk_buckets", None) else
+            "one call a step, captured where a mixed graph holds it" if mixed and _mixed_graphs(engine) else
+            "one call a step" if mixed else "two calls a step")
         layout += "; each step launched " + ("before the step before is read back" if overlap else "after it")
         if captured and not getattr(engine, "chunk_buckets", None):
             layout += "; --captured-chunks: this engine has no captured chunk graphs (CUDA only)"
@@ -285,6 +291,12 @@ def startup_lines(session: Any, engine: Any, buckets: list[int], url: str, mixed
             f"KV cache {tokens} tokens = {tokens // full} requests of the full {full} tokens "
             f"({layout})",
             f"ready on {url}"]
+
+
+def _mixed_graphs(engine: Any) -> int:
+    """How many captured graphs of the mixed step a paged engine's launched steps replay (0: none, as on the CPU)."""
+    graphs = getattr(engine.paged, "mixed_graphs", None)
+    return len(graphs.graphs) if graphs is not None and getattr(engine, "captured_mixed", False) else 0
 
 
 def _text_side(session: Any) -> Any:

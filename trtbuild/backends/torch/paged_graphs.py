@@ -78,6 +78,54 @@ def left_padded(chunk: list[int], start: int, length: int, block: int,
     return [0] * pad + chunk, [*range(owned * block, owned * block + pad), *range(start, end)], owned
 
 
+def fill_decode_rows(tok: Any, pos: Any, tables: Any, blocks: list[list[int]], tokens: list[int],
+                     positions: list[int], scratch: int) -> None:
+    """A decode step's rows into a bucket's host arrays (numpy views: tokens and positions (size, 1), tables
+    (size, width)): the rows, then padding rows (token 0 at position 0, every table entry `scratch`). Every entry
+    must be a block of the pool (below the scratch block). Through numpy: at 256 rows the step's host work is a
+    cost the GPU waits for (torch ops on small host tensors took 2.2 ms a step on a 2-core host, this 0.7)."""
+    import numpy as np
+
+    n, width = len(tokens), tables.shape[1]
+    lengths = np.fromiter(map(len, blocks), dtype=np.int64, count=n)
+    if n and int(lengths.max()) > width:
+        raise InputError(f"a block table is wider than a full-length sequence's {width} blocks")
+    flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int64, count=int(lengths.sum()))
+    if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= scratch):
+        raise InputError(f"a block table names a block outside the pool's {scratch}")
+    tok[:n, 0] = tokens
+    tok[n:] = 0
+    pos[:n, 0] = positions
+    pos[n:] = 0
+    tables.fill(scratch)
+    # every row's entries at once: the entries before each row's length, in row order, are its table's
+    tables[:n][np.arange(width)[None, :] < lengths[:, None]] = flat
+
+
+def fill_chunk_rows(tok: Any, pos: Any, tables: Any, blocks: list[list[int]], tokens: list[list[int]],
+                    starts: list[int], scratch: int, block: int, max_seq_len: int) -> bool:
+    """Prompt chunks into a bucket's host arrays (numpy views (rows, tokens) and tables (rows, width)), each
+    left-padded to the bucket's tokens (`left_padded`), then padding rows (token 0 at positions 0.., every table
+    entry `scratch`). False where a row's padding would pass max_seq_len. Every table entry a row owns must be a
+    block of the pool (below the scratch block)."""
+    import numpy as np
+
+    t = tok.shape[1]
+    tables.fill(scratch)
+    tok.fill(0)
+    pos[:] = np.arange(t)[None, :]
+    for i, (b, chunk, start) in enumerate(zip(blocks, tokens, starts)):
+        row = left_padded(chunk, start, t, block, max_seq_len)
+        if row is None:
+            return False
+        tok[i], pos[i], owned = row
+        if len(b) < owned or any(not 0 <= x < scratch for x in b[:owned]):
+            raise InputError(f"a block table of {len(b)} blocks does not cover {owned} blocks of the pool's "
+                             f"{scratch}")
+        tables[i, :owned] = b[:owned]
+    return True
+
+
 class PagedDecodeGraphs:
     """Static buffers and, on CUDA, a captured graph for each row-count bucket of the paged decode step."""
 
@@ -110,27 +158,12 @@ class PagedDecodeGraphs:
 
     def host_rows(self, size: int, blocks: list[list[int]], tokens: list[int], positions: list[int]) -> Any:
         """The bucket's buffer as the host fills it: the rows' tokens, positions and tables, then padding rows
-        (token 0 at position 0, every table entry the scratch block). Every entry must be a block of the pool
-        (below the scratch block). Written through numpy: at 256 rows the step's host work is a cost the GPU
-        waits for (torch ops on small host tensors took 2.2 ms a step on a 2-core host, this 0.7)."""
-        import numpy as np
-
+        (`fill_decode_rows`)."""
         self._buffers(size)
-        n, seg, host = len(tokens), _even(size), self.host[size].numpy()
-        lengths = np.fromiter(map(len, blocks), dtype=np.int64, count=n)
-        if n and int(lengths.max()) > self.width:
-            raise InputError(f"a block table is wider than a full-length sequence's {self.width} blocks")
-        flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int64, count=int(lengths.sum()))
-        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.scratch):
-            raise InputError(f"a block table names a block outside the pool's {self.scratch}")
-        host[:n] = tokens
-        host[n:seg] = 0
-        host[seg:seg + n] = positions
-        host[seg + n:2 * seg] = 0
-        tables = host[2 * seg:2 * seg + size * self.width].reshape(size, self.width)
-        tables.fill(self.scratch)
-        # every row's entries at once: the entries before each row's length, in row order, are its table's
-        tables[:n][np.arange(self.width)[None, :] < lengths[:, None]] = flat
+        seg, host = _even(size), self.host[size].numpy()
+        fill_decode_rows(host[:size, None], host[seg:seg + size, None],
+                         host[2 * seg:2 * seg + size * self.width].reshape(size, self.width),
+                         blocks, tokens, positions, self.scratch)
         return self.host[size]
 
     def run(self, blocks: list[list[int]], tokens: list[int], positions: list[int],
@@ -241,28 +274,13 @@ class PagedChunkGraphs:
                   starts: list[int]) -> Any | None:
         """The bucket's buffer as the host fills it, or None where a row's padding would pass the engine's
         length. Every table entry a row owns must be a block of the pool (below the scratch block)."""
-        import numpy as np
-
         rows, t = size
         self._buffers(size)
-        bs, seg = self.block, _even(rows * t)
-        host = self.host[size].numpy()
-        tok = host[:rows * t].reshape(rows, t)
-        pos = host[seg:seg + rows * t].reshape(rows, t)
-        tables = host[2 * seg:2 * seg + rows * self.width].reshape(rows, self.width)
-        tables.fill(self.scratch)
-        tok.fill(0)
-        pos[:] = np.arange(t)[None, :]
-        for i, (b, chunk, start) in enumerate(zip(blocks, tokens, starts)):
-            row = left_padded(chunk, start, t, bs, self.max_seq_len)
-            if row is None:
-                return None
-            tok[i], pos[i], owned = row
-            if len(b) < owned or any(not 0 <= x < self.scratch for x in b[:owned]):
-                raise InputError(f"a block table of {len(b)} blocks does not cover {owned} blocks of the pool's "
-                                 f"{self.scratch}")
-            tables[i, :owned] = b[:owned]
-        return self.host[size]
+        seg, host = _even(rows * t), self.host[size].numpy()
+        ok = fill_chunk_rows(host[:rows * t].reshape(rows, t), host[seg:seg + rows * t].reshape(rows, t),
+                             host[2 * seg:2 * seg + rows * self.width].reshape(rows, self.width),
+                             blocks, tokens, starts, self.scratch, self.block, self.max_seq_len)
+        return self.host[size] if ok else None
 
     def run(self, blocks: list[list[int]], tokens: list[list[int]], starts: list[int]) -> tuple[Any, Any] | None:
         """The chunks through their bucket: greedy (n, 1) and logits (n, V) of each chunk's last token (views of

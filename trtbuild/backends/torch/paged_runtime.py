@@ -109,6 +109,8 @@ class PagedCache:
         import torch
 
         from trtbuild.backends.torch.export import PAGED_ROWS
+        from trtbuild.backends.torch.mixed_graphs import PagedMixedGraphs
+        from trtbuild.models.families import token_matmul_flops
         from trtbuild.backends.torch.paged_graphs import PagedChunkGraphs, PagedDecodeGraphs
         from trtbuild.models.llama import paged_kernel
         from trtbuild.models.paged import BLOCK, pool_shape
@@ -126,11 +128,16 @@ class PagedCache:
         # make every step read max_seq_len slots a row. Tables of 2+ entries, as the graph was exported for.
         self.graphs: PagedDecodeGraphs | None = None
         self.chunks: PagedChunkGraphs | None = None  # small prompt-chunk calls, captured likewise
+        self.mixed_graphs: PagedMixedGraphs | None = None  # the mixed step's launched calls, captured likewise
         if graphs and paged_kernel(cfg, self.pools[0]):
             self.graphs = PagedDecodeGraphs(package, self.pools, device, max(2, self.max_blocks), self.scratch,
                                             min(PAGED_ROWS, num_blocks))
             self.chunks = PagedChunkGraphs(package, self.pools, device, max(2, self.max_blocks), self.scratch,
                                            max_seq_len, max_input_len or max_seq_len, BLOCK)
+            if mixed is not None:
+                self.mixed_graphs = PagedMixedGraphs(mixed, self.pools, device, max(2, self.max_blocks), self.scratch,
+                                                     max_seq_len, min(PAGED_ROWS, num_blocks),
+                                                     max_input_len or max_seq_len, BLOCK, token_matmul_flops(cfg))
 
     def _table(self, blocks: list[int], width: int) -> list[int]:
         if len(blocks) < width or any(not 0 <= b < self.num_blocks for b in blocks[:width]):

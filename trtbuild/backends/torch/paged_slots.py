@@ -35,6 +35,10 @@ class PagedSlots:
     # where a chunk bucket holds them, instead of the mixed step: its ~200 kernels are launched from the host one by
     # one, which a busy host can fall behind (`open_pool`'s `captured_chunks`; serve --captured-chunks)
     captured_chunks: bool = False
+    # A launched step's decode rows and chunks replay a captured graph of the mixed step where a bucket holds them
+    # with little padding (backends/torch/mixed_graphs.py; `open_pool`'s `captured_mixed`, off with serve
+    # --no-captured-mixed); else the mixed step is called directly
+    captured_mixed: bool = True
 
     def _sample(self, logits: Any, slots: list[int], positions: list[int], params: list[Sampling]) -> Any:
         raise NotImplementedError
@@ -43,16 +47,17 @@ class PagedSlots:
     def can_page(self) -> bool:
         return "paged" in self._packages
 
-    def open_pool(self, fraction: float = 0.9, blocks: int | None = None, captured_chunks: bool = False) -> int:
+    def open_pool(self, fraction: float = 0.9, blocks: int | None = None, captured_chunks: bool = False,
+                  captured_mixed: bool = True) -> int:
         """Allocate the block pools (`paged_runtime.pool_blocks` says how many blocks); their count. From now on
         the paged calls' keys are requests' ids, not cache rows (a server uses one API or the other).
-        `captured_chunks`: see the attribute."""
+        `captured_chunks`, `captured_mixed`: see the attributes."""
         dtype = self._consts["model.tok_embeddings.weight"].dtype
         n = pool_blocks(self.cfg, dtype.itemsize, self.device, self.max_seq_len, fraction, blocks)
         self.paged = PagedCache(self._packages["paged"], self.cfg, n, dtype, self.device, self.max_seq_len,
                                 max_input_len=self.max_input_len, mixed=self._packages.get("paged_mixed"))
         sync(self.device)
-        self.captured_chunks = captured_chunks
+        self.captured_chunks, self.captured_mixed = captured_chunks, captured_mixed
         self.kv_capacity_tokens = n * self.paged.block_size
         self.kv_layout = f"paged: {n} blocks of {self.paged.block_size} tokens"
         return n
@@ -75,10 +80,16 @@ class PagedSlots:
                          cblocks: list[list[int]], ctokens: list[list[int]], starts: list[int],
                          feed: Callable[[Any], None] | None = None, logits: bool = True) -> tuple[Any, Any] | None:
         """A step's decode rows and prompt chunks: (greedy (Bd + Bc, 1), logits (Bd + Bc, V) or None where not
-        `logits`), the rows' first; the chunks' captured graph, then the rows', where `captured_chunks` and a
-        bucket holds the chunks, else one call of the mixed step. None where neither can take them."""
+        `logits`), the rows' first: where only the greedy tokens are wanted (a launched step), the mixed step's
+        captured graph where `captured_mixed` and a bucket holds the call; the chunks' captured graph, then the
+        rows', where `captured_chunks` and a bucket holds the chunks; else one call of the mixed step. None where
+        none can take them."""
         import torch
 
+        if not logits and self.captured_mixed and not self.captured_chunks and self.paged.mixed_graphs is not None:
+            greedy = self.paged.mixed_graphs.run(blocks, tokens, positions, cblocks, ctokens, starts, feed)
+            if greedy is not None:
+                return greedy, None
         if self.captured_chunks and self.paged.chunks is not None:
             chunked = self.paged.chunks.run(cblocks, ctokens, starts)
             if chunked is not None:
@@ -245,16 +256,17 @@ class PagedSlots:
         return [g if s.greedy else p for g, p, s in zip(both[0], both[1], sampling)]
 
     def capture_paged(self) -> int:
-        """Capture the paged decode step's graph of every row-count bucket, and the small prompt-chunk calls'
-        graphs, now (CUDA, where the paged kernel serves the model); how many graphs are captured. Safe with
-        requests in the pool: a capture writes only the scratch block."""
+        """Capture the paged decode step's graph of every row-count bucket, the small prompt-chunk calls' graphs and
+        the mixed step's (`captured_mixed`), now (CUDA, where the paged kernel serves the model); how many graphs
+        are captured. Safe with requests in the pool: a capture writes only the scratch block."""
         if self.paged is None or self.paged.graphs is None:
             return 0
         self.paged.graphs.capture_all()
-        chunks = self.paged.chunks
-        if chunks is not None:
-            chunks.capture_all()
-        return len(self.paged.graphs.graphs) + (len(chunks.graphs) if chunks is not None else 0)
+        extra = [self.paged.chunks, self.paged.mixed_graphs if self.captured_mixed else None]
+        for graphs in extra:
+            if graphs is not None:
+                graphs.capture_all()
+        return len(self.paged.graphs.graphs) + sum(len(g.graphs) for g in extra if g is not None)
 
 
 class LaunchedStep:

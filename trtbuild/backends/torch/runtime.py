@@ -350,10 +350,10 @@ class TorchEngine(PagedSlots):
         return self.weight_bytes - unread_expert_parameters(c, batch) * elem + kv
 
     def _prefill_flops(self, batch: int, t: int) -> float:
+        from trtbuild.models.families import token_matmul_flops
+
         c = self.cfg
-        per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        per_layer += c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-        dense = 2 * per_layer * c.num_layers * batch * t
+        dense = token_matmul_flops(c) * batch * t
         attention = 2 * 2 * c.num_layers * batch * c.num_heads * c.head_dim * t * (t + 1) / 2  # causal QK^T and PV
         head = 2 * c.hidden_size * c.vocab_size * batch  # last position only
         return dense + attention + head
