@@ -1,7 +1,8 @@
 """Where the paged graph's time goes on a device: prompt chunks and decode steps, each timed alone.
 
     python benchmarks/paged_probe.py recipes/llama-3.2-1b.yaml --engines /tmp/e --out $OUT
-    python benchmarks/paged_probe.py recipes/tiny-llama.yaml --chunks 8,32 --contexts 0,16 --rows 1,4 --out /tmp/p
+    python benchmarks/paged_probe.py recipes/tiny-llama.yaml --chunks 8,32 --contexts 0,16 --rows 1,4 --decode-context 40 \
+        --together 2x8 --mixed 4x16 --out /tmp/p
 
 `trtbuild serve --kv-cache paged` runs two kinds of call: a prompt chunk (one request's next tokens, written
 through its block table) and a decode step of every running row (replayed from the row-count bucket's CUDA
@@ -18,7 +19,8 @@ pool opened with --blocks blocks. Medians of --iters calls, the device synchroni
 - a decode step of R rows (--rows) at --decode-context tokens each, against its floor (bench.py's: the weights and
   the rows' KV read once at the measured copy rate).
 - --mixed R x C: a decode step of R rows and a chunk of C tokens after the largest context, in one call of the
-  mixed step (the server's default where both are in a step) and as the two calls (`serve --no-mixed-step`).
+  mixed step (the server's default where both are in a step), replayed from the mixed step's captured graph
+  where a bucket takes it (serve's launched steps, CUDA), and as the two calls (`serve --no-mixed-step`).
 
 Prints a table; writes paged_probe.json and, where matplotlib imports, paged_probe.png under --out.
 """
@@ -244,9 +246,7 @@ def main() -> None:
                                             args.decode_context, vocab)
                 save()
                 m = report["mixed"]
-                print(f"[paged_probe] {mix_rows} decode rows and a {mix_tokens}-token chunk: {m['one_call_ms']:.3f} ms "
-                      f"in one call, {m['two_calls_ms']:.3f} ms in two; with the host busy "
-                      f"{m['one_call_loaded_ms']:.3f} and {m['two_calls_loaded_ms']:.3f} ms", flush=True)
+                print(f"[paged_probe] {mixed_text(m)}", flush=True)
     save()
     print(table_text(report))
     try:
@@ -275,13 +275,30 @@ def mixed_row(paged: Any, device: str, iters: int, rows: int, tokens: int, start
         paged.prefill(chunk_table, chunk, start)
         return paged.decode(tables, toks, pos)
 
+    graphs = getattr(paged, "mixed_graphs", None)
+
+    def captured() -> Any:
+        return graphs.run(tables, toks, pos, [chunk_table], [chunk], [start])
+
+    fits = graphs is not None and graphs.bucket(rows, 1, tokens) is not None
     out = {"rows": rows, "tokens": tokens, "context": start, "decode_context": context,
            "one_call_ms": timed(one, device, iters) * 1e3, "two_calls_ms": timed(two, device, iters) * 1e3,
+           "captured_ms": timed(captured, device, iters) * 1e3 if fits else None,
            "split": kernel_split(one, device)}
     with host_load():
         out |= {"one_call_loaded_ms": timed(one, device, iters) * 1e3,
-                "two_calls_loaded_ms": timed(two, device, iters) * 1e3}
+                "two_calls_loaded_ms": timed(two, device, iters) * 1e3,
+                "captured_loaded_ms": timed(captured, device, iters) * 1e3 if fits else None}
     return out
+
+
+def mixed_text(m: dict[str, Any]) -> str:
+    captured = (f", {m['captured_ms']:.3f} ms replayed from its captured graph" if m.get("captured_ms") else
+                ", no captured graph takes it")
+    loaded = f" and {m['captured_loaded_ms']:.3f}" if m.get("captured_loaded_ms") else ""
+    return (f"{m['rows']} decode rows and a {m['tokens']}-token chunk after {m['context']}: {m['one_call_ms']:.3f} ms "
+            f"in one call (mixed){captured}, {m['two_calls_ms']:.3f} ms in two; with the host busy "
+            f"{m['one_call_loaded_ms']:.3f}{loaded} and {m['two_calls_loaded_ms']:.3f} ms")
 
 
 def table_text(report: dict[str, Any]) -> str:
@@ -299,9 +316,7 @@ def table_text(report: dict[str, Any]) -> str:
         lines.append(f"{t['rows']} chunks of {t['tokens']} after {t['context']}: {t['one_call_ms']:.3f} ms in one call, "
                      f"{t['one_call_each_ms']:.3f} ms in one call each")
     if (m := report.get("mixed")):
-        lines.append(f"{m['rows']} decode rows and a {m['tokens']}-token chunk after {m['context']}: "
-                     f"{m['one_call_ms']:.3f} ms in one call (mixed), {m['two_calls_ms']:.3f} ms in two; with the "
-                     f"host busy {m['one_call_loaded_ms']:.3f} and {m['two_calls_loaded_ms']:.3f} ms")
+        lines.append(mixed_text(m))
     lines.append(f"{'rows':>6} {'context':>8} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
     for d in report["decode"]:
         lines.append(f"{d['rows']:>6} {d['context']:>8} {d['ms']:8.3f} {d['floor_ms']:9.3f} {d['x_floor']:8.2f}")

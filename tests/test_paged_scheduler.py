@@ -7,6 +7,7 @@ written at the wrong place) changes the tokens; each next token is a function of
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -483,3 +484,38 @@ def test_a_chunk_takes_the_bucket_above_it_where_it_fills_three_quarters_of_it()
     assert plan(200, 180, 150) == [200, 180]  # width 256: two rows (2 x 256 = 512), a third has no bucket
     assert plan(64, 64, 64, 64, 64, 64, 64, 64, 64) == [64] * 8  # eight questions in the (8, 64) bucket
     assert plan(256, 100) == [256]  # 100 is under half of 256: it waits for a step of its own
+
+
+def test_the_shortest_prefill_order_takes_the_fewest_tokens_left_first_but_not_past_an_aged_request() -> None:
+    """With prefill_order "shortest", a step's chunks go to the prompts with the fewest tokens left (a short
+    question is not queued behind a long document); a request admitted AGED_S ago or more keeps its place
+    ahead of them. Admission order by default. Every prompt's tokens are its own either way."""
+    from trtbuild.serving import paged_steps
+
+    def plan(order: str, *prompt_lens: int, old: int | None = None) -> list[int]:
+        engine = PagedStandIn(4096, 16, max_input_len=1024, max_seq_len=2048)
+        s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(4096, 16), chunk_tokens=512,
+                      prefill_order=order)
+        for i, n in enumerate(prompt_lens):
+            r = req([1] * n, 4)[0]
+            r.filled, r.arrived = 0, time.perf_counter() - (2 * paged_steps.AGED_S if i == old else 0)
+            s._running.append(r)
+        return [n for _, n in s._plan_chunks()]
+
+    assert plan("arrival", 900, 100, 60) == [512]
+    assert plan("shortest", 900, 100, 60) == [60, 100, 170]  # three rows padded to 170: 510 of the 512
+    assert plan("shortest", 900, 100, 60, old=0) == [512]  # the 900-token prompt has waited too long
+    with pytest.raises(ValueError, match="prefill_order"):
+        Scheduler(PagedStandIn(64, 4), pool=BlockPool(64, 4), prefill_order="longest")
+    jobs = [([9] * 40, 3), ([1, 2], 3), ([5] * 17, 2), ([3], 4)]
+    engine = PagedStandIn(64, 4)
+    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=8,
+                  prefill_order="shortest")
+    pairs = [req(p, n) for p, n in jobs]
+    for r, _ in pairs:
+        s.submit(r)
+    run_until_idle(s)
+    for (p, n), (_, sink) in zip(jobs, pairs):
+        assert sink.tokens == alone(p, n)
+    firsts = [c[2] for c in engine.log if c[0] == "prefill"][:2]
+    assert firsts == [1, 2]  # the 1- and 2-token prompts first (padded to 2: 4 of the 8 tokens)

@@ -34,6 +34,9 @@ from trtbuild.cli.common import (build_progress, engines_option, load_recipe_fil
 @click.option("--captured-chunks", is_flag=True,
               help="Replay a step's prompt chunks from their captured CUDA graphs beside the decode rows' graph, "
                    "planned to the graphs' shapes, instead of one uncaptured call of the mixed step (paged).")
+@click.option("--prefill-order", type=click.Choice(["arrival", "shortest"]), default="arrival", show_default=True,
+              help="Which prompts a step prefills first (paged): in admission order, or the fewest tokens left first "
+                   "(a request waiting a second or more keeps its place).")
 @click.option("--no-captured-mixed", is_flag=True,
               help="Call the mixed step directly every step, not from its captured CUDA graphs (paged, CUDA).")
 @threads_option
@@ -41,8 +44,8 @@ from trtbuild.cli.common import (build_progress, engines_option, load_recipe_fil
 @remote_option
 def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: bool, max_queue: int, kv_cache: str,
               kv_memory: float, kv_blocks: int | None, prefill_chunk: int, no_prefix_cache: bool, no_mixed_step: bool,
-              no_overlap: bool, captured_chunks: bool, no_captured_mixed: bool, threads: int | None, quiet: bool,
-              remote: str | None) -> None:
+              no_overlap: bool, captured_chunks: bool, prefill_order: str, no_captured_mixed: bool,
+              threads: int | None, quiet: bool, remote: str | None) -> None:
     """Serve the recipe's engine over an OpenAI-compatible HTTP API, with continuous batching."""
     from trtbuild.runner import open_session
     from trtbuild.serving.server import KvSettings, require, serve
@@ -56,5 +59,5 @@ def serve_cmd(recipe: str, engines: str | None, host: str, port: int, no_build: 
     with build_progress(quiet) as progress:
         session = open_session(r, engines, build=not no_build, progress=progress, remote=remote)
     kv = KvSettings(kv_cache, kv_memory, kv_blocks, prefill_chunk, not no_prefix_cache, not no_mixed_step,
-                    not no_overlap, captured_chunks, not no_captured_mixed)
+                    not no_overlap, captured_chunks, not no_captured_mixed, prefill_order)
     serve(session, host=host, port=port, max_queue=max_queue, log_level="warning" if quiet else "info", kv=kv)

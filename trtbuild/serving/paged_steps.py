@@ -17,6 +17,8 @@ from trtbuild.serving.request import Request
 
 log = logging.getLogger("trtbuild.serving.scheduler")
 
+AGED_S = 1.0  # with the shortest-first prefill order, a request this old is prefilled in admission order
+
 
 @dataclass(eq=False)
 class _Launch:
@@ -42,6 +44,7 @@ class PagedSteps:
     chunk_buckets: list[tuple[int, int]]
     chunk_budget: int
     chunk_widths: list[int]
+    prefill_order: str  # "arrival" or "shortest" (`_prefilling`)
     mixed: bool
     overlap: bool
     step_s: float
@@ -189,10 +192,7 @@ class PagedSteps:
             return self._plan_bucketed()
         budget, longest = self.chunk_tokens, 0
         plan: list[tuple[Request, int]] = []
-        for r in self._running:
-            rest = r.sequence_len() - r.filled
-            if rest <= 0:
-                continue
+        for r, rest in self._prefilling():
             k = len(plan) + 1
             n = min(rest, budget // k)
             if n <= 0 or k * max(longest, n) > budget:
@@ -200,6 +200,18 @@ class PagedSteps:
             plan.append((r, n))
             longest = max(longest, n)
         return plan
+
+    def _prefilling(self) -> list[tuple[Request, int]]:
+        """The running requests with prompt tokens left to prefill, (request, tokens left), in the order their
+        chunks are planned: admission order, or with `prefill_order` "shortest" the fewest tokens left first
+        (a request admitted `AGED_S` ago or more keeps its place ahead of the others, so that a long prompt
+        is not passed over forever)."""
+        out = [(r, r.sequence_len() - r.filled) for r in self._running]
+        out = [(r, rest) for r, rest in out if rest > 0]
+        if self.prefill_order == "shortest" and len(out) > 1:
+            aged = time.perf_counter() - AGED_S
+            out.sort(key=lambda item: (item[0].arrived > aged, item[1] if item[0].arrived > aged else 0))
+        return out
 
     def _plan_bucketed(self) -> list[tuple[Request, int]]:
         """This step's chunks planned to a captured chunk graph's (rows, tokens) shape, whose padding is computed
@@ -210,10 +222,7 @@ class PagedSteps:
         budget, widths = self.chunk_budget, self.chunk_widths
         plan: list[tuple[Request, int]] = []
         width = 0
-        for r in self._running:
-            rest = r.sequence_len() - r.filled
-            if rest <= 0:
-                continue
+        for r, rest in self._prefilling():
             if not plan:
                 want = min(rest, budget)
                 above = next((w for w in widths if w >= want), widths[-1])

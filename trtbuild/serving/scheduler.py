@@ -136,8 +136,14 @@ class Scheduler(PagedSteps):
 
     def __init__(self, engine: SlotEngine, max_queue: int = 256, buckets: list[int] | None = None,
                  observer: Observer | None = None, pool: Any = None, chunk_tokens: int | None = None,
-                 flush: Callable[[], None] = lambda: None, mixed: bool = True, overlap: bool = True) -> None:
+                 flush: Callable[[], None] = lambda: None, mixed: bool = True, overlap: bool = True,
+                 prefill_order: str = "arrival") -> None:
         self.engine = engine
+        # paged: which prompts' chunks a step takes first (PagedSteps._prefilling): admission order, or "shortest",
+        # the fewest prompt tokens left first
+        if prefill_order not in ("arrival", "shortest"):
+            raise ValueError(f"prefill_order must be 'arrival' or 'shortest', got {prefill_order!r}")
+        self.prefill_order = prefill_order
         # paged: a step's decode rows and prompt chunks in one call, where the engine has the mixed step
         self.mixed = mixed and bool(getattr(engine, "can_mix", False))
         # paged: each step launched before the step before is read back, so that the host's work on a step's

@@ -75,6 +75,8 @@ class KvSettings:
     # a launched step's decode rows and chunks replayed from a captured graph of the mixed step, where a bucket
     # holds them with little padding (PagedSlots.captured_mixed)
     captured_mixed: bool = True
+    # which prompts a step prefills first: "arrival" (admission order) or "shortest" (fewest tokens left first)
+    prefill_order: str = "arrival"
 
 
 # -- the server -----------------------------------------------------------------------------------------------
@@ -155,7 +157,8 @@ class Server:
                 self.metrics.describe_engine(engine, elem)
                 self.scheduler = Scheduler(engine, self.max_queue, buckets, self.metrics, pool=pool,
                                            chunk_tokens=self.kv.chunk or None, flush=self.outbox.flush,
-                                           mixed=self.kv.mixed, overlap=self.kv.overlap)
+                                           mixed=self.kv.mixed, overlap=self.kv.overlap,
+                                           prefill_order=self.kv.prefill_order)
                 # Everything loaded so far (torch, the engine, the tokenizer: ~225k objects) lives as long as the
                 # server: out of the collector's reach, a full collection no longer walks it while it holds the
                 # GIL (~50 ms on a 2-core host, 2026-12-06; after the freeze, well under 1 ms)
