@@ -250,6 +250,7 @@ def test_the_8b_serving_step_judges_ttft_and_the_time_between_tokens_at_64_clien
         return {"requests": 256, "errors": [], "output_tok_per_s": tput, "fraction_of_floor": tput / 5000,
                 "ttft_ms": {"p50": ttft, "p99": 4 * ttft}, "tpot_ms": {"p50": tpot_p99 - 0.5, "p99": tpot_p99},
                 "peak_running": 64, "preemptions": 0.0, "prefix_hits": 100.0,
+                "floor_s": 256 * 128 / 5000, "output_tokens": 256 * 128,
                 "decode_steps": {"8": {"mean_ms": 7.0, "floor_ms": 5.0, "mean_rows": 6.0},
                                  "64": {"mean_ms": 8.3, "floor_ms": 6.4, "mean_rows": 60.0}}}
 
@@ -274,5 +275,8 @@ def test_the_8b_serving_step_judges_ttft_and_the_time_between_tokens_at_64_clien
     assert ttft["value"] == 123 and ttft["met"] is False
     between = rows["8B paged serve 64 clients: TPOT p99 over the decode step's floor"]
     assert between["value"] == pytest.approx(15.8 / 6.4) and between["met"] is False
+    # against a step that prefills its share of the prompts too: the floor of 60 of the workload's tokens
+    workload = rows["8B paged serve 64 clients: TPOT p99 over the workload's step floor"]
+    assert workload["value"] == pytest.approx(15.8 / (60 / 5000 * 1e3)) and workload.get("met") is None
     assert rows["8B paged serve shared prefix 64 clients: output tok/s gain from the prefix cache"]["value"] == \
         pytest.approx(6100 / 2600)
