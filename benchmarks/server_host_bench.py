@@ -10,7 +10,8 @@ the HTTP side's work for every token (one server-sent event a token a stream), w
 and shares the GIL with the engine thread. Here the engine (`SleepEngine`) does the host work of the real
 paged path (the bucket buffer filled as PagedDecodeGraphs fills it) and then sleeps, the GIL released as a
 CUDA synchronization releases it, for the time an H100 took for that call (`--decode-ms` + `--row-us` a row
-for a decode step; `--chunk-ms` per 512 prompt tokens). `--rows N` serves the row cache of N rows instead (the
+for a decode step; `--chunk-ms` per 512 prompt tokens, a call's chunks padded to the longest as the real call
+pads them). `--rows N` serves the row cache of N rows instead (the
 gate's serve row: 8 rows, 16 streams), one prompt a prefill call at the chunk rate. `trtbuild serve`'s code runs unchanged around it
 (serving/server.py's `serve`, uvicorn, FastAPI, the scheduler, the prefix cache's block pool).
 
@@ -77,7 +78,8 @@ class SleepEngine:
         self.busy_until = 0.0  # when the device finishes what it was given
         self.stats: dict[str, Any] = {"events": [], "steps": []}
 
-    def open_pool(self, memory: float, blocks: int | None, captured_chunks: bool = False) -> int:
+    def open_pool(self, memory: float, blocks: int | None, captured_chunks: bool = False,
+                  captured_mixed: bool = True) -> int:
         self.paged = _Paged()
         n = blocks or ROWS * MAX_SEQ // BLOCK
         self.kv_capacity_tokens, self.kv_layout = n * BLOCK, f"paged: {n} blocks of {BLOCK} tokens (a sleep)"
@@ -122,18 +124,20 @@ class SleepEngine:
     def step_paged(self, decode: tuple[Any, ...], chunks: tuple[Any, ...]) -> tuple[list[int], list[int | None]]:
         """The mixed step, costed as its two calls (whatever it saves on a GPU is not the host's)."""
         keys = decode[0]
-        self._device(self._decode_s(*decode[:4]) + self.chunk_s * sum(map(len, chunks[2])) / 512, keys[0] < 0)
+        self._device(self._decode_s(*decode[:4]) + self._chunks_s(chunks[2]), keys[0] < 0)
         if keys[0] >= 0:
             self.stats["steps"].append(time.perf_counter())
         return [2] * len(keys), [1 if last else None for last in chunks[5]]
 
     def launch_paged(self, decode: tuple[Any, ...], chunks: tuple[Any, ...] | None, fed: list[tuple[int, int]]) -> Any:
         keys = decode[0]
-        seconds = self._decode_s(*decode[:4]) + (self.chunk_s * sum(map(len, chunks[2])) / 512 if chunks else 0.0)
+        seconds = self._decode_s(*decode[:4]) + (self._chunks_s(chunks[2]) if chunks else 0.0)
         end = self._launch(seconds, keys[0] < 0)
         lasts = chunks[5] if chunks else []
 
         class Launched:
+            device_seconds = None  # the real step's device time (CUDA events); the busy fraction is this bench's own
+
             def result(self) -> tuple[list[int], list[int | None]]:
                 time.sleep(max(0.0, end - time.perf_counter()))
                 return [2] * len(keys), [1 if last else None for last in lasts]
@@ -141,8 +145,12 @@ class SleepEngine:
 
     def prefill_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[list[int]], starts: list[int],
                       sampling: list[Any], lasts: list[bool]) -> list[int | None]:
-        self._device(self.chunk_s * sum(map(len, tokens)) / 512, keys[0] < 0)
+        self._device(self._chunks_s(tokens), keys[0] < 0)
         return [1 if last else None for last in lasts]
+
+    def _chunks_s(self, chunks: list[list[int]]) -> float:
+        """A call's chunks, as the rows of one call left-padded to the longest: padding computed too."""
+        return self.chunk_s * len(chunks) * max(map(len, chunks)) / 512
 
     def decode_paged(self, keys: list[int], blocks: list[list[int]], tokens: list[int], positions: list[int],
                      sampling: list[Any]) -> list[int]:
@@ -191,7 +199,8 @@ def serve_child(args: argparse.Namespace) -> None:
     cache = "rows" if args.rows else "paged"
     try:
         serve(_Session(engine), port=args.serve, max_queue=4096, log_level="warning",
-              kv=KvSettings(cache, 0.9, None, args.prefill_chunk, True, True, args.modes == "overlap"),
+              kv=KvSettings(cache, 0.9, None, args.prefill_chunk, True, True, args.modes == "overlap",
+                            prefill_order=args.prefill_order),
               switch_interval=float(args.switch_ms) / 1e3)
     finally:
         Path(args.stats).write_text(json.dumps(engine.stats))
@@ -211,7 +220,8 @@ def level(clients: int, switch_ms: float, mode: str, args: argparse.Namespace, t
     cmd = [sys.executable, __file__, "--serve", str(port), "--stats", str(stats), "--switch-ms", str(switch_ms),
            "--modes", mode,
            "--decode-ms", str(args.decode_ms), "--row-us", str(args.row_us), "--chunk-ms", str(args.chunk_ms),
-           "--releases", str(args.releases), "--prefill-chunk", str(args.prefill_chunk), "--rows", str(args.rows)]
+           "--releases", str(args.releases), "--prefill-chunk", str(args.prefill_chunk), "--rows", str(args.rows),
+           "--prefill-order", args.prefill_order]
     proc = subprocess.Popen(cmd, cwd=REPO)
     try:
         for _ in range(600):
@@ -300,6 +310,8 @@ def main() -> None:
     ap.add_argument("--releases", type=int, default=4,
                     help="times an engine call releases the GIL (its torch ops), the last for the device time")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="serve's --prefill-chunk")
+    ap.add_argument("--prefill-order", default="arrival", choices=["arrival", "shortest"],
+                    help="serve's --prefill-order")
     ap.add_argument("--rows", type=int, default=0,
                     help="serve the row cache with this many rows (the gate's serve row: 8) instead of the paged one")
     ap.add_argument("--out", default="server-host-bench-out")
@@ -318,7 +330,8 @@ def main() -> None:
                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "engine": {"decode_ms": args.decode_ms, "row_us": args.row_us,
                                          "chunk_ms_per_512": args.chunk_ms, "releases": args.releases},
-                              "prefill_chunk": args.prefill_chunk, "cache_rows": args.rows, "rows": []}
+                              "prefill_chunk": args.prefill_chunk, "prefill_order": args.prefill_order,
+                              "cache_rows": args.rows, "rows": []}
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

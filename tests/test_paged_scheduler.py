@@ -380,16 +380,20 @@ def test_the_chunks_of_a_step_go_to_the_engine_in_one_call() -> None:
 
 def test_a_long_chunk_does_not_pad_short_prompts_beside_it_past_the_budget() -> None:
     """A 40-token prompt and six 2-token prompts with a budget of 40: the long chunk goes alone (with it, seven
-    rows of 40 would be computed); the six short prompts go together in the next step."""
-    engine = _all_at_once([([9] * 40, 2)] + [([i + 1, i + 2], 2) for i in range(6)], 40)
-    assert engine.calls[:2] == [1, 6]
+    rows of 40 would be computed); the six short prompts go together in the step after it. Shortest first
+    (serve's default), the six go first, the long prompt's first 5 tokens beside them (7 rows of 5)."""
+    jobs = [([9] * 40, 2)] + [([i + 1, i + 2], 2) for i in range(6)]
+    assert _all_at_once(jobs, 40, order="arrival").calls[:2] == [1, 6]
+    engine = _all_at_once(jobs, 40)
+    assert engine.calls[:2] == [7, 1] and [c[2] for c in engine.log if c[0] == "prefill"][:7] == [2] * 6 + [5]
 
 
-def _all_at_once(jobs: list[tuple[list[int], int]], chunk: int) -> PagedStandIn:
+def _all_at_once(jobs: list[tuple[list[int], int]], chunk: int, order: str = "shortest") -> PagedStandIn:
     """The jobs submitted together and served to the end with a chunk budget of `chunk`; each gets its own
     tokens. The engine, whose calls and log say how the chunks went."""
     engine = PagedStandIn(64, 4)
-    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=chunk)
+    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=chunk,
+                  prefill_order=order)
     pairs = [req(p, n) for p, n in jobs]
     for r, _ in pairs:
         s.submit(r)
@@ -489,7 +493,7 @@ def test_a_chunk_takes_the_bucket_above_it_where_it_fills_three_quarters_of_it()
 def test_the_shortest_prefill_order_takes_the_fewest_tokens_left_first_but_not_past_an_aged_request() -> None:
     """With prefill_order "shortest", a step's chunks go to the prompts with the fewest tokens left (a short
     question is not queued behind a long document); a request admitted AGED_S ago or more keeps its place
-    ahead of them. Admission order by default. Every prompt's tokens are its own either way."""
+    ahead of them. Every prompt's tokens are its own either way."""
     from trtbuild.serving import paged_steps
 
     def plan(order: str, *prompt_lens: int, old: int | None = None) -> list[int]:

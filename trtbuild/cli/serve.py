@@ -34,7 +34,7 @@ from trtbuild.cli.common import (build_progress, engines_option, load_recipe_fil
 @click.option("--captured-chunks", is_flag=True,
               help="Replay a step's prompt chunks from their captured CUDA graphs beside the decode rows' graph, "
                    "planned to the graphs' shapes, instead of one uncaptured call of the mixed step (paged).")
-@click.option("--prefill-order", type=click.Choice(["arrival", "shortest"]), default="arrival", show_default=True,
+@click.option("--prefill-order", type=click.Choice(["arrival", "shortest"]), default="shortest", show_default=True,
               help="Which prompts a step prefills first (paged): in admission order, or the fewest tokens left first "
                    "(a request waiting a second or more keeps its place).")
 @click.option("--no-captured-mixed", is_flag=True,

@@ -137,10 +137,10 @@ class Scheduler(PagedSteps):
     def __init__(self, engine: SlotEngine, max_queue: int = 256, buckets: list[int] | None = None,
                  observer: Observer | None = None, pool: Any = None, chunk_tokens: int | None = None,
                  flush: Callable[[], None] = lambda: None, mixed: bool = True, overlap: bool = True,
-                 prefill_order: str = "arrival") -> None:
+                 prefill_order: str = "shortest") -> None:
         self.engine = engine
-        # paged: which prompts' chunks a step takes first (PagedSteps._prefilling): admission order, or "shortest",
-        # the fewest prompt tokens left first
+        # paged: which prompts' chunks a step takes first (PagedSteps._prefilling): "shortest", the fewest prompt
+        # tokens left first, or "arrival", admission order
         if prefill_order not in ("arrival", "shortest"):
             raise ValueError(f"prefill_order must be 'arrival' or 'shortest', got {prefill_order!r}")
         self.prefill_order = prefill_order

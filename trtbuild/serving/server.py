@@ -75,8 +75,9 @@ class KvSettings:
     # a launched step's decode rows and chunks replayed from a captured graph of the mixed step, where a bucket
     # holds them with little padding (PagedSlots.captured_mixed)
     captured_mixed: bool = True
-    # which prompts a step prefills first: "arrival" (admission order) or "shortest" (fewest tokens left first)
-    prefill_order: str = "arrival"
+    # which prompts a step prefills first: "shortest" (fewest tokens left first; a burst's short prompts do not
+    # wait for its long ones) or "arrival" (admission order)
+    prefill_order: str = "shortest"
 
 
 # -- the server -----------------------------------------------------------------------------------------------
