@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from trtbuild.backends.torch.paged_graphs import _even, buckets, capture, chunk_buckets, fill_chunk_rows, \
+from trtbuild.backends.torch.paged_graphs import even, buckets, capture, chunk_buckets, fill_chunk_rows, \
     fill_decode_rows
 
 LEAST_ROWS = 16  # the smallest decode bucket: fewer rows are padded to it (a step with chunks is not bound by them)
@@ -80,7 +80,7 @@ class PagedMixedGraphs:
         out, offset = [], 0
         for shape in shapes:
             out.append((offset, shape))
-            offset += _even(shape[0] * shape[1])
+            offset += even(shape[0] * shape[1])
         return out
 
     def _buffers(self, size: tuple[int, int, int]) -> tuple[Any, ...]:
@@ -88,7 +88,7 @@ class PagedMixedGraphs:
 
         if size not in self.inputs:
             segments = self._segments(size)
-            end = segments[-1][0] + _even(segments[-1][1][0] * segments[-1][1][1])
+            end = segments[-1][0] + even(segments[-1][1][0] * segments[-1][1][1])
             io = torch.zeros(end, dtype=torch.long, device=self.device)
             self.io[size] = io
             self.host[size] = torch.zeros(io.shape, dtype=torch.long, pin_memory=self.capturable)

@@ -39,9 +39,10 @@ def bucket_for(rows: int, sizes: list[int]) -> int:
     raise InputError(f"a decode step of {rows} rows is past the paged graphs' {sizes[-1]}")
 
 
-def _even(n: int) -> int:
-    # each buffer segment starts on a 16-byte boundary: the compiled graph copies an input that is not aligned
-    # into an aligned tensor on every call (DecodeGraphs measured that at batch 1)
+def even(n: int) -> int:
+    """`n` int64 entries rounded up to an even count: each buffer segment then starts on a 16-byte boundary (the
+    compiled graph copies an input that is not aligned into an aligned tensor on every call; DecodeGraphs
+    measured that at batch 1)."""
     return -(-n // 2) * 2
 
 
@@ -146,8 +147,8 @@ class PagedDecodeGraphs:
         import torch
 
         if size not in self.inputs:
-            seg = _even(size)
-            io = torch.zeros(2 * seg + _even(size * self.width), dtype=torch.long, device=self.device)
+            seg = even(size)
+            io = torch.zeros(2 * seg + even(size * self.width), dtype=torch.long, device=self.device)
             self.io[size] = io
             # on CUDA the host side is pinned, so the step's one copy is asynchronous; `run` refills it once the
             # bucket's last copy is done (a step is launched before the one before it is read back)
@@ -160,7 +161,7 @@ class PagedDecodeGraphs:
         """The bucket's buffer as the host fills it: the rows' tokens, positions and tables, then padding rows
         (`fill_decode_rows`)."""
         self._buffers(size)
-        seg, host = _even(size), self.host[size].numpy()
+        seg, host = even(size), self.host[size].numpy()
         fill_decode_rows(host[:size, None], host[seg:seg + size, None],
                          host[2 * seg:2 * seg + size * self.width].reshape(size, self.width),
                          blocks, tokens, positions, self.scratch)
@@ -262,7 +263,7 @@ class PagedChunkGraphs:
 
         if size not in self.inputs:
             rows, t = size
-            seg, tab = _even(rows * t), _even(rows * self.width)
+            seg, tab = even(rows * t), even(rows * self.width)
             io = torch.zeros(2 * seg + tab, dtype=torch.long, device=self.device)
             self.io[size] = io
             self.host[size] = torch.zeros(io.shape, dtype=torch.long, pin_memory=self.capturable)
@@ -276,7 +277,7 @@ class PagedChunkGraphs:
         length. Every table entry a row owns must be a block of the pool (below the scratch block)."""
         rows, t = size
         self._buffers(size)
-        seg, host = _even(rows * t), self.host[size].numpy()
+        seg, host = even(rows * t), self.host[size].numpy()
         ok = fill_chunk_rows(host[:rows * t].reshape(rows, t), host[seg:seg + rows * t].reshape(rows, t),
                              host[2 * seg:2 * seg + rows * self.width].reshape(rows, self.width),
                              blocks, tokens, starts, self.scratch, self.block, self.max_seq_len)
