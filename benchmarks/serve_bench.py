@@ -104,21 +104,32 @@ def get(port: int, path: str, timeout: float = 10.0) -> tuple[int, str]:
 
 def start_server(recipe: Path, engines: str, port: int, max_queue: int, log: Path, timeout: float,
                  flags: list[str] | None = None) -> subprocess.Popen:
+    # not --quiet: the log keeps the server's startup block (its KV capacity, how a step's calls go)
     cmd = [sys.executable, "-m", "trtbuild", "serve", str(recipe), "--engines", engines, "--no-build",
-           "--port", str(port), "--max-queue", str(max_queue), "--quiet", *(flags or [])]
+           "--port", str(port), "--max-queue", str(max_queue), *(flags or [])]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
     t = time.perf_counter()
-    while time.perf_counter() - t < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}): {log.read_text()[-2000:]}")
-        try:
-            if get(port, "/health", 2.0)[0] == 200:
-                return proc
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the server was not ready after {timeout:.0f} s: {log.read_text()[-2000:]}")
+    try:
+        while time.perf_counter() - t < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}): {log.read_text()[-2000:]}")
+            try:
+                if get(port, "/health", 2.0)[0] == 200:
+                    return proc
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the server was not ready after {timeout:.0f} s: {log.read_text()[-2000:]}")
+    except BaseException:  # not ready, or this run ended while it loaded: no server is left behind
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def exit_on_sigterm() -> None:
+    """`timeout` and the gate end a run with SIGTERM: raised as SystemExit, so that each `finally` stops its
+    server. A server left behind had held 76 GiB of an H100 (an 8B), and the next run's server could not load."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def stop_server(proc: subprocess.Popen) -> int:
@@ -494,6 +505,7 @@ def plot(report: dict[str, Any], path: Path) -> str:
 
 
 def main() -> None:
+    exit_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("recipes", nargs="+", type=Path)
     ap.add_argument("--engines", default=os.environ.get("TRTBUILD_ENGINES", "/tmp/bench-engines"))

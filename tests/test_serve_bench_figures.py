@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -41,3 +42,45 @@ def test_a_python_without_the_servers_packages_is_refused_before_anything_is_bui
     assert proc.returncode != 0 and "fastapi" in proc.stderr and "nothing built" in proc.stderr, proc.stderr[-800:]
     assert not (tmp_path / "engines").exists() and not (tmp_path / "out").exists()
     assert serve_bench.server_missing() is None  # this Python has them
+
+
+def test_a_run_ended_while_its_server_loads_or_serves_leaves_no_server_behind(tmp_path: Path,
+                                                                               monkeypatch: Any) -> None:
+    """A server still loading when the run is interrupted is killed; and SIGTERM (`timeout`, the gate) ends a
+    run as SystemExit, so that the `finally` that stops a running server runs."""
+    import signal
+    import subprocess
+    import textwrap
+
+    import pytest
+
+    started: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    def popen(cmd: list[str], **kw: Any) -> subprocess.Popen:
+        proc = real([sys.executable, "-c", "import time; time.sleep(60)"], **kw)  # a server that never gets ready
+        started.append(proc)
+        return proc
+
+    def interrupted(*a: Any, **kw: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_bench.subprocess, "Popen", popen)
+    monkeypatch.setattr(serve_bench, "get", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        serve_bench.start_server(tmp_path / "r.yaml", str(tmp_path), 1, 1, tmp_path / "server.log", 30.0)
+    assert started and started[0].poll() is not None  # killed, not left loading
+    marker = tmp_path / "stopped"
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(Path(serve_bench.__file__).parent)!r})
+        import serve_bench
+        serve_bench.exit_on_sigterm()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        finally:
+            open({str(marker)!r}, "w").write("stopped")
+    """)
+    done = real([sys.executable, "-c", script])
+    assert done.wait(60) == 128 + signal.SIGTERM and marker.read_text() == "stopped"
