@@ -235,7 +235,7 @@ def level(clients: int, switch_ms: float, mode: str, args: argparse.Namespace, t
             time.sleep(0.1)
         else:
             raise RuntimeError("the server did not come up")
-        reqs = workload(clients * args.per_client, MAX_INPUT, MAX_SEQ, False, 1000)
+        reqs = workload(clients * args.per_client, MAX_INPUT, MAX_SEQ, False, 1000, kind=args.workload)
         cl = Clients(port, "sleep", reqs)
         begun = time.perf_counter()
         wall = cl.run(clients)
@@ -310,8 +310,10 @@ def main() -> None:
     ap.add_argument("--releases", type=int, default=4,
                     help="times an engine call releases the GIL (its torch ops), the last for the device time")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="serve's --prefill-chunk")
-    ap.add_argument("--prefill-order", default="arrival", choices=["arrival", "shortest"],
+    ap.add_argument("--prefill-order", default="shortest", choices=["arrival", "shortest"],
                     help="serve's --prefill-order")
+    ap.add_argument("--workload", default="random", choices=["random", "shared-prefix"],
+                    help="serve_bench's workloads: random prompts of 256-1024 tokens, or a shared 1,000-token prefix")
     ap.add_argument("--rows", type=int, default=0,
                     help="serve the row cache with this many rows (the gate's serve row: 8) instead of the paged one")
     ap.add_argument("--out", default="server-host-bench-out")
@@ -331,6 +333,7 @@ def main() -> None:
                               "engine": {"decode_ms": args.decode_ms, "row_us": args.row_us,
                                          "chunk_ms_per_512": args.chunk_ms, "releases": args.releases},
                               "prefill_chunk": args.prefill_chunk, "prefill_order": args.prefill_order,
+                              "workload": args.workload,
                               "cache_rows": args.rows, "rows": []}
     import tempfile
 
