@@ -10,7 +10,8 @@ row of each matmul and attends one position of the scratch block), the chunks to
 paged_graphs.chunk_buckets, as the chunk graphs pad them. A padded token costs a token's matmul FLOPs, which
 in a large model outweigh the launches saved: a call takes a graph only where the FLOPs its bucket adds to the
 direct call (whose chunk rows are padded to the longest) take at most `SAVED_S` at `MATMUL_FLOPS_PER_S`; a 1B
-model may add ~600 tokens, an 8B ~80. Padding rows and tokens write only the pool's scratch block, as in paged_graphs.
+model may add ~600 tokens, an 8B ~85. Padding rows and tokens write only the pool's scratch block, as in
+paged_graphs.
 
 Only the greedy tokens are kept from a replay: a launched step (PagedSlots.launch_paged) wants nothing else,
 and keeping each graph's logits (rows x vocabulary) would hold memory the KV pool could use. A step whose rows
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from trtbuild.backends.torch.paged_graphs import even, buckets, capture, chunk_buckets, fill_chunk_rows, \
+from trtbuild.backends.torch.paged_graphs import buckets, capture, chunk_buckets, even, fill_chunk_rows, \
     fill_decode_rows
 
 LEAST_ROWS = 16  # the smallest decode bucket: fewer rows are padded to it (a step with chunks is not bound by them)

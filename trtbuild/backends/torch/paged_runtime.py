@@ -110,8 +110,8 @@ class PagedCache:
 
         from trtbuild.backends.torch.export import PAGED_ROWS
         from trtbuild.backends.torch.mixed_graphs import PagedMixedGraphs
-        from trtbuild.models.families import token_matmul_flops
         from trtbuild.backends.torch.paged_graphs import PagedChunkGraphs, PagedDecodeGraphs
+        from trtbuild.models.families import token_matmul_flops
         from trtbuild.models.llama import paged_kernel
         from trtbuild.models.paged import BLOCK, pool_shape
 
