@@ -265,3 +265,8 @@ def test_a_mixed_bucket_gives_the_direct_mixed_calls_tokens_and_writes_only_its_
     for got, exp in zip(padded.pools, direct.pools):
         torch.testing.assert_close(got[:20], exp[:20], atol=1e-6, rtol=1e-5)
     assert padded.run(rows, tokens, positions, [[2, 6]], [list(range(300))], [16]) is None  # past every bucket
+    # a table longer than its row's position is cut at it; one that does not reach it is refused
+    longer = [t + [15, 16] for t in rows]
+    assert padded.run(longer, tokens, positions, ctables, chunks, starts).tolist() == want.tolist()
+    with pytest.raises(InputError, match="does not reach its position 40"):
+        padded.run([[3, 9]] + rows[1:], tokens, positions, ctables, chunks, starts)

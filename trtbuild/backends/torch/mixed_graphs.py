@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from trtbuild.backends.torch.paged_graphs import buckets, capture, chunk_buckets, even, fill_chunk_rows, \
-    fill_decode_rows
+    fill_decode_rows, through_positions
 
 LEAST_ROWS = 16  # the smallest decode bucket: fewer rows are padded to it (a step with chunks is not bound by them)
 LEAST_TOKENS = 32  # the shortest chunk bucket: a shorter chunk is padded to it
@@ -110,7 +110,7 @@ class PagedMixedGraphs:
 
     def run(self, blocks: list[list[int]], tokens: list[int], positions: list[int], cblocks: list[list[int]],
             ctokens: list[list[int]], starts: list[int], feed: Callable[[Any], None] | None = None) -> Any | None:
-        """A decode step of rows (each row's table through its position, token, position) and prompt chunks (as
+        """A decode step of rows (each row's table, token and position) and prompt chunks (as
         PagedCache.prefill_many) through their bucket: the greedy tokens (Bd + Bc, 1), the decode rows' first,
         or None where no bucket takes the call. `feed` as PagedDecodeGraphs.run."""
         import torch
@@ -119,6 +119,7 @@ class PagedMixedGraphs:
         size = self.bucket(n, m, max(map(len, ctokens)))
         if size is None:
             return None
+        blocks = through_positions(blocks, positions, self.block)
         inputs = self._buffers(size)
         if self.capturable and size not in self.graphs:
             self._capture(size)

@@ -64,6 +64,17 @@ def capture(package: Any, inputs: tuple[Any, ...], pool: Any, device: str) -> tu
     return graph, outputs, graph.pool()
 
 
+def through_positions(blocks: list[list[int]], positions: list[int], block: int) -> list[list[int]]:
+    """Each decode row's table through the block that holds its position (a captured bucket's rows: the rest of
+    the table is the scratch block); InputError where a table does not reach its row's position."""
+    rows = [b[:(p + block) // block] for b, p in zip(blocks, positions)]
+    short = next((i for i, (r, p) in enumerate(zip(rows, positions)) if len(r) * block <= p), None)
+    if short is not None:
+        raise InputError(f"row {short}'s block table of {len(blocks[short])} blocks does not reach its "
+                         f"position {positions[short]}")
+    return rows
+
+
 def left_padded(chunk: list[int], start: int, length: int, block: int,
                 max_seq_len: int) -> tuple[list[int], list[int], int] | None:
     """A prompt chunk at positions start.. as one row of a call whose rows hold `length` tokens: (tokens,

@@ -226,13 +226,9 @@ class PagedCache:
         import torch
 
         if self.graphs is not None:  # the entries are checked as the bucket's buffer is filled
-            bs = self.block_size
-            rows = [b[:(p + bs) // bs] for b, p in zip(blocks, positions)]  # the blocks through position p
-            short = next((i for i, (r, p) in enumerate(zip(rows, positions)) if len(r) * bs <= p), None)
-            if short is not None:
-                raise InputError(f"row {short}'s block table of {len(blocks[short])} blocks does not reach its "
-                                 f"position {positions[short]}")
-            return self.graphs.run(rows, tokens, positions, feed)
+            from trtbuild.backends.torch.paged_graphs import through_positions
+
+            return self.graphs.run(through_positions(blocks, positions, self.block_size), tokens, positions, feed)
         inputs = self.upload(*self._decode_rows(blocks, tokens, positions))
         if feed is not None:
             feed(inputs[0][:, 0])
