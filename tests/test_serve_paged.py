@@ -102,3 +102,26 @@ def test_a_shared_prefix_is_served_from_the_cache_with_the_same_tokens(server: d
         assert _stream(server["client"], system + q, 6) == _alone(server["folder"], system + q, 6)
     gained = _metric(port, 'trtbuild_prefix_cache_blocks_total{result="hit"}') - hits
     assert gained == (2 if server["mode"].startswith("paged-chunked-prefix") else 0)
+
+
+def test_the_startup_block_says_whether_launched_steps_replay_captured_mixed_graphs() -> None:
+    """Where the engine captured graphs of the mixed step (CUDA) and serve uses them, the KV line says so; with
+    --no-captured-mixed, or none captured (the CPU), it says one call a step."""
+    from types import SimpleNamespace
+
+    from trtbuild.serving.server import startup_lines
+
+    outcome = SimpleNamespace(cache_hit=True, fleet={}, key="k", entry=SimpleNamespace(path="/e"))
+    graphs = SimpleNamespace(graphs={(16, 1, 32): object()})
+    engine = SimpleNamespace(max_seq_len=64, max_input_len=32, max_batch_size=1, kv_capacity_tokens=640,
+                             kv_layout="paged: 40 blocks of 16 tokens", paged=SimpleNamespace(mixed_graphs=graphs),
+                             captured_mixed=True, chunk_buckets=[])
+
+    def kv_line() -> str:
+        return startup_lines(SimpleNamespace(outcome=outcome), engine, [1], "http://h/v1", mixed=True, overlap=True)[2]
+
+    assert "in one call a step, captured where a mixed graph holds it;" in kv_line()
+    engine.captured_mixed = False
+    assert "in one call a step;" in kv_line()
+    engine.captured_mixed, graphs.graphs = True, {}
+    assert "in one call a step;" in kv_line()
