@@ -584,13 +584,13 @@ def paged_serving_rows(g: Gate, path: str, tag: str, levels: str, at: str, work:
                            f"(its mean {steps[widest]['mean_ms']:.2f} ms at {steps[widest]['mean_rows']:.1f} rows)"))
             # the same p99 against a step that also prefills its share of the workload's prompts (docs/serve.md:
             # at this throughput each step must): the workload's floor a token times the step's rows
-            rows_ = steps[widest]["mean_rows"]
-            if f.get("floor_s") and f.get("output_tokens") and rows_:
-                share = f["floor_s"] / f["output_tokens"] * rows_ * 1e3
+            mean_rows = steps[widest]["mean_rows"]
+            if f.get("floor_s") and f.get("output_tokens") and mean_rows:
+                share = f["floor_s"] / f["output_tokens"] * mean_rows * 1e3
                 g.add(row(f"{tag} {at} clients: TPOT p99 over the workload's step floor", f["tpot_ms"]["p99"] / share,
                           "x step floor", g.part,
                           note=f"the workload's floor a token (its prompts' FLOPs and its decode bytes) x "
-                               f"{rows_:.1f} rows: {share:.2f} ms a step"))
+                               f"{mean_rows:.1f} rows: {share:.2f} ms a step"))
     on, off = level("prefix", at), level("no-prefix", at)
     for what, unit_key, target in (("TTFT p50", "ttft", 3.0), ("output tok/s", "tput", 2.0)):
         name = f"{tag} shared prefix {at} clients: {what} gain from the prefix cache"

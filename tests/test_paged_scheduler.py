@@ -511,15 +511,6 @@ def test_the_shortest_prefill_order_takes_the_fewest_tokens_left_first_but_not_p
     assert plan("shortest", 900, 100, 60, old=0) == [512]  # the 900-token prompt has waited too long
     with pytest.raises(ValueError, match="prefill_order"):
         Scheduler(PagedStandIn(64, 4), pool=BlockPool(64, 4), prefill_order="longest")
-    jobs = [([9] * 40, 3), ([1, 2], 3), ([5] * 17, 2), ([3], 4)]
-    engine = PagedStandIn(64, 4)
-    s = Scheduler(engine, max_queue=10, buckets=[1, 2, 4, 8], pool=BlockPool(64, 4), chunk_tokens=8,
-                  prefill_order="shortest")
-    pairs = [req(p, n) for p, n in jobs]
-    for r, _ in pairs:
-        s.submit(r)
-    run_until_idle(s)
-    for (p, n), (_, sink) in zip(jobs, pairs):
-        assert sink.tokens == alone(p, n)
+    engine = _all_at_once([([9] * 40, 3), ([1, 2], 3), ([5] * 17, 2), ([3], 4)], 8, order="shortest")
     firsts = [c[2] for c in engine.log if c[0] == "prefill"][:2]
     assert firsts == [1, 2]  # the 1- and 2-token prompts first (padded to 2: 4 of the 8 tokens)

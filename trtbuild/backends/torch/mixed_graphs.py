@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from trtbuild.backends.torch.paged_graphs import buckets, capture, chunk_buckets, even, fill_chunk_rows, \
-    fill_decode_rows, through_positions
+    fill_decode_rows, refill, through_positions
 
 LEAST_ROWS = 16  # the smallest decode bucket: fewer rows are padded to it (a step with chunks is not bound by them)
 LEAST_TOKENS = 32  # the shortest chunk bucket: a shorter chunk is padded to it
@@ -123,15 +123,8 @@ class PagedMixedGraphs:
         inputs = self._buffers(size)
         if self.capturable and size not in self.graphs:
             self._capture(size)
-        if size in self.copied:  # the bucket's last copy may still be queued behind a step not yet read back
-            self.copied[size].synchronize()
-        host = self.host_rows(size, blocks, tokens, positions, cblocks, ctokens, starts)
-        if host is None:
+        if not refill(self, size, lambda: self.host_rows(size, blocks, tokens, positions, cblocks, ctokens, starts)):
             return None
-        self.io[size].copy_(host, non_blocking=self.capturable)
-        if self.capturable:
-            self.copied[size] = torch.cuda.Event()
-            self.copied[size].record()
         if feed is not None:
             feed(inputs[0][:n, 0])
         if size in self.graphs:

@@ -75,6 +75,26 @@ def through_positions(blocks: list[list[int]], positions: list[int], block: int)
     return rows
 
 
+def refill(graphs: Any, size: Any, fill: Callable[[], Any | None]) -> bool:
+    """Refill a bucket's device inputs from its pinned host buffer, which `fill` writes and returns (None: the
+    call cannot go in this bucket; nothing is copied, False). The bucket's last copy may still be queued behind
+    a step not yet read back (or a chunk call not waited for), so the host buffer is written only once that copy
+    has run; this copy is asynchronous on CUDA, an event marking its end. `graphs`: the bucket's owner, with
+    `io`, `copied` and `capturable` (PagedDecodeGraphs, PagedChunkGraphs, mixed_graphs.PagedMixedGraphs)."""
+    import torch
+
+    if size in graphs.copied:
+        graphs.copied[size].synchronize()
+    host = fill()
+    if host is None:
+        return False
+    graphs.io[size].copy_(host, non_blocking=graphs.capturable)
+    if graphs.capturable:
+        graphs.copied[size] = torch.cuda.Event()
+        graphs.copied[size].record()
+    return True
+
+
 def left_padded(chunk: list[int], start: int, length: int, block: int,
                 max_seq_len: int) -> tuple[list[int], list[int], int] | None:
     """A prompt chunk at positions start.. as one row of a call whose rows hold `length` tokens: (tokens,
@@ -189,12 +209,7 @@ class PagedDecodeGraphs:
         tok, pos, tables = self._buffers(size)
         if self.capturable and size not in self.graphs:
             self._capture(size)
-        if size in self.copied:  # the bucket's last copy may still be queued behind a step not yet read back
-            self.copied[size].synchronize()
-        self.io[size].copy_(self.host_rows(size, blocks, tokens, positions), non_blocking=self.capturable)
-        if self.capturable:
-            self.copied[size] = torch.cuda.Event()
-            self.copied[size].record()
+        refill(self, size, lambda: self.host_rows(size, blocks, tokens, positions))
         n = len(tokens)
         if feed is not None:
             feed(tok[:n, 0])
@@ -305,17 +320,8 @@ class PagedChunkGraphs:
         tok, pos, tables = self._buffers(size)
         if self.capturable and size not in self.graphs:
             self._capture(size)
-        # a chunk call whose tokens are not wanted is not waited for: the host buffer's copy of the bucket's last
-        # call may still be queued, so the refill below waits for that copy (not for the call)
-        if size in self.copied:
-            self.copied[size].synchronize()
-        host = self.host_rows(size, blocks, tokens, starts)
-        if host is None:
+        if not refill(self, size, lambda: self.host_rows(size, blocks, tokens, starts)):
             return None
-        self.io[size].copy_(host, non_blocking=self.capturable)
-        if self.capturable:
-            self.copied[size] = torch.cuda.Event()
-            self.copied[size].record()
         n = len(tokens)
         if size in self.graphs:
             self.graphs[size].replay()
